@@ -1,0 +1,27 @@
+# Two entry points do all the set-up on a fresh machine: `make test` and `make bench`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: install test bench examples clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml constraints-dev.txt
+	$(PIP) install -q -c constraints-dev.txt torch==2.13.0
+	$(PIP) install -q -c constraints-dev.txt -e '.[test,bench]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q --timeout=300 $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench.py $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,63 @@
+"""shmreduce: fast, safe sharing of PyTorch tensors between processes.
+
+Importing shmreduce changes nothing (and does not import torch: the broker process
+imports this package too); ``register()`` installs the reducers, ``unregister()``
+removes them. The public names below load their modules on first access.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "register": "shmreduce.registry",
+    "unregister": "shmreduce.registry",
+    "is_registered": "shmreduce.registry",
+    "registered": "shmreduce.registry",
+    "register_reducer": "shmreduce.registry",
+    "unregister_reducer": "shmreduce.registry",
+    "list_reducers": "shmreduce.registry",
+    "dispatch_table": "shmreduce.registry",
+    "dumps": "shmreduce.registry",
+    "loads": "shmreduce.registry",
+    "set_sharing_strategy": "shmreduce.strategy",
+    "get_sharing_strategy": "shmreduce.strategy",
+    "get_all_sharing_strategies": "shmreduce.strategy",
+    "stats": "shmreduce.stats",
+    "SharingError": "shmreduce.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from shmreduce.errors import SharingError
+    from shmreduce.registry import (
+        dispatch_table,
+        dumps,
+        is_registered,
+        list_reducers,
+        loads,
+        register,
+        register_reducer,
+        registered,
+        unregister,
+        unregister_reducer,
+    )
+    from shmreduce.stats import stats
+    from shmreduce.strategy import get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shmreduce' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

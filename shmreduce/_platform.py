@@ -1,0 +1,56 @@
+"""Linux-specific capabilities, computed once at import.
+
+Owns the small amount of platform code shmreduce needs: memfd, SO_PEERCRED,
+the descriptor limit. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import struct
+import sys
+
+IS_LINUX = sys.platform.startswith("linux")
+HAVE_MEMFD = hasattr(os, "memfd_create")
+HAVE_SEQPACKET = hasattr(socket, "SOCK_SEQPACKET") and IS_LINUX
+HAVE_PEERCRED = hasattr(socket, "SO_PEERCRED")
+
+# Linux caps the descriptors carried by one SCM_RIGHTS message at SCM_MAX_FD (253).
+MAX_FDS_PER_RECORD = 250
+
+_UCRED = struct.Struct("3i")
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of an AF_UNIX socket."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    _pid, uid, _gid = _UCRED.unpack(creds)
+    return uid
+
+
+def peer_pid(sock: socket.socket) -> int:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    return _UCRED.unpack(creds)[0]
+
+
+def raise_nofile_limit() -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE to the hard limit; return (old_soft, new_soft).
+
+    Servers commonly do this (systemd's default hard limit is 512k); the soft limit of
+    1024 is what makes torch's fd strategy fail with 'Too many open files' (#973).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft >= hard:
+        return soft, soft
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        return soft, soft
+    return soft, target
+
+
+def open_fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))

@@ -1,0 +1,57 @@
+"""The private torch storage API shmreduce relies on, wrapped in one place.
+
+These are stable across torch 2.x; ``tests/test_torch_api.py`` fails loudly if a
+release changes any of them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+UntypedStorage = torch.UntypedStorage
+
+new_shared_fd = UntypedStorage._new_shared_fd_cpu  # (fd, nbytes) -> storage; dups fd
+map_file = UntypedStorage.from_file  # (path, shared=True, nbytes=n) -> storage; keeps no fd
+_new_with_weak_ptr = UntypedStorage._new_with_weak_ptr
+_expired = UntypedStorage._expired
+
+
+def swap_in(storage: torch.UntypedStorage, shared: torch.UntypedStorage) -> None:
+    """Copy *storage*'s bytes into *shared*, then swap their memory in place.
+
+    Every tensor viewing *storage* now reads and writes the shared memory; *shared*
+    is left holding the old private memory, freed when it is dropped.
+    """
+    shared.copy_(storage)
+    storage._swap_data_ptr_(shared)
+
+
+def storage_fd(storage: torch.UntypedStorage) -> int:
+    """The descriptor of an fd-backed shared storage, or -1 (owned by the storage)."""
+    return storage._share_fd_cpu_()[0]
+
+
+class WeakStorage:
+    """A weak reference to a storage's StorageImpl (not to a Python wrapper).
+
+    Tensors keep the StorageImpl alive, not the Python ``UntypedStorage`` object, so
+    Python's weakref would report storages dead while still in use.
+    """
+
+    __slots__ = ("cdata", "_free")
+
+    def __init__(self, storage: torch.UntypedStorage) -> None:
+        self.cdata = storage._weak_ref()
+        # Bound now: the torch module may be torn down before us at shutdown.
+        self._free = UntypedStorage._free_weak_ref
+
+    def expired(self) -> bool:
+        return bool(_expired(self.cdata))
+
+    def get(self) -> torch.UntypedStorage | None:
+        if _expired(self.cdata):
+            return None
+        return _new_with_weak_ptr(self.cdata)
+
+    def __del__(self) -> None:
+        self._free(self.cdata)

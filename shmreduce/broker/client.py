@@ -1,0 +1,256 @@
+"""The persistent connection from this process to a program's broker.
+
+One ``BrokerClient`` per (process, program directory), created on first use and
+reset in forked children (a child opens its own connection; it never writes on the
+parent's). The broker is started lazily by the first client that finds none. Every
+socket operation has a timeout: a dead or stuck broker is a ``SharingError`` within
+seconds, never a hang. Wire format: ``protocol.py``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import threading
+from typing import Callable, Iterable
+
+from shmreduce.broker import protocol as P
+from shmreduce.errors import SharingError, broker_gone, stale_message, too_many_files
+
+IO_TIMEOUT = float(os.environ.get("SHMREDUCE_IO_TIMEOUT", "10"))
+START_TIMEOUT = 30.0
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Called with (client) after every (re)connection; the storage cache uses it to hold
+# again the segment names this process still maps.
+on_connect: list[Callable[["BrokerClient"], None]] = []
+
+
+def _authkey() -> bytes:
+    return bytes(multiprocessing.current_process().authkey)
+
+
+def start_broker(directory: str, root_pid: int) -> None:
+    """Run the launcher; it returns once a broker listens on *directory*."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "shmreduce.broker.server", directory, str(root_pid)],
+            input=_authkey(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=env,
+            timeout=START_TIMEOUT,
+            close_fds=True,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise SharingError(f"could not start the shmreduce broker: {exc}") from exc
+    if proc.returncode != 0:
+        detail = proc.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        raise SharingError(f"could not start the shmreduce broker in {directory}: {detail[0]}")
+
+
+class BrokerClient:
+    """A lock-guarded persistent connection; reconnects (and restarts) on demand."""
+
+    def __init__(self, directory: str, root_pid: int) -> None:
+        self.directory = directory
+        self.root_pid = root_pid
+        self.lock = threading.RLock()
+        self.sock: socket.socket | None = None
+        self.broker_pid = 0
+        self.round_trips = 0
+
+    # -- connection ------------------------------------------------------------
+
+    def _open(self) -> socket.socket:
+        path = os.path.join(self.directory, P.SOCKET_NAME)
+        if len(path.encode()) >= 108:
+            raise SharingError(f"socket path too long for AF_UNIX: {path}; set SHMREDUCE_SHM_DIR to a shorter directory")
+        last: Exception | None = None
+        for attempt in range(3):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            sock.settimeout(IO_TIMEOUT)
+            try:
+                sock.connect(path)
+                self.broker_pid = P.client_handshake(sock, _authkey())
+                return sock
+            except (FileNotFoundError, ConnectionRefusedError, P.ProtocolError, ConnectionResetError) as exc:
+                sock.close()
+                last = exc
+                if isinstance(exc, P.ProtocolError) and attempt:
+                    break
+                start_broker(self.directory, self.root_pid)
+            except OSError as exc:
+                sock.close()
+                raise broker_gone(str(exc)) from exc
+        if isinstance(last, P.ProtocolError):
+            raise SharingError(
+                f"the shmreduce broker in {self.directory} refused this process ({last}); "
+                "only processes of the same program (same multiprocessing authkey) and user may connect"
+            )
+        raise broker_gone(str(last))
+
+    def _socket(self) -> socket.socket:
+        if self.sock is None:
+            self.sock = self._open()
+            for hook in on_connect:
+                hook(self)
+        return self.sock
+
+    def connect(self) -> None:
+        """Connect now (starting the broker if none runs), e.g. before using its directory."""
+        with self.lock:
+            self._socket()
+
+    def close(self) -> None:
+        with self.lock:
+            if self.sock is not None:
+                self.sock.close()
+                self.sock = None
+
+    def _broken(self, exc: BaseException) -> SharingError:
+        self.close()
+        return broker_gone(f"{type(exc).__name__}: {exc}")
+
+    # -- fire-and-forget -------------------------------------------------------
+
+    def _send(self, op: bytes, key: bytes, body: bytes, fds: list[int] | tuple = ()) -> None:
+        with self.lock:
+            for attempt in (0, 1):
+                sock = self._socket()
+                try:
+                    P.send_record(sock, op, key, body, fds)
+                    return
+                except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError) as exc:
+                    # The broker died since our last message: a fresh one serves the retry.
+                    self.close()
+                    if attempt:
+                        raise broker_gone(str(exc)) from exc
+                except OSError as exc:
+                    raise self._broken(exc) from exc
+
+    def deposit(self, key: bytes, fds: list[int], holds: list[str], inflight: list[str]) -> None:
+        """Leave *fds* and the in-flight *names* under *key* for one receiver."""
+        for start in range(0, max(len(fds), 1), P.MAX_FDS):
+            chunk = fds[start : start + P.MAX_FDS]
+            body = P.encode_deposit(holds, inflight) if start == 0 else b"|"
+            self._send(P.DEPOSIT, key, body, chunk)
+
+    def hold(self, names: Iterable[str]) -> None:
+        self._send_names(P.HOLD, list(names))
+
+    def release(self, names: Iterable[str]) -> None:
+        self._send_names(P.RELEASE, list(names))
+
+    def _send_names(self, op: bytes, names: list[str]) -> None:
+        for start in range(0, len(names), P.NAMES_PER_RECORD):
+            self._send(op, P.NO_KEY, P.encode_names(names[start : start + P.NAMES_PER_RECORD]))
+
+    # -- round trips -----------------------------------------------------------
+
+    def fetch(self, key: bytes) -> list[int] | None:
+        """The descriptors deposited under *key*, or None if the broker has no such message.
+
+        The caller owns the returned descriptors. All or nothing: on failure every
+        descriptor received so far is closed.
+        """
+        with self.lock:
+            sock = self._socket()
+            fds: list[int] = []
+            try:
+                P.send_record(sock, P.FETCH, key)
+                self.round_trips += 1
+                sock.settimeout(IO_TIMEOUT + P.FETCH_WAIT)
+                while True:
+                    record = P.recv_record(sock)
+                    if record is None:
+                        raise ConnectionResetError("broker closed the connection")
+                    op, rkey, body, got = record
+                    fds.extend(got)
+                    if op != P.FETCHED or rkey != key:
+                        raise P.ProtocolError(f"unexpected reply {op!r}")
+                    status, total = P.decode_fetched(body)
+                    if status == P.STATUS_UNKNOWN:
+                        return None
+                    if len(fds) >= total:
+                        return fds
+            except OSError as exc:
+                for fd in fds:
+                    os.close(fd)
+                if exc.errno == errno.EMFILE:
+                    # The reply is lost with the descriptors the kernel dropped;
+                    # resynchronise by reconnecting.
+                    self.close()
+                    raise too_many_files("receiving a message") from exc
+                raise self._broken(exc) from exc
+            except P.ProtocolError as exc:
+                for fd in fds:
+                    os.close(fd)
+                raise self._broken(exc) from exc
+            finally:
+                if self.sock is not None:
+                    self.sock.settimeout(IO_TIMEOUT)
+
+    def ping(self) -> dict:
+        """The broker's counters; also a barrier for this connection's earlier sends."""
+        with self.lock:
+            sock = self._socket()
+            try:
+                P.send_record(sock, P.PING, P.NO_KEY)
+                record = P.recv_record(sock)
+            except (OSError, P.ProtocolError) as exc:
+                raise self._broken(exc) from exc
+            if record is None or record[0] != P.PONG:
+                raise self._broken(ConnectionResetError("no pong"))
+            return json.loads(record[2])
+
+
+# -- one client per program directory, per process ---------------------------------
+
+_clients: dict[str, BrokerClient] = {}
+_clients_lock = threading.Lock()
+
+
+def client_for(directory: str, root_pid: int) -> BrokerClient:
+    client = _clients.get(directory)
+    if client is None:
+        with _clients_lock:
+            client = _clients.get(directory)
+            if client is None:
+                client = _clients[directory] = BrokerClient(directory, root_pid)
+    return client
+
+
+def existing_clients() -> list[BrokerClient]:
+    return list(_clients.values())
+
+
+def close_all() -> None:
+    for client in list(_clients.values()):
+        client.close()
+    _clients.clear()
+
+
+def _after_fork_in_child() -> None:
+    # The inherited sockets are the parent's connections: never write on them.
+    global _clients_lock
+    for client in _clients.values():
+        if client.sock is not None:
+            try:
+                os.close(client.sock.detach())
+            except OSError:
+                pass
+    _clients.clear()
+    _clients_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+__all__ = ["BrokerClient", "client_for", "close_all", "existing_clients", "on_connect", "start_broker", "stale_message"]

@@ -1,0 +1,216 @@
+"""The wire protocol between shmreduce clients and their program's broker.
+
+stdlib only: the broker imports this module and must never import torch.
+
+Where
+    One directory per program, ``<base>/shmreduce-<token>/`` (mode 0700), where
+    ``<base>`` is ``$SHMREDUCE_SHM_DIR`` or ``/dev/shm``. It holds the broker's
+    socket ``broker.sock``, its lock ``broker.lock`` (flock'ed for the broker's whole
+    life: a directory whose lock can be taken belongs to a dead program) and the
+    ``file_system`` strategy's segment files ``seg-<24 hex>`` (mode 0600).
+
+Transport
+    AF_UNIX, SOCK_SEQPACKET: every ``sendmsg`` is one record, delivered whole and in
+    order, with its descriptors (SCM_RIGHTS) attached to it. One persistent
+    connection per client process (a forked child opens its own).
+
+Handshake (once per connection; the broker also checks SO_PEERCRED uid == its own)
+    broker -> client   MAGIC + nonce_b (32 bytes)
+    client -> broker   HMAC-SHA256(authkey, nonce_b) + nonce_c (32 bytes)
+    broker -> client   HMAC-SHA256(authkey, nonce_c) + broker pid (u32)
+    The authkey is the program's ``multiprocessing`` authkey; either side closes the
+    connection on a wrong digest.
+
+Records after the handshake: ``op (1 byte) + key (16 bytes) + body``
+    D  deposit   key = message key. body = holds "|" inflight, each a "\\n"-joined
+                 list of segment file names. Descriptors attached are appended to
+                 the message's fd list (a message with more than 250 fds is sent as
+                 several D records with the same key). Names in *inflight* get one
+                 reference owned by the message; names in *holds* get one reference
+                 owned by this connection. No reply.
+    F  fetch     key = message key. The broker removes the message and replies with
+                 one or more ``f`` records: body = status (u8) + total fds (u32);
+                 the message's descriptors ride on them, at most 250 a record. The
+                 message's in-flight names become held by the fetching connection.
+                 status 0 = ok, 1 = unknown key. A fetch for a key not yet deposited
+                 waits up to FETCH_WAIT seconds for it (the depositor's D record may
+                 still be unread on its own connection).
+    H  hold      body = names; this connection holds each name once. No reply.
+    R  release   body = names this connection no longer holds. No reply.
+    P  ping      reply ``p`` with body = JSON of the broker's counters.
+
+Lifetimes
+    A segment file is unlinked when no connection holds it and no undelivered
+    message names it. A connection that closes (its process exited or was killed)
+    drops its holds; its undelivered messages stay, so a receiver can read what an
+    exited sender put. The broker exits once it has had no client for GRACE seconds
+    and either holds no undelivered message or the program's root process is gone;
+    on exit it closes every descriptor and removes the program directory.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import hmac
+import os
+import socket
+import struct
+
+SOCKET_NAME = "broker.sock"
+LOCK_NAME = "broker.lock"
+DIR_PREFIX = "shmreduce-"
+SEG_PREFIX = "seg-"
+SEG_NAME_LEN = len(SEG_PREFIX) + 24
+
+MAGIC = b"SHMREDUCE1"
+NONCE_LEN = 32
+KEY_LEN = 16
+HEADER_LEN = 1 + KEY_LEN
+MAX_RECORD = 1 << 17
+MAX_FDS = 250
+NAMES_PER_RECORD = 2000
+FETCH_WAIT = 2.0
+HANDSHAKE_TIMEOUT = 5.0
+
+DEPOSIT = b"D"
+FETCH = b"F"
+FETCHED = b"f"
+HOLD = b"H"
+RELEASE = b"R"
+PING = b"P"
+PONG = b"p"
+
+STATUS_OK = 0
+STATUS_UNKNOWN = 1
+_FETCH_HEAD = struct.Struct("!BI")
+_PID = struct.Struct("!I")
+NO_KEY = bytes(KEY_LEN)
+
+
+class ProtocolError(Exception):
+    """The peer broke the protocol or failed authentication."""
+
+
+def is_segment_name(name: str) -> bool:
+    return (
+        len(name) == SEG_NAME_LEN
+        and name.startswith(SEG_PREFIX)
+        and all(c in "0123456789abcdef" for c in name[len(SEG_PREFIX):])
+    )
+
+
+def encode_names(names) -> bytes:
+    return "\n".join(names).encode("ascii")
+
+
+def decode_names(blob: bytes) -> list[str]:
+    if not blob:
+        return []
+    names = blob.decode("ascii").split("\n")
+    for name in names:
+        if not is_segment_name(name):
+            raise ProtocolError(f"bad segment name {name!r}")
+    return names
+
+
+def encode_deposit(holds, inflight) -> bytes:
+    return encode_names(holds) + b"|" + encode_names(inflight)
+
+
+def decode_deposit(body: bytes) -> tuple[list[str], list[str]]:
+    holds, sep, inflight = body.partition(b"|")
+    if not sep:
+        raise ProtocolError("deposit body without separator")
+    return decode_names(holds), decode_names(inflight)
+
+
+def encode_fetched(status: int, total: int) -> bytes:
+    return _FETCH_HEAD.pack(status, total)
+
+
+def decode_fetched(body: bytes) -> tuple[int, int]:
+    return _FETCH_HEAD.unpack(body[: _FETCH_HEAD.size])
+
+
+# -- records -----------------------------------------------------------------------
+
+_ANC_SPACE = socket.CMSG_SPACE(MAX_FDS * 4)
+
+
+def send_record(sock: socket.socket, op: bytes, key: bytes, body: bytes = b"", fds=()) -> None:
+    data = op + key + body
+    if fds:
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+        sock.sendmsg([data], anc)
+    else:
+        sock.sendall(data)
+
+
+def recv_record(sock: socket.socket) -> tuple[bytes, bytes, bytes, list[int]] | None:
+    """One record as (op, key, body, fds), or None at end of stream.
+
+    Every descriptor received is returned (or closed before raising): the caller owns
+    them. Raises OSError(EMFILE) if the kernel had to drop descriptors because this
+    process is at its descriptor limit.
+    """
+    data, anc, flags, _addr = sock.recvmsg(MAX_RECORD, _ANC_SPACE)
+    fds: list[int] = []
+    for level, kind, payload in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(payload[: len(payload) - (len(payload) % arr.itemsize)])
+            fds.extend(arr)
+    if flags & socket.MSG_CTRUNC:
+        for fd in fds:
+            os.close(fd)
+        import errno
+
+        raise OSError(errno.EMFILE, "descriptors dropped by the kernel (MSG_CTRUNC)")
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        return None
+    if flags & socket.MSG_TRUNC or len(data) < HEADER_LEN:
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError("truncated record")
+    return data[:1], data[1:HEADER_LEN], data[HEADER_LEN:], fds
+
+
+# -- handshake ---------------------------------------------------------------------
+
+
+def _digest(authkey: bytes, nonce: bytes) -> bytes:
+    return hmac.new(authkey, nonce, hashlib.sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    data = sock.recv(size)
+    if len(data) != size:
+        raise ProtocolError("handshake cut short")
+    return data
+
+
+def serve_handshake(sock: socket.socket, authkey: bytes) -> None:
+    nonce_b = os.urandom(NONCE_LEN)
+    sock.sendall(MAGIC + nonce_b)
+    answer = _recv_exact(sock, 32 + NONCE_LEN)
+    if not hmac.compare_digest(answer[:32], _digest(authkey, nonce_b)):
+        raise ProtocolError("client failed authentication")
+    sock.sendall(_digest(authkey, answer[32:]) + _PID.pack(os.getpid()))
+
+
+def client_handshake(sock: socket.socket, authkey: bytes) -> int:
+    """Authenticate both ways; return the broker's pid."""
+    hello = _recv_exact(sock, len(MAGIC) + NONCE_LEN)
+    if not hello.startswith(MAGIC):
+        raise ProtocolError("not a shmreduce broker")
+    nonce_c = os.urandom(NONCE_LEN)
+    sock.sendall(_digest(authkey, hello[len(MAGIC):]) + nonce_c)
+    reply = sock.recv(32 + _PID.size)
+    if len(reply) != 32 + _PID.size:
+        raise ProtocolError("broker refused the authkey")
+    if not hmac.compare_digest(reply[:32], _digest(authkey, nonce_c)):
+        raise ProtocolError("broker failed authentication")
+    return _PID.unpack(reply[32:])[0]

@@ -1,0 +1,406 @@
+"""The broker process: holds descriptors and segment names between processes.
+
+stdlib only, never imports torch. Started by ``client.start_broker`` as
+``python -m shmreduce.broker.server DIR ROOT_PID`` with the authkey on stdin. The
+protocol and the lifetimes it guarantees are documented in ``protocol.py``.
+
+Process layout: the launcher creates the program directory, takes its lock, binds
+and listens, then double-forks and exits (so the caller is never left with a
+zombie and knows the socket is listening when it returns). The grandchild is the
+*janitor*: it forks the *server*, waits for it, and removes the program directory
+whatever way the server ended, SIGKILL included.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import selectors
+import shutil
+import signal
+import socket
+import sys
+import time
+
+from shmreduce.broker import protocol as P
+
+GRACE = float(os.environ.get("SHMREDUCE_BROKER_GRACE", "1.0"))
+
+
+class _Client:
+    __slots__ = ("sock", "holds")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.holds: set[str] = set()
+
+
+class _Message:
+    __slots__ = ("fds", "names")
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+        self.names: list[str] = []
+
+
+class Broker:
+    def __init__(self, directory: str, listener: socket.socket, authkey: bytes, root_pid: int) -> None:
+        self.dir = directory
+        self.listener = listener
+        self.authkey = authkey
+        self.uid = os.getuid()
+        self.clients: dict[int, _Client] = {}
+        self.messages: dict[bytes, _Message] = {}
+        self.refs: dict[str, int] = {}
+        self.parked: list[tuple[float, _Client, bytes]] = []
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(listener, selectors.EVENT_READ, None)
+        self.root_alive = True
+        self.root_fd = -1
+        try:
+            self.root_fd = os.pidfd_open(root_pid)
+            self.sel.register(self.root_fd, selectors.EVENT_READ, "root")
+        except (OSError, AttributeError):
+            self.root_alive = _pid_alive(root_pid)
+        self.idle_since: float | None = time.monotonic()
+        self.stopping = False
+
+    # -- bookkeeping -----------------------------------------------------------
+
+    def _incref(self, name: str) -> None:
+        self.refs[name] = self.refs.get(name, 0) + 1
+
+    def _decref(self, name: str) -> None:
+        count = self.refs.get(name, 0) - 1
+        if count > 0:
+            self.refs[name] = count
+            return
+        self.refs.pop(name, None)
+        try:
+            os.unlink(os.path.join(self.dir, name))
+        except FileNotFoundError:
+            pass
+
+    def _hold(self, client: _Client, names) -> None:
+        for name in names:
+            if name not in client.holds:
+                client.holds.add(name)
+                self._incref(name)
+
+    def _release(self, client: _Client, names) -> None:
+        for name in names:
+            if name in client.holds:
+                client.holds.discard(name)
+                self._decref(name)
+
+    def counters(self) -> dict:
+        return {
+            "pid": os.getpid(),
+            "clients": len(self.clients),
+            "messages": len(self.messages),
+            "message_fds": sum(len(m.fds) for m in self.messages.values()),
+            "segment_files": len(self.refs),
+            "root_alive": self.root_alive,
+        }
+
+    # -- connections -----------------------------------------------------------
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self.listener.accept()
+        except OSError:
+            return
+        try:
+            sock.settimeout(P.HANDSHAKE_TIMEOUT)
+            from shmreduce._platform import peer_uid
+
+            if peer_uid(sock) != self.uid:
+                raise P.ProtocolError("peer runs as another user")
+            P.serve_handshake(sock, self.authkey)
+        except (OSError, P.ProtocolError):
+            sock.close()
+            return
+        client = _Client(sock)
+        self.clients[sock.fileno()] = client
+        self.sel.register(sock, selectors.EVENT_READ, client)
+        self.idle_since = None
+
+    def _drop(self, client: _Client) -> None:
+        self.sel.unregister(client.sock)
+        del self.clients[client.sock.fileno()]
+        self._release(client, list(client.holds))
+        self.parked = [p for p in self.parked if p[1] is not client]
+        client.sock.close()
+        if not self.clients:
+            self.idle_since = time.monotonic()
+
+    def _serve(self, client: _Client) -> None:
+        try:
+            record = P.recv_record(client.sock)
+        except (OSError, P.ProtocolError):
+            record = None
+        if record is None:
+            self._drop(client)
+            return
+        op, key, body, fds = record
+        try:
+            if op == P.DEPOSIT:
+                holds, inflight = P.decode_deposit(body)
+                self._hold(client, holds)
+                msg = self.messages.get(key)
+                if msg is None:
+                    msg = self.messages[key] = _Message()
+                msg.fds.extend(fds)
+                fds = []
+                for name in inflight:
+                    self._incref(name)
+                msg.names.extend(inflight)
+                self._answer_parked(key)
+            elif op == P.FETCH:
+                if key in self.messages:
+                    self._reply_fetch(client, key)
+                else:
+                    self.parked.append((time.monotonic() + P.FETCH_WAIT, client, key))
+            elif op == P.HOLD:
+                self._hold(client, P.decode_names(body))
+            elif op == P.RELEASE:
+                self._release(client, P.decode_names(body))
+            elif op == P.PING:
+                P.send_record(client.sock, P.PONG, P.NO_KEY, json.dumps(self.counters()).encode())
+            else:
+                raise P.ProtocolError(f"unknown op {op!r}")
+        except (OSError, P.ProtocolError):
+            for fd in fds:
+                os.close(fd)
+            if client.sock.fileno() in self.clients:
+                self._drop(client)
+
+    def _reply_fetch(self, client: _Client, key: bytes) -> None:
+        msg = self.messages.pop(key)
+        try:
+            # The names become this client's before anything can fail, so that a
+            # client dying mid-reply releases them through _drop.
+            self._hold(client, msg.names)
+            for name in msg.names:
+                self._decref(name)
+            head = P.encode_fetched(P.STATUS_OK, len(msg.fds))
+            chunks = [msg.fds[i : i + P.MAX_FDS] for i in range(0, len(msg.fds), P.MAX_FDS)] or [[]]
+            for chunk in chunks:
+                P.send_record(client.sock, P.FETCHED, key, head, chunk)
+        finally:
+            for fd in msg.fds:
+                os.close(fd)
+
+    def _reply_unknown(self, client: _Client, key: bytes) -> None:
+        P.send_record(client.sock, P.FETCHED, key, P.encode_fetched(P.STATUS_UNKNOWN, 0))
+
+    def _answer_parked(self, key: bytes) -> None:
+        for entry in self.parked:
+            if entry[2] == key:
+                self.parked.remove(entry)
+                self._reply_fetch(entry[1], key)
+                return
+
+    def _expire_parked(self, now: float) -> None:
+        due = [p for p in self.parked if p[0] <= now]
+        if not due:
+            return
+        self.parked = [p for p in self.parked if p[0] > now]
+        for _deadline, client, key in due:
+            try:
+                self._reply_unknown(client, key)
+            except OSError:
+                if client.sock.fileno() in self.clients:
+                    self._drop(client)
+
+    # -- main loop -------------------------------------------------------------
+
+    def _should_exit(self, now: float) -> bool:
+        if self.stopping:
+            return True
+        if self.clients or self.idle_since is None:
+            return False
+        if self.messages and self.root_alive:
+            return False
+        return now - self.idle_since >= GRACE
+
+    def run(self) -> None:
+        while True:
+            now = time.monotonic()
+            if self._should_exit(now):
+                break
+            timeout = 0.25
+            if self.parked:
+                timeout = min(timeout, max(0.0, min(p[0] for p in self.parked) - now))
+            for key, _ in self.sel.select(timeout):
+                data = key.data
+                if data is None:
+                    self._accept()
+                elif data == "root":
+                    self.root_alive = False
+                    self.sel.unregister(self.root_fd)
+                    os.close(self.root_fd)
+                    if not self.clients:
+                        self.idle_since = time.monotonic()
+                elif data.sock.fileno() in self.clients:
+                    self._serve(data)
+            self._expire_parked(time.monotonic())
+
+    def shutdown(self) -> None:
+        for msg in self.messages.values():
+            for fd in msg.fds:
+                os.close(fd)
+        self.messages.clear()
+        for client in list(self.clients.values()):
+            client.sock.close()
+        self.listener.close()
+        remove_program_dir(self.dir)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_program_dir(directory: str) -> None:
+    """Remove a program directory: segment files, socket, lock, the directory."""
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def lock_is_free(directory: str) -> bool:
+    """True if no live broker holds this program directory's lock."""
+    try:
+        fd = os.open(os.path.join(directory, P.LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def sweep_stale(base: str, keep: str | None = None) -> list[str]:
+    """Remove this user's program directories under *base* whose broker is dead."""
+    removed = []
+    uid = os.getuid()
+    try:
+        entries = os.listdir(base)
+    except OSError:
+        return removed
+    for entry in entries:
+        path = os.path.join(base, entry)
+        if not entry.startswith(P.DIR_PREFIX) or path == keep:
+            continue
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if st.st_uid != uid or not os.path.isdir(path) or os.path.islink(path):
+            continue
+        if lock_is_free(path):
+            remove_program_dir(path)
+            removed.append(path)
+    return removed
+
+
+def _make_private_dir(directory: str) -> None:
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(directory)
+    if st.st_uid != os.getuid() or (st.st_mode & 0o077) or not os.path.isdir(directory) or os.path.islink(directory):
+        raise SystemExit(f"shmreduce broker: {directory} is not a private directory of this user")
+
+
+def launch(directory: str, root_pid: int, authkey: bytes) -> int:
+    """Start a broker for *directory* unless one runs; return the exit status."""
+    base = os.path.dirname(directory)
+    _make_private_dir(directory)
+    lock_fd = os.open(os.path.join(directory, P.LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return 0  # a live broker already serves this program
+        raise
+    sweep_stale(base, keep=directory)
+    path = os.path.join(directory, P.SOCKET_NAME)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    os.chmod(path, 0o600)
+    listener.listen(128)
+
+    if os.fork() != 0:
+        return 0  # launcher: the socket listens; the caller may connect now
+    os.setsid()
+    if os.fork() != 0:
+        os._exit(0)
+    _janitor(directory, listener, authkey, root_pid, lock_fd)
+    os._exit(0)
+
+
+def _janitor(directory: str, listener: socket.socket, authkey: bytes, root_pid: int, lock_fd: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    log = os.environ.get("SHMREDUCE_BROKER_LOG")
+    errfd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) if log else devnull
+    for fd, target in ((0, devnull), (1, devnull), (2, errfd)):
+        os.dup2(target, fd)
+    for fd in {devnull, errfd}:
+        os.close(fd)
+    server = os.fork()
+    if server == 0:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(broker, "stopping", True))
+        from shmreduce._platform import raise_nofile_limit
+
+        raise_nofile_limit()
+        broker = Broker(directory, listener, authkey, root_pid)
+        try:
+            broker.run()
+        finally:
+            broker.shutdown()
+        os._exit(0)
+    listener.close()
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(server, signal.SIGTERM))
+    while True:
+        try:
+            os.waitpid(server, 0)
+            break
+        except ChildProcessError:
+            break
+        except InterruptedError:
+            continue
+    remove_program_dir(directory)
+    os.close(lock_fd)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m shmreduce.broker.server DIR ROOT_PID < authkey", file=sys.stderr)
+        return 2
+    authkey = sys.stdin.buffer.read()
+    if not authkey:
+        print("shmreduce broker: no authkey on stdin", file=sys.stderr)
+        return 2
+    return launch(os.path.abspath(argv[0]), int(argv[1]), authkey)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

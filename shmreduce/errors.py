@@ -1,0 +1,44 @@
+"""SharingError: the one exception class for every shmreduce sharing failure."""
+
+from __future__ import annotations
+
+
+class SharingError(RuntimeError):
+    """A tensor or storage could not be shared or received.
+
+    The message says what happened and what to do about it.
+    """
+
+
+def broker_gone(detail: str) -> SharingError:
+    return SharingError(
+        f"the shmreduce broker for this program is not reachable ({detail}); "
+        "messages pickled before it went away cannot be received, "
+        "send them again"
+    )
+
+
+def stale_message(what: str) -> SharingError:
+    return SharingError(
+        f"{what}: the message was already received, was forged, or was sent "
+        "through a broker that has since exited; a pickled shmreduce message "
+        "can be loaded once in another process, so send it again"
+    )
+
+
+def too_many_files(detail: str) -> SharingError:
+    return SharingError(
+        f"out of file descriptors ({detail}): the 'file_descriptor' strategy keeps "
+        "one descriptor open per received storage. Drop tensors you no longer "
+        "need, raise the limit (ulimit -n / resource.RLIMIT_NOFILE), or call "
+        "shmreduce.set_sharing_strategy('file_system')"
+    )
+
+
+def out_of_shm(path: str, nbytes: int, detail: str) -> SharingError:
+    return SharingError(
+        f"cannot reserve {nbytes} bytes of shared memory in {path} ({detail}); "
+        "the shared-memory mount is too small or full. Free space there, set "
+        "SHMREDUCE_SHM_DIR to a larger tmpfs, or use the 'file_descriptor' strategy, "
+        "which does not use that mount"
+    )

@@ -1,0 +1,230 @@
+"""``reduce_x`` / ``rebuild_x`` pairs for every torch tensor and storage type.
+
+A reducer returns ``(rebuild, args)`` as for ``copyreg``; tensors and storages inside
+*args* are pickled again through the same table, so sparse and nested tensors share
+their CPU parts. Rebuild functions are importable by name and take small named
+structures. Devices: CPU is shared through ``transfer``; CUDA tensors go through
+torch's own CUDA IPC reducer; CUDA storages on their own are refused; meta tensors
+and storages rebuild as meta.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from shmreduce import transfer
+from shmreduce.errors import SharingError
+
+_SPARSE_COMPRESSED = {
+    torch.sparse_csr: ("crow_indices", "col_indices"),
+    torch.sparse_bsr: ("crow_indices", "col_indices"),
+    torch.sparse_csc: ("ccol_indices", "row_indices"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices"),
+}
+
+
+class TensorMeta(NamedTuple):
+    """Everything of a strided tensor but its storage."""
+
+    cls: type
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    requires_grad: bool
+    state: dict | None  # the instance __dict__ of a subclass (e.g. attributes), if any
+
+
+def _refuse_non_leaf(tensor: torch.Tensor) -> None:
+    if tensor.requires_grad and not tensor.is_leaf:
+        raise SharingError(
+            "Cowardly refusing to share a non-leaf tensor that requires grad: autograd "
+            "does not cross process boundaries. Call detach() on the tensor before "
+            "sending it (e.g. queue.put(t.detach()))."
+        )
+
+
+def _meta(tensor: torch.Tensor) -> TensorMeta:
+    state = tensor.__dict__ if type(tensor) is not torch.Tensor and tensor.__dict__ else None
+    return TensorMeta(
+        type(tensor),
+        tensor.dtype,
+        tuple(tensor.size()),
+        tuple(tensor.stride()),
+        tensor.storage_offset(),
+        tensor.requires_grad,
+        dict(state) if state else None,
+    )
+
+
+def _finish(t: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
+    if meta.cls is not torch.Tensor:
+        t = torch.Tensor._make_subclass(meta.cls, t, meta.requires_grad)
+    elif meta.requires_grad:
+        t.requires_grad_(True)
+    if meta.state:
+        t.__dict__.update(meta.state)
+    return t
+
+
+# -- tensors -----------------------------------------------------------------------
+
+
+def reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple]:
+    _refuse_non_leaf(tensor)
+    torch.utils.hooks.warn_if_has_hooks(tensor)
+    layout = tensor.layout
+    if layout is torch.sparse_coo:
+        return reduce_sparse_coo(tensor)
+    if layout in _SPARSE_COMPRESSED:
+        return reduce_sparse_compressed(tensor)
+    if tensor.is_nested:
+        return reduce_nested(tensor)
+    device = tensor.device.type
+    if device == "cuda":
+        from torch.multiprocessing.reductions import reduce_tensor as torch_reduce_tensor
+
+        return torch_reduce_tensor(tensor)
+    if device == "meta":
+        return rebuild_meta_tensor, (_meta(tensor), tensor.untyped_storage().nbytes())
+    if device != "cpu":
+        raise SharingError(f"cannot share a tensor on device {tensor.device}: move it to CPU first")
+    storage = tensor.untyped_storage()
+    ref = transfer.share(storage) if storage.nbytes() else None
+    return rebuild_tensor, (ref, _meta(tensor))
+
+
+def rebuild_tensor(ref: transfer.SegmentRef | None, meta: TensorMeta) -> torch.Tensor:
+    storage = transfer.receive(ref) if ref is not None else torch.UntypedStorage(0)
+    t = torch.empty((0,), dtype=meta.dtype).set_(storage, meta.offset, meta.size, meta.stride)
+    return _finish(t, meta)
+
+
+def rebuild_meta_tensor(meta: TensorMeta, nbytes: int) -> torch.Tensor:
+    storage = torch.UntypedStorage(nbytes, device="meta")
+    t = torch.empty((0,), dtype=meta.dtype, device="meta").set_(storage, meta.offset, meta.size, meta.stride)
+    return _finish(t, meta)
+
+
+class SparseCoo(NamedTuple):
+    indices: torch.Tensor
+    values: torch.Tensor
+    size: tuple[int, ...]
+    coalesced: bool
+    requires_grad: bool
+
+
+def reduce_sparse_coo(tensor: torch.Tensor) -> tuple[Any, tuple]:
+    parts = SparseCoo(
+        tensor._indices().detach(), tensor._values().detach(), tuple(tensor.shape), tensor.is_coalesced(), tensor.requires_grad
+    )
+    return rebuild_sparse_coo, (parts,)
+
+
+def rebuild_sparse_coo(parts: SparseCoo) -> torch.Tensor:
+    t = torch.sparse_coo_tensor(parts.indices, parts.values, parts.size, is_coalesced=parts.coalesced)
+    return t.requires_grad_(parts.requires_grad)
+
+
+class SparseCompressed(NamedTuple):
+    compressed: torch.Tensor
+    plain: torch.Tensor
+    values: torch.Tensor
+    size: tuple[int, ...]
+    layout: torch.layout
+    requires_grad: bool
+
+
+def reduce_sparse_compressed(tensor: torch.Tensor) -> tuple[Any, tuple]:
+    compressed, plain = _SPARSE_COMPRESSED[tensor.layout]
+    parts = SparseCompressed(
+        getattr(tensor, compressed)().detach(),
+        getattr(tensor, plain)().detach(),
+        tensor.values().detach(),
+        tuple(tensor.shape),
+        tensor.layout,
+        tensor.requires_grad,
+    )
+    return rebuild_sparse_compressed, (parts,)
+
+
+def rebuild_sparse_compressed(parts: SparseCompressed) -> torch.Tensor:
+    t = torch.sparse_compressed_tensor(parts.compressed, parts.plain, parts.values, parts.size, layout=parts.layout)
+    return t.requires_grad_(parts.requires_grad)
+
+
+class Nested(NamedTuple):
+    buffer: torch.Tensor
+    sizes: torch.Tensor
+    strides: torch.Tensor
+    offsets: torch.Tensor
+
+
+def reduce_nested(tensor: torch.Tensor) -> tuple[Any, tuple]:
+    if tensor.layout is not torch.strided:
+        # Jagged nested tensors are Python subclasses whose own reduction pickles
+        # their values/offsets tensors: those still go through this table.
+        return tensor.__reduce_ex__(2)
+    parts = Nested(
+        tensor.values().detach(),
+        tensor._nested_tensor_size(),
+        tensor._nested_tensor_strides(),
+        tensor._nested_tensor_storage_offsets(),
+    )
+    return rebuild_nested, (parts,)
+
+
+def rebuild_nested(parts: Nested) -> torch.Tensor:
+    return torch._nested_view_from_buffer(parts.buffer, parts.sizes, parts.strides, parts.offsets)
+
+
+# -- storages ----------------------------------------------------------------------
+
+
+def reduce_storage(storage: torch.UntypedStorage) -> tuple[Any, tuple]:
+    device = storage.device.type
+    if device == "cuda":
+        raise SharingError(
+            "cannot share a CUDA storage on its own: pickle the CUDA tensor instead, or move it to CPU"
+        )
+    if device == "meta":
+        return rebuild_meta_storage, (storage.nbytes(),)
+    if device != "cpu":
+        raise SharingError(f"cannot share a storage on device {storage.device}: move it to CPU first")
+    ref = transfer.share(storage) if storage.nbytes() else None
+    return rebuild_storage, (ref,)
+
+
+def rebuild_storage(ref: transfer.SegmentRef | None) -> torch.UntypedStorage:
+    return transfer.receive(ref) if ref is not None else torch.UntypedStorage(0)
+
+
+def rebuild_meta_storage(nbytes: int) -> torch.UntypedStorage:
+    return torch.UntypedStorage(nbytes, device="meta")
+
+
+def reduce_typed_storage(storage: torch.TypedStorage) -> tuple[Any, tuple]:
+    # The untyped storage in args is pickled through reduce_storage.
+    return rebuild_typed_storage, (storage._untyped_storage, storage.dtype, type(storage))
+
+
+def rebuild_typed_storage(untyped: torch.UntypedStorage, dtype: torch.dtype, cls: type) -> torch.TypedStorage:
+    if cls is torch.TypedStorage:
+        return torch.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+    return cls(wrap_storage=untyped, _internal=True)
+
+
+def default_reducers() -> dict[type, Any]:
+    """The built-in table: every torch tensor and storage class SPEC.md names."""
+    table: dict[type, Any] = {}
+    for cls in torch._storage_classes:
+        table[cls] = reduce_storage if issubclass(cls, torch.UntypedStorage) else reduce_typed_storage
+    table[torch.UntypedStorage] = reduce_storage
+    table[torch.TypedStorage] = reduce_typed_storage
+    for cls in torch._tensor_classes:
+        table[cls] = reduce_tensor
+    table[torch.Tensor] = reduce_tensor
+    table[torch.nn.Parameter] = reduce_tensor
+    return table

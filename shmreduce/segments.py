@@ -1,0 +1,124 @@
+"""Shared-memory segments: create them, move a storage into one in place, map them.
+
+Two kinds (see ``cache.Segment``): anonymous memfds for ``file_descriptor`` (not
+limited by the size of /dev/shm) and named files, mode 0600, in the program
+directory for ``file_system`` (space reserved up front with posix_fallocate, so a
+full mount is a ``SharingError`` now rather than a SIGBUS later). Every descriptor
+opened here is closed here: torch's storages keep their own.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+
+import torch
+
+from shmreduce import _torch
+from shmreduce.broker.protocol import SEG_PREFIX, is_segment_name
+from shmreduce.cache import Segment
+from shmreduce.errors import SharingError, out_of_shm, too_many_files
+
+
+def _fd_identity(fd: int) -> tuple[str, int]:
+    st = os.fstat(fd)
+    return f"{st.st_dev}:{st.st_ino}", st.st_size
+
+
+def _os_error(exc: OSError, what: str) -> SharingError:
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        return too_many_files(what)
+    return SharingError(f"{what} failed: {exc}")
+
+
+def move_to_memfd(storage: torch.UntypedStorage) -> Segment:
+    nbytes = storage.nbytes()
+    try:
+        fd = os.memfd_create("shmreduce", os.MFD_CLOEXEC)
+    except OSError as exc:
+        raise _os_error(exc, "memfd_create") from exc
+    try:
+        os.ftruncate(fd, nbytes)
+        name, _ = _fd_identity(fd)
+        shared = _torch.new_shared_fd(fd, nbytes)
+    except OSError as exc:
+        raise _os_error(exc, "sizing a memfd") from exc
+    except RuntimeError as exc:
+        raise SharingError(f"mapping a {nbytes}-byte memfd failed: {exc}") from exc
+    finally:
+        os.close(fd)
+    _torch.swap_in(storage, shared)
+    return Segment("fd", "", name, nbytes)
+
+
+def move_to_file(storage: torch.UntypedStorage, program: str) -> Segment:
+    nbytes = storage.nbytes()
+    name = SEG_PREFIX + secrets.token_hex(12)
+    path = os.path.join(program, name)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise _os_error(exc, f"creating {path}") from exc
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        os.close(fd)
+        os.unlink(path)
+        if exc.errno in (errno.ENOSPC, errno.EFBIG):
+            raise out_of_shm(program, nbytes, exc.strerror or str(exc)) from exc
+        raise _os_error(exc, f"reserving {path}") from exc
+    os.close(fd)
+    try:
+        shared = _torch.map_file(path, shared=True, nbytes=nbytes)
+    except RuntimeError as exc:
+        os.unlink(path)
+        raise SharingError(f"mapping {path} failed: {exc}") from exc
+    _torch.swap_in(storage, shared)
+    return Segment("fs", program, name, nbytes)
+
+
+def adopt_fd(storage: torch.UntypedStorage) -> Segment | None:
+    """The segment of a storage torch already put in fd-backed shared memory, if any."""
+    try:
+        fd = _torch.storage_fd(storage)
+    except RuntimeError:
+        return None
+    if fd < 0:
+        return None
+    name, _ = _fd_identity(fd)
+    return Segment("fd", "", name, storage.nbytes())
+
+
+def map_fd(fd: int, segment: Segment) -> torch.UntypedStorage:
+    """Map a received memfd; *fd* stays the caller's (torch keeps a dup)."""
+    name, size = _fd_identity(fd)
+    if name != segment.name or size < segment.nbytes:
+        raise SharingError(
+            f"received descriptor does not match its handle (expected {segment.name} of "
+            f"{segment.nbytes} bytes, got {name} of {size}): forged or corrupted message"
+        )
+    try:
+        return _torch.new_shared_fd(fd, segment.nbytes)
+    except RuntimeError as exc:
+        if "Too many open files" in str(exc):
+            raise too_many_files("mapping a received segment") from exc
+        raise SharingError(f"mapping a received segment failed: {exc}") from exc
+
+
+def map_file(segment: Segment) -> torch.UntypedStorage:
+    if not is_segment_name(segment.name):
+        raise SharingError(f"refusing segment name {segment.name!r}: not a shmreduce segment (forged message?)")
+    path = os.path.join(segment.program, segment.name)
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        raise SharingError(
+            f"shared-memory file {path} is gone: its program exited or the message is stale; send it again"
+        ) from None
+    if st.st_uid != os.getuid() or st.st_size < segment.nbytes:
+        raise SharingError(f"shared-memory file {path} does not match its handle (owner or size): forged message?")
+    try:
+        return _torch.map_file(path, shared=True, nbytes=segment.nbytes)
+    except RuntimeError as exc:
+        raise SharingError(f"mapping {path} failed: {exc}") from exc
