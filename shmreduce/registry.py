@@ -43,6 +43,7 @@ _builtin: dict[type, Reducer] = {}
 _user: dict[type, Reducer] = {}
 _resolved: dict[type, Reducer | None] = {}
 _registered = False
+_use_cloudpickle = False
 _saved_reducers: dict[type, Any] = {}
 _saved_attrs: dict[str, Any] = {}
 
@@ -145,8 +146,11 @@ def _restore_reducer(cls: type, previous: Any) -> None:
 
 def _forking_dumps(cls: type, obj: Any, protocol: int | None = None) -> memoryview:
     buf = io.BytesIO()
-    pickler = cls(buf, protocol)
-    pickler.dispatch_table = DispatchTable(pickler.dispatch_table)
+    if _use_cloudpickle:
+        pickler: Any = _CloudPickler(buf, protocol)
+    else:
+        pickler = cls(buf, protocol)
+        pickler.dispatch_table = DispatchTable(pickler.dispatch_table)
     with transfer.sending():
         pickler.dump(obj)
     return buf.getbuffer()
@@ -173,24 +177,31 @@ class _Inherit:
     """Process-config marker: unpickled in a spawn/forkserver child, it registers it."""
 
     def __reduce__(self) -> tuple:
-        return _inherit, (program.current(), _strategy.get_sharing_strategy())
+        return _inherit, (program.current(), _strategy.get_sharing_strategy(), _use_cloudpickle)
 
 
-def _inherit(prog: program.Program, strategy_name: str) -> _Inherit:
+def _inherit(prog: program.Program, strategy_name: str, use_cloudpickle: bool = False) -> _Inherit:
     if program.peek() is None:
         program.adopt(prog)
-    register(strategy=strategy_name)
+    register(strategy=strategy_name, cloudpickle=use_cloudpickle)
     return _Inherit()
 
 
 # -- register / unregister ---------------------------------------------------------
 
 
-def register(*, strategy: str | None = None) -> None:
-    """Install shmreduce's reducers into multiprocessing's ForkingPickler. Idempotent."""
-    global _registered
+def register(*, strategy: str | None = None, cloudpickle: bool | None = None) -> None:
+    """Install shmreduce's reducers into multiprocessing's ForkingPickler. Idempotent.
+
+    *strategy*, if given, is set as by ``set_sharing_strategy``. *cloudpickle=True*
+    makes queues and pipes pickle with cloudpickle (lambdas, closures, local
+    classes), the way loky lets users choose its pickler; ``unregister()`` undoes it.
+    """
+    global _registered, _use_cloudpickle
     if strategy is not None:
         _set_strategy(strategy)
+    if cloudpickle is not None:
+        _use_cloudpickle = bool(cloudpickle)
     with _lock:
         if _registered:
             return
@@ -218,7 +229,7 @@ def _set_strategy(name: str) -> None:
 
 def unregister() -> None:
     """Put back exactly the reducers installed before ``register()``. Idempotent."""
-    global _registered
+    global _registered, _use_cloudpickle
     with _lock:
         if not _registered:
             return
@@ -230,6 +241,7 @@ def unregister() -> None:
         torch.UntypedStorage.share_memory_ = _saved_attrs.pop("share_memory_")  # type: ignore[method-assign]
         multiprocessing.current_process()._config.pop(_CONFIG_KEY, None)
         _registered = False
+        _use_cloudpickle = False
     broker.close_all()
 
 

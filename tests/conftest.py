@@ -1,0 +1,52 @@
+"""Test session set-up: a private shm base under the real /dev/shm, a leak check per module."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+# Every program directory the tests create lives under this base, on the real tmpfs,
+# so leak checks see exactly what the tests made. Children inherit it.
+_base = tempfile.mkdtemp(prefix="shmrt-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+os.environ["SHMREDUCE_SHM_DIR"] = _base
+os.environ.setdefault("SHMREDUCE_BROKER_GRACE", "0.3")
+
+import shmreduce  # noqa: E402
+import torch.multiprocessing as tmp  # noqa: E402
+
+from helpers import open_fds, shutdown_and_check_leaks  # noqa: E402
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_base, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_leak_check():
+    """Every test module ends with: no shm files, no broker, no leaked descriptors."""
+    before = open_fds()
+    yield
+    shutdown_and_check_leaks(before)
+
+
+@pytest.fixture(params=["file_descriptor", "file_system"])
+def strategy(request):
+    """Run a test under each strategy, registered; restores the previous state."""
+    with shmreduce.registered(strategy=request.param):
+        yield request.param
+
+
+@pytest.fixture
+def registered_fd():
+    with shmreduce.registered(strategy="file_descriptor"):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_strategy():
+    before = tmp.get_sharing_strategy()
+    yield
+    tmp.set_sharing_strategy(before)

@@ -1,0 +1,77 @@
+"""Shared test helpers: bounded waits, broker discovery, leak snapshots."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from typing import Callable
+
+import shmreduce
+from shmreduce import program
+from shmreduce.broker import client as broker_client
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(interval)
+    return cond()
+
+
+def shm_base() -> str:
+    return program.shm_base()
+
+
+def shm_entries() -> set[str]:
+    """Everything under the shm base (program dirs and their files)."""
+    base = shm_base()
+    found = set()
+    for root, dirs, files in os.walk(base):
+        for name in dirs + files:
+            found.add(os.path.join(root, name))
+    return found
+
+
+def broker_pids() -> list[int]:
+    """Live broker (server or janitor) processes serving a directory under our shm base."""
+    base = shm_base()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state == "Z":
+            continue
+        if b"shmreduce.broker.server" in argv and any(a.startswith(base.encode()) for a in argv):
+            pids.append(int(entry))
+    return pids
+
+
+def open_fds() -> set[str]:
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.add(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
+        except OSError:
+            pass
+    return fds
+
+
+def shutdown_and_check_leaks(fds_before: set[str], timeout: float = 15.0) -> None:
+    """Drop our connections and assert no shm files, brokers or descriptors remain."""
+    shmreduce.unregister()
+    broker_client.close_all()
+    gc.collect()
+    assert wait_for(lambda: not broker_pids(), timeout), f"broker still running: {broker_pids()}"
+    assert wait_for(lambda: not shm_entries(), timeout), f"left in shm dir: {sorted(shm_entries())}"
+    leaked = {fd for fd in open_fds() - fds_before if "memfd:shmreduce" in fd or "shmreduce" in fd or "socket:" in fd}
+    assert not leaked, f"descriptors leaked: {leaked}"
