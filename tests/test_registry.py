@@ -1,0 +1,152 @@
+"""register / unregister / reducer table, ForkingPickler integration, children."""
+
+import copyreg
+import io
+import multiprocessing as mp
+import pickle
+import subprocess
+import sys
+from multiprocessing.reduction import ForkingPickler
+
+import pytest
+import torch
+
+import shmreduce
+from shmreduce import reductions
+
+
+def _snapshot():
+    return dict(ForkingPickler._extra_reducers), ForkingPickler.__dict__["dumps"], ForkingPickler.__dict__["loads"]
+
+
+def test_import_changes_nothing_and_does_not_import_torch():
+    code = (
+        "import sys\n"
+        "from multiprocessing.reduction import ForkingPickler\n"
+        "before = dict(ForkingPickler._extra_reducers)\n"
+        "import shmreduce\n"
+        "assert 'torch' not in sys.modules, 'importing shmreduce imported torch'\n"
+        "assert dict(ForkingPickler._extra_reducers) == before\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_register_installs_every_class_and_unregister_restores_exactly():
+    before = _snapshot()
+    shmreduce.register()
+    shmreduce.register()  # idempotent
+    table = ForkingPickler._extra_reducers
+    for cls in [torch.Tensor, torch.nn.Parameter, torch.UntypedStorage, torch.TypedStorage,
+                *torch._tensor_classes, *torch._storage_classes]:
+        assert table[cls].__module__ == "shmreduce.reductions", cls
+    assert shmreduce.is_registered()
+    shmreduce.unregister()
+    shmreduce.unregister()  # idempotent
+    assert _snapshot() == before
+    assert not shmreduce.is_registered()
+    assert ForkingPickler._extra_reducers[torch.Tensor].__module__ == "torch.multiprocessing.reductions"
+
+
+class Point:
+    def __init__(self, xy):
+        self.xy = xy
+
+
+class SubPoint(Point):
+    pass
+
+
+def _reduce_point(p):
+    return Point, (p.xy,)
+
+
+def _reduce_point_tagged(p):
+    return _tagged, (p.xy,)
+
+
+def _tagged(xy):
+    point = Point(xy)
+    point.tagged = True
+    return point
+
+
+def test_register_reducer_mro_and_removal(registered_fd):
+    shmreduce.register_reducer(Point, _reduce_point)
+    assert shmreduce.list_reducers() == {Point: _reduce_point}
+    t = torch.arange(4.0)
+    # Subclass instances use the nearest registered class: SubPoint -> Point's reducer.
+    out = pickle.loads(ForkingPickler.dumps(SubPoint(t)))
+    assert type(out) is Point and out.xy.untyped_storage()._cdata == t.untyped_storage()._cdata
+    shmreduce.register_reducer(SubPoint, _reduce_point_tagged)
+    assert pickle.loads(ForkingPickler.dumps(SubPoint(t))).tagged
+    shmreduce.unregister_reducer(SubPoint)
+    shmreduce.unregister_reducer(Point)
+    assert Point not in ForkingPickler._extra_reducers
+    out = pickle.loads(ForkingPickler.dumps(SubPoint(t)))
+    assert type(out) is SubPoint  # plain pickling again
+    with pytest.raises(KeyError):
+        shmreduce.unregister_reducer(Point)
+
+
+def test_register_reducer_applies_to_dumps_unregistered():
+    shmreduce.register_reducer(Point, _reduce_point)
+    try:
+        t = torch.ones(3)
+        out = shmreduce.loads(shmreduce.dumps(SubPoint(t)))
+        assert type(out) is Point and out.xy.untyped_storage()._cdata == t.untyped_storage()._cdata
+    finally:
+        shmreduce.unregister_reducer(Point)
+
+
+def test_dispatch_table_for_a_users_own_pickler():
+    t = torch.arange(6.0)
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf)
+    pickler.dispatch_table = shmreduce.dispatch_table(copyreg.dispatch_table)
+    pickler.dump({"t": t})
+    out = shmreduce.loads(buf.getvalue())
+    assert out["t"].untyped_storage()._cdata == t.untyped_storage()._cdata
+
+
+class Tagged(torch.Tensor):
+    pass
+
+
+def test_tensor_subclass_dispatch_through_forking_pickler(registered_fd):
+    t = torch.arange(3.0).as_subclass(Tagged)
+    t.note = "kept"
+    out = pickle.loads(ForkingPickler.dumps(t))
+    assert type(out) is Tagged and out.note == "kept"
+    assert out.untyped_storage()._cdata == t.untyped_storage()._cdata
+
+
+def _child_report(conn):
+    import shmreduce as s
+
+    conn.send((s.is_registered(), s.get_sharing_strategy(), torch.ones(2)))
+    conn.close()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_children_run_registered_with_the_same_strategy(method):
+    with shmreduce.registered(strategy="file_system"):
+        ctx = mp.get_context(method)
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_child_report, args=(child,))
+        proc.start()
+        child.close()
+        try:
+            assert parent.poll(60), "child did not answer"
+            is_reg, strategy, t = parent.recv()
+        finally:
+            proc.join(30)
+        assert proc.exitcode == 0
+        assert is_reg and strategy == "file_system"
+        assert t.is_shared() and shmreduce.stats()["storages_received"] >= 1
+
+
+def test_default_reducers_cover_spec_classes():
+    table = reductions.default_reducers()
+    assert table[torch.Tensor] is reductions.reduce_tensor
+    assert table[torch.UntypedStorage] is reductions.reduce_storage
+    assert all(cls in table for cls in torch._storage_classes)
