@@ -1,0 +1,217 @@
+"""SPEC.md semantics 1-5 and 7, with real child processes."""
+
+import multiprocessing as mp
+import pickle
+from multiprocessing.reduction import ForkingPickler
+
+import pytest
+import torch
+
+import shmreduce
+from shmreduce import SharingError
+
+CTX = mp.get_context("fork")
+
+
+def _roundtrip(obj):
+    return pickle.loads(ForkingPickler.dumps(obj))
+
+
+def _writer(q, done):
+    t = q.get(timeout=30)
+    t.fill_(7)
+    done.put(t.untyped_storage().is_shared())
+
+
+def test_aliasing_both_ways_and_resend_does_not_copy(strategy):
+    t = torch.zeros(16)
+    view = t[4:8]
+    q, done = CTX.Queue(), CTX.Queue()
+    proc = CTX.Process(target=_writer, args=(q, done))
+    proc.start()
+    q.put(t)
+    assert done.get(timeout=30) is True
+    proc.join(30)
+    assert proc.exitcode == 0
+    assert t.eq(7).all() and view.eq(7).all()  # the child's writes are seen here
+    before = shmreduce.stats()
+    out = _roundtrip(t)
+    after = shmreduce.stats()
+    assert after["storages_shared"] == before["storages_shared"]  # no second copy
+    assert after["storages_reused"] == before["storages_reused"] + 1
+    assert out.untyped_storage()._cdata == t.untyped_storage()._cdata
+
+
+def test_views_in_one_message_and_in_separate_messages_share_one_storage(strategy):
+    base = torch.arange(24.0).reshape(4, 6)
+    views = [base, base[1:], base.t(), base[:, ::2], base[2, 3]]
+    out = _roundtrip(views)
+    cdatas = {v.untyped_storage()._cdata for v in out}
+    assert len(cdatas) == 1
+    later = _roundtrip(base[3])
+    assert later.untyped_storage()._cdata in cdatas
+    for a, b in zip(views, out):
+        assert a.shape == b.shape and a.stride() == b.stride()
+        assert a.storage_offset() == b.storage_offset() and torch.equal(a, b)
+
+
+def _echo(conn):
+    while True:
+        obj = conn.recv()
+        if obj is None:
+            return
+        conn.send(obj)
+
+
+@pytest.fixture
+def echo(strategy):
+    parent, child = CTX.Pipe()
+    proc = CTX.Process(target=_echo, args=(child,))
+    proc.start()
+    child.close()
+
+    def send(obj):
+        parent.send(obj)
+        assert parent.poll(30), "echo child did not answer"
+        return parent.recv()
+
+    yield send
+    parent.send(None)
+    proc.join(30)
+    assert proc.exitcode == 0
+
+
+def test_received_storage_is_shared_and_share_memory_keeps_aliasing(echo):
+    t = torch.arange(10.0)
+    for strategy_now in ("file_descriptor", "file_system"):
+        back = echo(t.clone())  # a fresh storage received from the child's side
+        storage = back.untyped_storage()
+        assert storage.is_shared()
+        ptr = storage.data_ptr()
+        shmreduce.set_sharing_strategy(strategy_now)
+        back.share_memory_()
+        assert back.untyped_storage().data_ptr() == ptr
+
+
+def test_faithful_rebuild_of_class_and_metadata(echo):
+    p = torch.nn.Parameter(torch.randn(3, 4))
+    q = torch.nn.Parameter(torch.arange(4, dtype=torch.int32), requires_grad=False)
+    leaf = torch.randn(2, 2, requires_grad=True)
+    out = echo([p, q, leaf, torch.tensor(3.5), torch.empty(0, 3), torch.empty(2, 0, 5)[:, :, ::2]])
+    assert type(out[0]) is torch.nn.Parameter and out[0].requires_grad and torch.equal(out[0], p)
+    assert type(out[1]) is torch.nn.Parameter and not out[1].requires_grad
+    assert out[2].requires_grad and out[2].is_leaf and out[2].grad is None
+    assert out[3].dim() == 0 and out[3].item() == 3.5
+    assert out[4].shape == (0, 3) and out[5].shape == (2, 0, 3)
+
+
+def test_non_leaf_requiring_grad_is_refused(strategy):
+    x = torch.randn(3, requires_grad=True) * 2
+    with pytest.raises(RuntimeError, match="detach"):
+        ForkingPickler.dumps(x)
+    with pytest.raises(SharingError, match="detach"):
+        shmreduce.dumps(x)
+    assert _roundtrip(x.detach()).requires_grad is False  # the next message works
+
+
+def test_grad_and_hooks_are_not_sent(strategy):
+    x = torch.ones(3, requires_grad=True)
+    x.grad = torch.ones(3)
+    out = _roundtrip(x)
+    assert out.grad is None and out.requires_grad
+
+
+def test_meta_tensors_and_storages_rebuild_as_meta(strategy):
+    t = torch.empty(3, 4, device="meta").t()
+    out = _roundtrip(t)
+    assert out.is_meta and out.shape == (4, 3) and out.stride() == t.stride()
+    storage = _roundtrip(torch.UntypedStorage(12, device="meta"))
+    assert storage.device.type == "meta" and storage.nbytes() == 12
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_cuda_storage_refused_and_cuda_tensor_delegated(strategy):  # pragma: no cover
+    t = torch.ones(3, device="cuda")
+    with pytest.raises(SharingError, match="pickle the CUDA tensor instead, or move it to CPU"):
+        ForkingPickler.dumps(t.untyped_storage())
+    assert ForkingPickler.dumps(t)  # torch's CUDA IPC path
+
+
+def test_cuda_storage_refusal_message():
+    """Without a GPU, the refusal is checked on the reducer with a stand-in storage."""
+
+    class FakeCuda:
+        class device:
+            type = "cuda"
+
+    from shmreduce.reductions import reduce_storage
+
+    with pytest.raises(SharingError, match="pickle the CUDA tensor instead, or move it to CPU"):
+        reduce_storage(FakeCuda())
+
+
+def _sparse_cases():
+    dense = torch.tensor([[0.0, 1.5, 0.0, 2.0], [3.0, 0.0, 0.0, 0.0], [0.0, 0.0, 4.0, 5.0], [0.0, 6.0, 0.0, 0.0]])
+    return {
+        "coo": dense.to_sparse(),
+        "coo_uncoalesced": torch.sparse_coo_tensor([[0, 0], [1, 1]], [1.0, 2.0], (2, 2)),
+        "csr": dense.to_sparse_csr(),
+        "csc": dense.to_sparse_csc(),
+        "bsr": dense.to_sparse_bsr((2, 2)),
+        "bsc": dense.to_sparse_bsc((2, 2)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_sparse_cases()))
+def test_sparse_layouts_round_trip_with_parts_shared(echo, name):
+    sparse = _sparse_cases()[name]
+    out = echo(sparse)
+    assert out.layout == sparse.layout and out.shape == sparse.shape
+    assert torch.equal(out.to_dense(), sparse.to_dense())
+    if sparse.layout is torch.sparse_coo:
+        assert out.is_coalesced() == sparse.is_coalesced()
+        assert out._values().is_shared()
+    else:
+        assert out.values().is_shared()
+
+
+def test_nested_tensor_round_trips_with_buffer_shared(echo):
+    nt = torch.nested.nested_tensor([torch.arange(3.0), torch.arange(5.0)])
+    out = echo(nt)
+    assert out.is_nested
+    assert [x.tolist() for x in out.unbind()] == [x.tolist() for x in nt.unbind()]
+    assert out.values().is_shared()
+
+
+def test_typed_and_legacy_storages(echo):
+    typed = torch.TypedStorage([1.0, 2.0, 3.0], dtype=torch.float64)
+    legacy = torch.FloatStorage([1.0, 2.0])
+    out_typed, out_legacy, untyped = echo([typed, legacy, torch.ByteTensor([1, 2]).untyped_storage()])
+    assert type(out_typed) is torch.TypedStorage and out_typed.dtype == torch.float64
+    assert out_typed.tolist() == [1.0, 2.0, 3.0]
+    # torch builds legacy storages as TypedStorage instances (isinstance via a metaclass)
+    assert type(out_legacy) is type(legacy) and isinstance(out_legacy, torch.FloatStorage)
+    assert out_legacy.tolist() == [1.0, 2.0]
+    assert type(untyped) is torch.UntypedStorage and untyped.is_shared()
+
+
+def _put_and_exit(q):
+    t = torch.arange(1000.0)
+    q.put({"t": t, "v": t[10:20]})
+    del t  # the sender drops its tensor and exits right after put()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_sender_may_exit_right_after_put(strategy, method):
+    ctx = mp.get_context(method)
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_put_and_exit, args=(q,)) for _ in range(3)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(60)
+        assert proc.exitcode == 0
+    for _ in procs:  # read only after every producer is gone
+        msg = q.get(timeout=30)
+        assert msg["t"].sum().item() == sum(range(1000))
+        assert msg["v"].tolist() == [float(i) for i in range(10, 20)]
