@@ -78,6 +78,7 @@ def echo(strategy):
     yield send
     parent.send(None)
     proc.join(30)
+    parent.close()
     assert proc.exitcode == 0
 
 
