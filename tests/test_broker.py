@@ -1,0 +1,65 @@
+"""The broker as a real process: private directory, stdlib only, lifetime, restart."""
+
+import os
+import stat
+
+import torch
+
+import shmreduce
+from shmreduce import program
+from shmreduce.broker import client as broker_client
+from helpers import broker_pids, wait_for
+
+
+def _client():
+    prog = program.current()
+    return broker_client.client_for(prog.directory, prog.root_pid)
+
+
+def test_broker_is_a_private_stdlib_only_process(registered_fd):
+    t = torch.ones(4)
+    shmreduce.loads(shmreduce.dumps(t))
+    client = _client()
+    counters = client.ping()
+    assert counters["pid"] == client.broker_pid and counters["clients"] >= 1
+    with open(f"/proc/{client.broker_pid}/maps") as f:
+        assert "libtorch" not in f.read(), "the broker must never import torch"
+    directory = program.current().directory
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(os.path.join(directory, "broker.sock")).st_mode) == 0o600
+
+
+def test_file_system_segments_are_0600_and_unlinked_when_released():
+    with shmreduce.registered(strategy="file_system"):
+        t = torch.arange(100.0)
+        shmreduce.loads(shmreduce.dumps(t))
+        directory = program.current().directory
+        segs = [n for n in os.listdir(directory) if n.startswith("seg-")]
+        assert len(segs) == 1
+        assert stat.S_IMODE(os.stat(os.path.join(directory, segs[0])).st_mode) == 0o600
+        del t
+        from shmreduce import transfer
+        from shmreduce.cache import cache
+
+        transfer._release(cache.purge())
+        _client().ping()  # barrier: the release has been processed
+        assert not [n for n in os.listdir(directory) if n.startswith("seg-")]
+
+
+def test_broker_exits_when_clients_leave_and_restarts_on_demand(registered_fd):
+    shmreduce.loads(shmreduce.dumps(torch.ones(2)))
+    first = _client().broker_pid
+    broker_client.close_all()
+    assert wait_for(lambda: not broker_pids(), 10)
+    assert not os.path.exists(program.current().directory)
+    out = shmreduce.loads(shmreduce.dumps(torch.ones(2)))  # a new broker serves the next message
+    assert out.sum().item() == 2 and _client().broker_pid != first
+
+
+def test_undelivered_message_keeps_broker_while_root_lives(registered_fd):
+    data = shmreduce.dumps(torch.arange(5.0))
+    broker_client.close_all()
+    assert wait_for(lambda: bool(broker_pids()), 1)
+    counters = _client().ping()
+    assert counters["messages"] == 1  # still waiting for its receiver
+    assert shmreduce.loads(data).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
