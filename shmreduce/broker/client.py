@@ -165,7 +165,15 @@ class BrokerClient:
             sock = self._socket()
             fds: list[int] = []
             try:
-                P.send_record(sock, P.FETCH, key)
+                try:
+                    P.send_record(sock, P.FETCH, key)
+                except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError):
+                    # Our connection is to a broker that died since our last message;
+                    # this message may have been deposited with its successor (as in
+                    # _send): ask a fresh connection. Nothing was sent yet.
+                    self.close()
+                    sock = self._socket()
+                    P.send_record(sock, P.FETCH, key)
                 self.round_trips += 1
                 sock.settimeout(IO_TIMEOUT + P.FETCH_WAIT)
                 while True:
