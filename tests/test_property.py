@@ -121,6 +121,7 @@ def _echo_queue(inq, outq):
 @pytest.fixture(scope="module", params=["file_descriptor", "file_system"])
 def echo_child(request):
     """A persistent echo child per strategy, over a Pipe and over a Queue."""
+    previous = shmreduce.get_sharing_strategy()
     shmreduce.register(strategy=request.param)
     parent, child = CTX.Pipe()
     inq, outq = CTX.Queue(), CTX.Queue()
@@ -149,6 +150,7 @@ def echo_child(request):
         q.close()
         q.join_thread()
     shmreduce.unregister()
+    shmreduce.set_sharing_strategy(previous)
 
 
 @SETTINGS

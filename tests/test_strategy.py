@@ -1,5 +1,8 @@
 """The strategy toggle: validation, default, and one switch with torch.multiprocessing."""
 
+import subprocess
+import sys
+
 import pytest
 import torch.multiprocessing as tmp
 
@@ -8,8 +11,14 @@ import shmreduce
 
 def test_default_and_all():
     assert shmreduce.get_all_sharing_strategies() >= {"file_descriptor", "file_system"}
-    assert tmp.get_sharing_strategy() == "file_descriptor"
-    assert shmreduce.get_sharing_strategy() == "file_descriptor"
+    code = "import shmreduce; print(shmreduce.get_sharing_strategy())"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "file_descriptor"
+
+
+@pytest.fixture(autouse=True)
+def _start_from_default():
+    shmreduce.set_sharing_strategy("file_descriptor")
 
 
 def test_invalid_strategy_names_the_valid_ones():
