@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q --timeout=300 $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(PY) benchmarks/bench.py $(BENCH_ARGS)
+	$(PY) benchmarks/bench.py --update-readme $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,711 @@
+"""shmreduce benchmark: shmreduce against torch.multiprocessing, pickle by value and a floor.
+
+Method
+------
+* Start method: ``fork`` everywhere (producer, consumer and DataLoader workers). A forked
+  child inherits the parent's registration state and sharing strategy directly.
+* Implementations (rows): ``shmreduce-fd`` / ``shmreduce-fs`` (``shmreduce.register(strategy=...)``
+  before the processes are created, ``shmreduce.unregister()`` after they are joined);
+  ``torch-fd`` / ``torch-fs`` (shmreduce unregistered,
+  ``torch.multiprocessing.set_sharing_strategy``); ``by-value`` (the producer sends
+  ``tensor.numpy()``, which ForkingPickler pickles by value: every byte goes through the
+  pipe, the consumer turns it back into a tensor with ``torch.from_numpy``); ``floor``
+  (a bare int through the same queue: the cost of the transport itself).
+* Every trial is a fresh producer and a fresh consumer process over an ``mp.Queue``
+  (bounded, so a fast producer cannot pile up shared memory). The producer builds fresh
+  tensors for every message until the consumer says stop; the consumer times the messages
+  after the first one (warm-up) for a fixed wall time. Both are joined with timeouts
+  (then terminated, then killed) so nothing is left running.
+* Rounds alternate the implementations (A B C ... A B C ..., the order reversed every other
+  round) so machine noise hits all rows alike; the table reports the median over rounds
+  and the ratio of that median against torch with the same strategy.
+* Scenario 4 (busy sender) uses an ``mp.Pipe`` instead of a queue so that the consumer can
+  separate waiting from unpickling: it takes the message bytes with ``recv_bytes()``
+  (the message is already there) and times only ``ForkingPickler.loads`` of them, which
+  is where a receiver fetches descriptors (torch: from the sender's resource_sharer
+  thread; shmreduce: from its broker). The producer spins 2 ms in pure Python after
+  each ``send``. The message is one 1 KiB tensor.
+* Scenario 5 times ``next()`` on a ``DataLoader`` iterator (2 workers, batch 16) after the
+  first batch; "stock" is torch's default strategy (file_descriptor).
+* Scenario 6: the consumer receives and keeps 1,000 1 KiB tensors, then both processes
+  report ``/proc/self/fd`` entries and memfd mappings in ``/proc/self/maps`` (distinct
+  segments and bytes); ``/dev/shm`` growth and the descriptors held by the shmreduce
+  broker (if one runs) are measured from outside while the tensors are still held.
+* Round trips per message (shmreduce rows): delta of ``shmreduce.stats()["round_trips"]``
+  on the consumer (receiver) side over the timed messages, divided by their count.
+
+Run: ``python benchmarks/bench.py [--quick] [--rounds N] [--update-readme]``.
+Writes ``benchmarks/results/results.json`` and ``benchmarks/results/chart.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import multiprocessing as mp
+import os
+import platform
+import queue
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.multiprocessing  # noqa: F401  (installs torch's reducers into ForkingPickler)
+from multiprocessing.reduction import ForkingPickler
+
+import shmreduce
+
+CTX = mp.get_context("fork")
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+README = HERE.parent / "README.md"
+MARK_START, MARK_END = "<!-- bench:start -->", "<!-- bench:end -->"
+JOIN_TIMEOUT = 10.0  # joining a trial's processes
+GET_TIMEOUT = 5.0  # one message; a row that stalls this long fails, and is skipped in later rounds
+KIB, MIB = 1024, 1024 * 1024
+
+# -- implementations ------------------------------------------------------------------
+
+IMPLS = ["shmreduce-fd", "torch-fd", "shmreduce-fs", "torch-fs", "by-value", "floor"]
+STRATEGY = {"shmreduce-fd": "file_descriptor", "torch-fd": "file_descriptor",
+            "shmreduce-fs": "file_system", "torch-fs": "file_system"}
+BASELINE = {"shmreduce-fd": "torch-fd", "shmreduce-fs": "torch-fs",
+            "by-value": "torch-fd", "floor": "torch-fd"}
+
+
+def configure(impl: str) -> None:
+    """Put this (parent) process in the state the row needs before forking."""
+    shmreduce.unregister()
+    if impl.startswith("shmreduce"):
+        shmreduce.register(strategy=STRATEGY[impl])
+    else:
+        torch.multiprocessing.set_sharing_strategy(STRATEGY.get(impl, "file_descriptor"))
+
+
+def deconfigure() -> None:
+    shmreduce.unregister()
+    torch.multiprocessing.set_sharing_strategy("file_descriptor")
+
+
+def encode(impl: str, msg: Any, seq: int) -> Any:
+    """What the producer puts on the wire for ``msg`` under ``impl``."""
+    if impl == "floor":
+        return seq
+    if impl == "by-value":
+        if isinstance(msg, dict):
+            return {k: v.numpy() for k, v in msg.items()}
+        return msg.numpy()
+    return msg
+
+
+def decode(obj: Any) -> Any:
+    """Consumer side of ``encode``: by-value rows get tensors back."""
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj)
+    if isinstance(obj, dict) and obj and isinstance(next(iter(obj.values())), np.ndarray):
+        return {k: torch.from_numpy(v) for k, v in obj.items()}
+    return obj
+
+
+# -- message factories ----------------------------------------------------------------
+
+
+def one_small(seq: int) -> torch.Tensor:
+    return torch.full((KIB // 4,), float(seq), dtype=torch.float32)
+
+
+def dict_small(seq: int) -> dict[str, torch.Tensor]:
+    return {f"t{i}": torch.full((KIB // 4,), float(seq + i), dtype=torch.float32) for i in range(64)}
+
+
+def one_large(seq: int) -> torch.Tensor:
+    return torch.empty(64 * MIB // 4, dtype=torch.float32).fill_(float(seq))
+
+
+# payload bytes per message; the parent never builds a tensor itself: a parallel fill
+# in the parent starts OpenMP threads, and forked children then hang in their own fills.
+MSG_BYTES = {one_small: KIB, dict_small: 64 * KIB, one_large: 64 * MIB}
+
+
+# -- process plumbing -----------------------------------------------------------------
+
+
+def run_children(*procs: mp.Process) -> None:
+    for p in procs:
+        p.start()
+
+
+def join_all(procs: list[mp.Process], timeout: float = JOIN_TIMEOUT) -> None:
+    """Join every process; terminate, then kill, whatever overstays."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(3)
+        if p.is_alive():
+            p.kill()
+            p.join(3)
+
+
+def get_result(results: Any, procs: list[mp.Process], timeout: float) -> dict:
+    try:
+        return results.get(timeout=timeout)
+    finally:
+        join_all(procs)
+
+
+def shmreduce_stat(name: str) -> int:
+    return int(shmreduce.stats().get(name, 0)) if shmreduce.is_registered() else 0
+
+
+# -- scenarios 1-3: throughput over mp.Queue --------------------------------------------
+
+
+def queue_producer(impl: str, make: Callable[[int], Any], q: Any, stop: Any, done: Any) -> None:
+    seq = 0
+    while not stop.is_set():
+        msg = seq if impl == "floor" else encode(impl, make(seq), seq)
+        while not stop.is_set():
+            try:
+                q.put(msg, timeout=0.05)
+                break
+            except queue.Full:
+                continue
+        del msg
+        seq += 1
+    q.put(None)
+    q.close()
+    q.join_thread()
+    done.wait(JOIN_TIMEOUT)  # torch-fd serves descriptors from this process until drained
+
+
+def queue_consumer(q: Any, stop: Any, done: Any, results: Any, seconds: float, nbytes: int) -> None:
+    try:
+        results.put(consume(q, stop, seconds, nbytes))
+    except Exception as exc:
+        stop.set()
+        results.put({"error": f"consumer: {type(exc).__name__}: {exc}"})
+    finally:
+        done.set()
+
+
+def consume(q: Any, stop: Any, seconds: float, nbytes: int) -> dict:
+    decode(q.get(timeout=GET_TIMEOUT))  # warm-up: first share, broker start, ...
+    rt0 = shmreduce_stat("round_trips")
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        obj = decode(q.get(timeout=GET_TIMEOUT))
+        del obj
+        count += 1
+    elapsed = time.perf_counter() - t0
+    rt = shmreduce_stat("round_trips") - rt0
+    stop.set()
+    while q.get(timeout=GET_TIMEOUT) is not None:  # drain until the producer's sentinel
+        pass
+    return {"msgs": count, "seconds": elapsed, "msg_per_s": count / elapsed,
+            "gb_per_s": count * nbytes / elapsed / 1e9, "round_trips_per_msg": rt / count}
+
+
+def throughput_trial(impl: str, make: Callable[[int], Any], seconds: float, maxsize: int) -> dict:
+    q, stop, done, results = CTX.Queue(maxsize), CTX.Event(), CTX.Event(), CTX.Queue()
+    nbytes = MSG_BYTES[make]
+    procs = [CTX.Process(target=queue_producer, args=(impl, make, q, stop, done), daemon=True),
+             CTX.Process(target=queue_consumer, args=(q, stop, done, results, seconds, nbytes), daemon=True)]
+    run_children(*procs)
+    return get_result(results, procs, seconds + JOIN_TIMEOUT)
+
+
+# -- scenario 4: busy sender, consumer unpickle latency ----------------------------------
+
+
+def spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    x = 0
+    while time.perf_counter() < end:
+        x += 1
+
+
+def busy_producer(impl: str, conn: Any, count: int) -> None:
+    for seq in range(count + 1):
+        conn.send(seq if impl == "floor" else encode(impl, one_small(seq), seq))
+        spin(0.002)
+    conn.send(None)
+    conn.poll(JOIN_TIMEOUT)  # wait until the consumer is done: torch-fd serves fds from this process
+    conn.close()
+
+
+def busy_consumer(conn: Any, results: Any) -> None:
+    try:
+        results.put(measure_unpickle(conn))
+    except Exception as exc:
+        results.put({"error": f"consumer: {type(exc).__name__}: {exc}"})
+
+
+def measure_unpickle(conn: Any) -> dict:
+    latencies = []
+    rt0 = None
+    while True:
+        if not conn.poll(GET_TIMEOUT):
+            raise TimeoutError(f"no message for {GET_TIMEOUT} s")
+        data = conn.recv_bytes()
+        t0 = time.perf_counter()
+        obj = decode(ForkingPickler.loads(data))
+        latencies.append(time.perf_counter() - t0)
+        if obj is None:
+            break
+        if rt0 is None:
+            rt0 = shmreduce_stat("round_trips")
+            latencies.clear()  # first message is warm-up
+        del obj
+    latencies.pop()  # the sentinel
+    count = len(latencies)
+    rt = shmreduce_stat("round_trips") - (rt0 or 0)
+    conn.send("done")
+    ms = np.array(latencies) * 1e3
+    return {"msgs": count, "p50_ms": float(np.percentile(ms, 50)),
+            "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms.max()),
+            "round_trips_per_msg": rt / max(count, 1)}
+
+
+def busy_trial(impl: str, count: int) -> dict:
+    a, b = CTX.Pipe()
+    results = CTX.Queue()
+    procs = [CTX.Process(target=busy_producer, args=(impl, a, count), daemon=True),
+             CTX.Process(target=busy_consumer, args=(b, results), daemon=True)]
+    run_children(*procs)
+    return get_result(results, procs, count * 0.01 + JOIN_TIMEOUT)
+
+
+# -- scenario 5: DataLoader --------------------------------------------------------------
+
+
+class DictSamples(torch.utils.data.Dataset):
+    """Samples that are dicts of 32 small tensors."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {f"f{k}": torch.full((16,), float(i + k)) for k in range(32)}
+
+
+class ImageSamples(torch.utils.data.Dataset):
+    """Image-like samples: 3x224x224 uint8."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((3, 224, 224), i % 251, dtype=torch.uint8)
+
+
+def loader_trial(dataset_cls: type, seconds: float, max_batches: int) -> dict:
+    loader = torch.utils.data.DataLoader(dataset_cls(16 * (max_batches + 1)), batch_size=16,
+                                         num_workers=2, multiprocessing_context=CTX,
+                                         timeout=GET_TIMEOUT)
+    it = iter(loader)
+    next(it)  # warm-up: workers started
+    rt0 = shmreduce_stat("round_trips")
+    count, t0 = 0, time.perf_counter()
+    for _ in it:
+        count += 1
+        if time.perf_counter() - t0 >= seconds:
+            break
+    elapsed = time.perf_counter() - t0
+    rt = shmreduce_stat("round_trips") - rt0
+    it._shutdown_workers()  # joins the workers (with torch's own timeouts)
+    del it, loader
+    return {"batches": count, "batches_per_s": count / elapsed, "round_trips_per_msg": rt / max(count, 1)}
+
+
+# -- scenario 6: what keeping 1,000 tensors holds --------------------------------------
+
+
+def fd_count(pid: int | str = "self") -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return -1
+
+
+def memfd_mappings(pid: int | str = "self") -> tuple[int, int]:
+    """Distinct memfd segments mapped by ``pid`` and their total size in bytes."""
+    seen: dict[str, int] = {}
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            if "/memfd:" not in line:
+                continue
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            seen[fields[4]] = max(seen.get(fields[4], 0), hi - lo)  # by inode
+    return len(seen), sum(seen.values())
+
+
+def dev_shm_bytes() -> int:
+    total = 0
+    for root, _, files in os.walk("/dev/shm"):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def broker_pids() -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"shmreduce" in cmd and b"broker" in cmd:
+                pids.append(int(entry))
+    return pids
+
+
+def process_report() -> dict:
+    segs, nbytes = memfd_mappings()
+    return {"fds": fd_count(), "memfd_segments": segs, "memfd_bytes": nbytes}
+
+
+def holding_producer(impl: str, q: Any, ctl: Any, count: int) -> None:
+    for seq in range(count):
+        q.put(encode(impl, one_small(seq), seq))
+    if ctl.poll(JOIN_TIMEOUT + count * 0.02):  # consumer holds everything now
+        ctl.recv()
+        ctl.send(process_report())
+        ctl.poll(JOIN_TIMEOUT)
+    q.close()
+    q.join_thread()
+
+
+def holding_consumer(q: Any, ctl: Any, count: int) -> None:
+    kept = [decode(q.get(timeout=GET_TIMEOUT)) for _ in range(count)]
+    ctl.send(process_report())
+    ctl.poll(JOIN_TIMEOUT)
+    del kept
+
+
+def holding_trial(impl: str, count: int) -> dict:
+    q = CTX.Queue()
+    prod_ctl, prod_end = CTX.Pipe()
+    cons_ctl, cons_end = CTX.Pipe()
+    shm0, brokers0 = dev_shm_bytes(), set(broker_pids())
+    procs = [CTX.Process(target=holding_producer, args=(impl, q, prod_end, count), daemon=True),
+             CTX.Process(target=holding_consumer, args=(q, cons_end, count), daemon=True)]
+    run_children(*procs)
+    try:
+        if not cons_ctl.poll(JOIN_TIMEOUT + count * 0.02):
+            raise RuntimeError(f"{impl}: consumer did not receive {count} tensors in time")
+        consumer = cons_ctl.recv()
+        prod_ctl.send("report")
+        producer = prod_ctl.recv() if prod_ctl.poll(JOIN_TIMEOUT) else {}
+        brokers = [p for p in broker_pids() if p not in brokers0]
+        result = {"consumer": consumer, "producer": producer,
+                  "dev_shm_bytes": dev_shm_bytes() - shm0,
+                  "broker_fds": sum(fd_count(p) for p in brokers)}
+        prod_ctl.send("exit")
+        cons_ctl.send("exit")
+        return result
+    finally:
+        join_all(procs)
+
+
+# -- scenarios table ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scenario:
+    key: str
+    title: str
+    metric: str  # key in the trial result
+    unit: str
+    higher_is_better: bool
+    impls: tuple[str, ...]
+    run: Callable[[str, "Budget"], dict]
+
+
+@dataclass(frozen=True)
+class Budget:
+    seconds: float  # timed wall time per throughput trial
+    busy_msgs: int  # messages per busy-sender trial
+    held: int  # tensors kept in scenario 6
+
+
+ALL = tuple(IMPLS)
+SHARED = ("shmreduce-fd", "torch-fd", "shmreduce-fs", "torch-fs")
+SCENARIOS = [
+    Scenario("1", "one 1 KiB tensor", "msg_per_s", "msg/s", True, ALL,
+             lambda impl, b: throughput_trial(impl, one_small, b.seconds, 64)),
+    Scenario("2", "dict of 64 x 1 KiB tensors", "msg_per_s", "msg/s", True, ALL,
+             lambda impl, b: throughput_trial(impl, dict_small, b.seconds * 1.5, 8)),
+    Scenario("3", "one 64 MiB tensor", "gb_per_s", "GB/s", True, ALL[:-1],
+             lambda impl, b: throughput_trial(impl, one_large, b.seconds * 1.5, 3)),
+    Scenario("4", "busy sender (2 ms spin), unpickle p99", "p99_ms", "ms", False, ALL,
+             lambda impl, b: busy_trial(impl, b.busy_msgs)),
+    Scenario("5a", "DataLoader: dicts of 32 small tensors", "batches_per_s", "batch/s", True, SHARED,
+             lambda impl, b: loader_trial(DictSamples, b.seconds * 1.5, 2000)),
+    Scenario("5b", "DataLoader: 3x224x224 uint8 images", "batches_per_s", "batch/s", True, SHARED,
+             lambda impl, b: loader_trial(ImageSamples, b.seconds * 1.5, 2000)),
+    Scenario("6", "keep 1,000 x 1 KiB tensors: consumer fds", "consumer_fds", "fds", False, ALL[:-1],
+             lambda impl, b: flatten_holding(holding_trial(impl, b.held))),
+]
+
+
+def flatten_holding(r: dict) -> dict:
+    return {"consumer_fds": r["consumer"]["fds"], "producer_fds": r["producer"].get("fds", -1),
+            "consumer_memfd_segments": r["consumer"]["memfd_segments"],
+            "consumer_memfd_bytes": r["consumer"]["memfd_bytes"],
+            "producer_memfd_segments": r["producer"].get("memfd_segments", -1),
+            "dev_shm_bytes": r["dev_shm_bytes"], "broker_fds": r["broker_fds"]}
+
+
+# goal: (scenario, impl, test on the summary row, description)
+GOALS = [
+    ("1", "shmreduce-fd", lambda s: s["ratio"] >= 5, ">= 5x torch fd"),
+    ("1", "shmreduce-fs", lambda s: s["ratio"] >= 2, ">= 2x torch fs"),
+    ("2", "shmreduce-fd", lambda s: s["ratio"] >= 15, ">= 15x torch fd"),
+    ("3", "shmreduce-fd", lambda s: s["ratio"] >= 1.0, ">= 1.0x torch fd"),
+    ("3", "shmreduce-fs", lambda s: s["ratio"] >= 1.0, ">= 1.0x torch fs"),
+    ("4", "shmreduce-fd", lambda s: s["median"] <= 2.0, "p99 <= 2 ms"),
+    ("4", "shmreduce-fs", lambda s: s["median"] <= 2.0, "p99 <= 2 ms"),
+    ("5a", "shmreduce-fd", lambda s: s["ratio"] >= 1.5, ">= 1.5x stock"),
+    ("5b", "shmreduce-fd", lambda s: s["ratio"] >= 1.0, ">= 1.0x stock"),
+]
+
+
+# -- driver ------------------------------------------------------------------------------
+
+
+def run_trial(scenario: Scenario, impl: str, budget: Budget) -> dict:
+    configure(impl)
+    try:
+        return scenario.run(impl, budget)
+    except Exception as exc:  # a failing row is a result, not the end of the run
+        print(f"  ! scenario {scenario.key} {impl}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        deconfigure()
+        gc.collect()
+
+
+def run_rounds(rounds: int, budget: Budget, only: set[str] | None) -> dict[str, dict[str, list[dict]]]:
+    raw: dict[str, dict[str, list[dict]]] = {s.key: {i: [] for i in s.impls} for s in SCENARIOS}
+    failed: set[tuple[str, str]] = set()
+    for r in range(rounds):
+        for scenario in SCENARIOS:
+            if only and scenario.key not in only:
+                continue
+            order = scenario.impls if r % 2 == 0 else tuple(reversed(scenario.impls))
+            for impl in order:
+                if (scenario.key, impl) in failed:
+                    continue
+                t = time.perf_counter()
+                result = run_trial(scenario, impl, budget)
+                raw[scenario.key][impl].append(result)
+                if "error" in result:
+                    failed.add((scenario.key, impl))
+                    print(f"  ! scenario {scenario.key} {impl}: {result['error']} (skipped from now on)",
+                          file=sys.stderr)
+                value = result.get(scenario.metric, float("nan"))
+                print(f"round {r + 1}/{rounds} scenario {scenario.key:>2} {impl:<13} "
+                      f"{value:10.3f} {scenario.unit:<7} ({time.perf_counter() - t:.1f}s)", flush=True)
+    return raw
+
+
+def median_of(trials: list[dict], key: str) -> float:
+    values = [t[key] for t in trials if key in t]
+    return statistics.median(values) if values else float("nan")
+
+
+def summarize(raw: dict[str, dict[str, list[dict]]]) -> dict[str, dict[str, dict]]:
+    summary: dict[str, dict[str, dict]] = {}
+    for scenario in SCENARIOS:
+        rows = {}
+        for impl in scenario.impls:
+            trials = raw[scenario.key][impl]
+            if not trials:
+                continue
+            row = {"median": median_of(trials, scenario.metric),
+                   "round_trips_per_msg": median_of(trials, "round_trips_per_msg"),
+                   "errors": [t["error"] for t in trials if "error" in t]}
+            for extra in ("p50_ms", "max_ms", "producer_fds", "consumer_memfd_segments",
+                          "consumer_memfd_bytes", "dev_shm_bytes", "broker_fds"):
+                if any(extra in t for t in trials):
+                    row[extra] = median_of(trials, extra)
+            rows[impl] = row
+        for impl, row in rows.items():
+            base = rows.get(BASELINE.get(impl, impl))
+            row["ratio"] = ratio(row["median"], base["median"] if base else float("nan"),
+                                 scenario.higher_is_better)
+        if rows:
+            summary[scenario.key] = rows
+    return summary
+
+
+def ratio(value: float, base: float, higher_is_better: bool) -> float:
+    """How many times better than the baseline (> 1 is better, whichever the direction)."""
+    if not base or not value or base != base or value != value:
+        return float("nan")
+    return value / base if higher_is_better else base / value
+
+
+def evaluate_goals(summary: dict) -> list[dict]:
+    goals = []
+    for key, impl, test, text in GOALS:
+        row = summary.get(key, {}).get(impl)
+        ok = bool(row) and row["median"] == row["median"] and test(row)
+        goals.append({"scenario": key, "impl": impl, "goal": text, "pass": ok,
+                      "ratio": row["ratio"] if row else None, "value": row["median"] if row else None})
+    return goals
+
+
+# -- output --------------------------------------------------------------------------------
+
+
+def fmt(value: float) -> str:
+    if value != value:
+        return "—"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 10:
+        return f"{value:.1f}"
+    return f"{value:.3g}" if abs(value) < 1 else f"{value:.2f}"
+
+
+def markdown_table(summary: dict, goals: list[dict]) -> str:
+    verdict = {(g["scenario"], g["impl"]): ("PASS" if g["pass"] else "FAIL") + f" ({g['goal']})"
+               for g in goals}
+    lines = ["| scenario | implementation | median | unit | vs torch (same strategy) | round trips/msg | goal |",
+             "| --- | --- | ---: | --- | ---: | ---: | --- |"]
+    for scenario in SCENARIOS:
+        for impl, row in summary.get(scenario.key, {}).items():
+            rt = fmt(row["round_trips_per_msg"]) if impl.startswith("shmreduce") else ""
+            extra = f" (p50 {fmt(row['p50_ms'])})" if "p50_ms" in row else ""
+            err = f" ⚠ {len(row['errors'])} failed" if row["errors"] else ""
+            lines.append(f"| {scenario.key} {scenario.title} | {impl} | {fmt(row['median'])}{extra}{err} | "
+                         f"{scenario.unit} | {fmt(row['ratio'])}x | {rt} | {verdict.get((scenario.key, impl), '')} |")
+    return "\n".join(lines)
+
+
+def holding_table(summary: dict) -> str:
+    rows = summary.get("6")
+    if not rows:
+        return ""
+    lines = ["| scenario 6 (1,000 kept) | consumer fds | producer fds | consumer memfd segments / MiB "
+             "| /dev/shm growth MiB | broker fds |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for impl, r in rows.items():
+        lines.append(f"| {impl} | {fmt(r['median'])} | {fmt(r.get('producer_fds', float('nan')))} | "
+                     f"{fmt(r.get('consumer_memfd_segments', float('nan')))} / "
+                     f"{fmt(r.get('consumer_memfd_bytes', float('nan')) / MIB)} | "
+                     f"{fmt(r.get('dev_shm_bytes', float('nan')) / MIB)} | {fmt(r.get('broker_fds', float('nan')))} |")
+    return "\n".join(lines)
+
+
+def draw_chart(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [s for s in SCENARIOS if s.key in summary]
+    fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 4))
+    colors = {"shmreduce-fd": "#1f77b4", "shmreduce-fs": "#6baed6", "torch-fd": "#d62728",
+              "torch-fs": "#ff9896", "by-value": "#7f7f7f", "floor": "#c7c7c7"}
+    for ax, scenario in zip(axes, shown):
+        rows = summary[scenario.key]
+        names = list(rows)
+        ax.bar(range(len(names)), [rows[n]["median"] for n in names], color=[colors[n] for n in names])
+        ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
+        ax.set_title(f"{scenario.key}: {scenario.title}", fontsize=8, wrap=True)
+        ax.set_ylabel(scenario.unit + ("" if scenario.higher_is_better else " (lower is better)"), fontsize=8)
+        if scenario.key in ("1", "2", "6"):
+            ax.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def machine() -> dict:
+    return {"nproc": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "platform": platform.platform(), "start_method": "fork"}
+
+
+def update_readme(table: str, holding: str, command: str, meta: dict, date: str) -> None:
+    text = README.read_text() if README.exists() else ""
+    if MARK_START not in text or MARK_END not in text:
+        print(f"warning: {README} has no {MARK_START} / {MARK_END} markers; README left unchanged",
+              file=sys.stderr)
+        return
+    body = (f"\n{table}\n\n{holding}\n\n![benchmark chart](benchmarks/results/chart.png)\n\n"
+            f"`{command}` on {date}; {meta['nproc']} cores, Python {meta['python']}, torch {meta['torch']}, "
+            f"start method {meta['start_method']}.\n")
+    pattern = re.compile(re.escape(MARK_START) + ".*?" + re.escape(MARK_END), re.S)
+    README.write_text(pattern.sub(lambda _: MARK_START + body + MARK_END, text, count=1))
+    print(f"updated {README}")
+
+
+# -- main ----------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run (~30 s)")
+    parser.add_argument("--rounds", type=int, help="alternating rounds (default 3, quick 1)")
+    parser.add_argument("--only", help="comma-separated scenario keys, e.g. 1,2,5a")
+    parser.add_argument("--update-readme", action="store_true",
+                        help="rewrite README.md between the bench markers")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rounds = args.rounds or (1 if args.quick else 3)
+    budget = Budget(0.25, 60, 200) if args.quick else Budget(1.0, 250, 1000)
+    only = set(args.only.split(",")) if args.only else None
+    command = " ".join(["python", "benchmarks/bench.py"] + (sys.argv[1:] if argv is None else argv))
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    meta = machine()
+    print(f"shmreduce bench: {rounds} round(s), start method fork, {meta}", flush=True)
+    started = time.perf_counter()
+    raw = run_rounds(rounds, budget, only)
+    summary = summarize(raw)
+    goals = evaluate_goals(summary)
+    table, holding = markdown_table(summary, goals), holding_table(summary)
+    print("\n" + table + "\n\n" + holding + "\n")
+    for g in goals:
+        print(f"goal {g['scenario']:>2} {g['impl']:<13} {g['goal']:<18} {'PASS' if g['pass'] else 'FAIL'}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(
+        {"command": command, "date": date, "machine": meta, "rounds": rounds, "budget": budget.__dict__,
+         "seconds": time.perf_counter() - started, "summary": summary, "goals": goals, "raw": raw},
+        indent=1, default=str))
+    draw_chart(summary, args.out / "chart.png")
+    print(f"wrote {args.out / 'results.json'} and {args.out / 'chart.png'} "
+          f"in {time.perf_counter() - started:.0f}s")
+    if args.update_readme:
+        update_readme(table, holding, command, meta, date)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
