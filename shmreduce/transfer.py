@@ -25,6 +25,7 @@ from shmreduce.broker import client as broker
 from shmreduce.broker.protocol import DIR_PREFIX, KEY_LEN
 from shmreduce.cache import Segment, cache
 from shmreduce.errors import SharingError, stale_message
+from shmreduce.strategy import get_sharing_strategy
 
 MAX_PENDING = 64  # fetched messages whose refs have not all been rebuilt yet
 
@@ -127,9 +128,11 @@ def _segment_for(storage: torch.UntypedStorage, out: _Outgoing) -> Segment:
     if storage.is_shared():
         segment = segments.adopt_fd(storage)
     if segment is None:
-        if _strategy() == "file_system":
+        if get_sharing_strategy() == "file_system":
             prog = program.current()
-            broker.client_for(prog.directory, prog.root_pid).connect()  # the broker makes the directory
+            if not os.path.isdir(prog.directory):
+                # The broker makes the directory; gone means that broker died.
+                broker.client_for(prog.directory, prog.root_pid).connect(fresh=True)
             segment = segments.move_to_file(storage, prog.directory)
             out.holds.setdefault(prog.directory, []).append(segment.name)
         else:
@@ -148,12 +151,6 @@ def share(storage: torch.UntypedStorage) -> SegmentRef:
     with sending():
         out = _local.out
         return out.add(storage, _segment_for(storage, out))
-
-
-def _strategy() -> str:
-    from shmreduce.strategy import get_sharing_strategy
-
-    return get_sharing_strategy()
 
 
 def _release(released: dict[str, list[str]]) -> None:

@@ -14,6 +14,7 @@ import json
 import multiprocessing
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -29,6 +30,16 @@ _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspat
 # Called with (client) after every (re)connection; the storage cache uses it to hold
 # again the segment names this process still maps.
 on_connect: list[Callable[["BrokerClient"], None]] = []
+
+
+def _kernel_timeouts(sock: socket.socket, seconds: float) -> None:
+    # Blocking socket with SO_RCVTIMEO/SO_SNDTIMEO: the kernel bounds every call (it
+    # fails with EAGAIN), and CPython skips the poll() it runs before each call on a
+    # socket with a Python-level timeout (~40 us per deposit, measured by make bench).
+    sock.settimeout(None)
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 def _authkey() -> bytes:
@@ -76,7 +87,7 @@ class BrokerClient:
         last: Exception | None = None
         for attempt in range(3):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-            sock.settimeout(IO_TIMEOUT)
+            _kernel_timeouts(sock, IO_TIMEOUT)
             try:
                 sock.connect(path)
                 self.broker_pid = P.client_handshake(sock, _authkey())
@@ -104,9 +115,15 @@ class BrokerClient:
                 hook(self)
         return self.sock
 
-    def connect(self) -> None:
-        """Connect now (starting the broker if none runs), e.g. before using its directory."""
+    def connect(self, fresh: bool = False) -> None:
+        """Connect now (starting the broker if none runs), e.g. before using its directory.
+
+        *fresh* drops the current connection first: for when the program directory is
+        gone because the broker died, so that a new broker recreates it.
+        """
         with self.lock:
+            if fresh:
+                self.close()
             self._socket()
 
     def close(self) -> None:
@@ -175,7 +192,7 @@ class BrokerClient:
                     sock = self._socket()
                     P.send_record(sock, P.FETCH, key)
                 self.round_trips += 1
-                sock.settimeout(IO_TIMEOUT + P.FETCH_WAIT)
+                _kernel_timeouts(sock, IO_TIMEOUT + P.FETCH_WAIT)
                 while True:
                     record = P.recv_record(sock)
                     if record is None:
@@ -204,7 +221,7 @@ class BrokerClient:
                 raise self._broken(exc) from exc
             finally:
                 if self.sock is not None:
-                    self.sock.settimeout(IO_TIMEOUT)
+                    _kernel_timeouts(self.sock, IO_TIMEOUT)
 
     def ping(self) -> dict:
         """The broker's counters; also a barrier for this connection's earlier sends."""
