@@ -201,6 +201,10 @@ def _fetched(ref: SegmentRef) -> _Fetched:
             return entry
     if not os.path.basename(ref.program).startswith(DIR_PREFIX) or len(ref.message) != KEY_LEN:
         raise SharingError(f"refusing handle for {ref.program!r}: not a shmreduce program directory (forged message?)")
+    if not os.path.isdir(ref.program):
+        # Its broker is gone (the janitor removed the directory): never start a new
+        # broker for a directory named by a pickle, which could be anywhere.
+        raise stale_message(f"cannot receive from {ref.program!r}: no such program directory")
     entry = _Fetched(broker.client_for(ref.program, os.getpid()).fetch(ref.message))
     if not entry.unknown:
         _counters["messages_received"] += 1
