@@ -26,6 +26,7 @@ import time
 
 from shmreduce.broker import protocol as P
 
+STALE_MIN_AGE = 10.0  # seconds; a younger directory may be a broker still starting
 GRACE = float(os.environ.get("SHMREDUCE_BROKER_GRACE", "1.0"))
 
 
@@ -309,6 +310,8 @@ def sweep_stale(base: str, keep: str | None = None) -> list[str]:
             continue
         if st.st_uid != uid or not os.path.isdir(path) or os.path.islink(path):
             continue
+        if time.time() - st.st_mtime < STALE_MIN_AGE:
+            continue  # maybe a launcher between its mkdir and its flock: not stale yet
         if lock_is_free(path):
             remove_program_dir(path)
             removed.append(path)
