@@ -217,6 +217,10 @@ def register(*, strategy: str | None = None, cloudpickle: bool | None = None) ->
         ForkingPickler.loads = staticmethod(_forking_loads)  # type: ignore[method-assign,assignment]
         torch.UntypedStorage.share_memory_ = _share_memory_  # type: ignore[method-assign]
         multiprocessing.current_process()._config[_CONFIG_KEY] = _Inherit()
+        # The program starts here, so forked children join it rather than each
+        # becoming the root of its own (whose broker, and the messages it holds,
+        # would go when that child exits: SPEC 7).
+        program.current()
         # The fd strategy holds one descriptor per received storage (#973): raise the
         # soft limit to the hard one, as servers do.
         _platform.raise_nofile_limit()
