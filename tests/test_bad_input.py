@@ -1,0 +1,234 @@
+"""Bad input on the receiving side: stale handles, forged keys, wrong sizes, names
+outside the program directory, truncated pickles (SPEC 8).
+
+Each raises SharingError with a message that says what happened, within seconds, and
+damages nothing: the next message works and no descriptor is left open.
+
+Truncated pickles: the bytes themselves are broken, which is not a sharing failure,
+so pickle's own error surfaces (``pickle.UnpicklingError`` or ``EOFError``, as for
+any truncated pickle). If the cut falls after a handle, that part of the message was
+already fetched; shmreduce closes what the failed load left over (``receiving()``)
+and the rest of the message is consumed: load it again and you get SharingError
+(stale), never a hang.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import shmreduce
+from shmreduce import program, reductions, transfer
+from shmreduce.transfer import SegmentRef
+
+from helpers import open_fds, shm_base, wait_for
+
+TIMEOUT = 20.0
+
+
+def _in_child(fn, *args):
+    """Run fn(*args) in a fork child; return ("ok", value) or (exception type name, message)."""
+    ctx = mp.get_context("fork")
+    a, b = ctx.Pipe()
+
+    def target():
+        try:
+            b.send(("ok", fn(*args)))
+        except BaseException as exc:  # noqa: BLE001
+            b.send((type(exc).__name__, str(exc)))
+
+    p = ctx.Process(target=target)
+    p.start()
+    try:
+        assert a.poll(TIMEOUT), "child hung"
+        return a.recv()
+    finally:
+        p.join(TIMEOUT)
+        if p.is_alive():
+            p.kill()
+            p.join()
+        a.close()
+        b.close()
+
+
+def _rebuild_sum(ref):
+    # a fork child inherits the parent's mappings (and cache): forget them, so the
+    # child is a receiver that has never seen the segment
+    from shmreduce.cache import cache
+
+    cache._by_segment.clear()
+    cache._by_cdata.clear()
+    t = torch.empty(0).set_(reductions.rebuild_storage(ref))
+    return float(t.sum()) if t.dtype.is_floating_point else t.numel()
+
+
+def _shared_ref(t):
+    """A real handle for t's storage, deposited as its own message."""
+    with transfer.sending():
+        ref = transfer.share(t.untyped_storage())
+    return ref
+
+
+def _next_message_works():
+    t = torch.arange(10.0)
+    status, value = _in_child(lambda b: float(pickle.loads(b).sum()), shmreduce.dumps(t))
+    assert (status, value) == ("ok", 45.0)
+
+
+def _assert_sharing_error(result, *words):
+    status, message = result
+    assert status == "SharingError", result
+    for w in words:
+        assert w in message, (w, message)
+
+
+@pytest.fixture(params=["file_descriptor", "file_system"])
+def strat(request):
+    with shmreduce.registered(strategy=request.param):
+        yield request.param
+
+
+def test_forged_key_is_stale(strat):
+    t = torch.ones(8)
+    ref = _shared_ref(t)
+    forged = ref._replace(message=os.urandom(16))
+    t0 = time.monotonic()
+    result = _in_child(_rebuild_sum, forged)
+    assert time.monotonic() - t0 < 10
+    if strat == "file_descriptor":
+        _assert_sharing_error(result, "forged")
+    else:
+        # file_system handles name a file that exists: the key only delivers it.
+        _assert_sharing_error(result, "forged") if result[0] != "ok" else None
+    # the real message is still deliverable
+    assert _in_child(_rebuild_sum, ref) == ("ok", 8.0)
+    _next_message_works()
+
+
+def test_bad_key_length_and_kind_refused(strat):
+    ref = _shared_ref(torch.ones(4))
+    _assert_sharing_error(_in_child(_rebuild_sum, ref._replace(message=b"short")), "forged")
+    _assert_sharing_error(_in_child(_rebuild_sum, ref._replace(kind="evil")), "not a shmreduce segment handle")
+    assert _in_child(_rebuild_sum, ref) == ("ok", 4.0)
+    _next_message_works()
+
+
+def test_wrong_size_refused(strat):
+    t = torch.ones(16)
+    ref = _shared_ref(t)
+    result = _in_child(_rebuild_sum, ref._replace(nbytes=ref.nbytes * 1000))
+    _assert_sharing_error(result, "does not match its handle")
+    _next_message_works()
+
+
+def test_wrong_fd_slot_or_identity_refused(registered_fd):
+    ref = _shared_ref(torch.ones(16))
+    _assert_sharing_error(_in_child(_rebuild_sum, ref._replace(slot=5)), "cannot receive")
+    ref = _shared_ref(torch.ones(16))
+    _assert_sharing_error(_in_child(_rebuild_sum, ref._replace(name="1:2")), "does not match its handle")
+    _next_message_works()
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["../../../etc/passwd", "seg-../../etc/shadowxxxxxxxxxx", "seg-ZZZZZZZZZZZZZZZZZZZZZZZZ", "broker.sock", "seg-" + "0" * 24],
+)
+def test_names_outside_program_dir_refused(name):
+    with shmreduce.registered(strategy="file_system"):
+        ref = _shared_ref(torch.ones(4))
+        result = _in_child(_rebuild_sum, ref._replace(name=name))
+        status, message = result
+        assert status == "SharingError", result
+        assert "forged" in message or "gone" in message or "stale" in message, message
+        _next_message_works()
+
+
+@pytest.mark.parametrize("directory", ["/tmp/evil", "/etc", "/tmp/shmreduce-evil", "shmreduce-relative"])
+def test_program_dir_outside_base_refused(strat, directory, tmp_path):
+    before = set(os.listdir("/tmp"))
+    ref = _shared_ref(torch.ones(4))
+    if directory.startswith("/tmp/shmreduce"):
+        directory = str(tmp_path / "shmreduce-evil")
+    existed = os.path.exists(directory)
+    result = _in_child(_rebuild_sum, ref._replace(program=directory))
+    assert result[0] == "SharingError", result
+    assert existed or not os.path.exists(directory), "a forged handle made a directory"
+    assert set(os.listdir("/tmp")) <= before | {tmp_path.name}
+    _next_message_works()
+
+
+_DUMPER = """
+import sys, torch, shmreduce
+shmreduce.register(strategy=sys.argv[1])
+sys.stdout.write(shmreduce.dumps(torch.full((32,), 3.0)).hex())
+"""
+
+
+def test_stale_handle_program_gone(strat):
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", _DUMPER, strat], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    data = bytes.fromhex(out.stdout)
+    # the dumping program is gone: its broker leaves (root dead) and takes the directory
+    assert wait_for(lambda: not [d for d in os.listdir(shm_base()) if d != os.path.basename(program.current().directory)], 10)
+    fds = len(open_fds())
+    t0 = time.monotonic()
+    result = _in_child(lambda b: float(shmreduce.loads(b).sum()), data)
+    assert time.monotonic() - t0 < 10
+    _assert_sharing_error(result)
+    assert "send it again" in result[1] or "gone" in result[1], result
+    with pytest.raises(shmreduce.SharingError):
+        shmreduce.loads(data)  # and in this process too
+    assert len(open_fds()) <= fds
+    _next_message_works()
+
+
+def test_stale_handle_already_received(strat):
+    data = shmreduce.dumps(torch.full((32,), 2.0))
+    assert _in_child(lambda b: float(shmreduce.loads(b).sum()), data) == ("ok", 64.0)
+    result = _in_child(lambda b: float(shmreduce.loads(b).sum()), data)
+    if strat == "file_descriptor":
+        _assert_sharing_error(result, "already received")
+    else:
+        assert result[0] in ("ok", "SharingError"), result  # the file may still be held
+    _next_message_works()
+
+
+def test_truncated_pickle(strat):
+    data = shmreduce.dumps({"a": torch.ones(100), "b": torch.zeros(100), "c": list(range(50))})
+    fds = len(open_fds())
+    for cut in (1, len(data) // 3, len(data) // 2, len(data) - 1):
+        with pytest.raises((pickle.UnpicklingError, EOFError, shmreduce.SharingError)):
+            shmreduce.loads(data[:cut])
+    assert transfer.pending_count() == 0
+    assert len(open_fds()) <= fds
+    # a truncated message received in another process: pickle's error, nothing hangs
+    data = shmreduce.dumps([torch.ones(100), torch.ones(100)])
+    result = _in_child(lambda b: shmreduce.loads(b), data[: len(data) - 2])
+    assert result[0] in ("UnpicklingError", "EOFError"), result
+    _next_message_works()
+
+
+def test_broker_gone_is_sharing_error(registered_fd):
+    """A handle whose broker was killed: SharingError within seconds."""
+    import signal
+
+    from shmreduce.broker import client
+
+    data = shmreduce.dumps(torch.ones(8))
+    prog = program.current()
+    c = client.client_for(prog.directory, prog.root_pid)
+    pid = c.broker_pid
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    result = _in_child(lambda b: shmreduce.loads(b), data)
+    assert time.monotonic() - t0 < 10
+    _assert_sharing_error(result)
+    _next_message_works()
