@@ -1,0 +1,201 @@
+"""The ``doctor`` and ``cleanup`` commands (``python -m shmreduce ...``).
+
+Light by design: stdlib only, never imports torch. ``doctor`` checks what would bite a
+program that shares tensors here (shm mount size and free space, descriptor limits,
+memfd, starting and pinging a throwaway broker, stale program directories) and exits
+non-zero if something would. ``cleanup`` lists the program directories whose broker is
+dead (their lock is free) and broker processes whose program root is gone; ``--yes``
+removes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import secrets
+import shutil
+import signal
+import time
+
+from shmreduce import program
+from shmreduce.broker import protocol as P
+
+MIN_SHM_BYTES = 1 << 30  # below 1 GiB of free shm, file_system sends of big batches fail
+MIN_NOFILE = 4096
+
+
+def _fmt(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def stale_dirs(base: str) -> list[str]:
+    from shmreduce.broker.server import lock_is_free
+
+    found = []
+    try:
+        entries = sorted(os.listdir(base))
+    except OSError:
+        return found
+    for entry in entries:
+        path = os.path.join(base, entry)
+        if entry.startswith(P.DIR_PREFIX) and os.path.isdir(path) and not os.path.islink(path):
+            try:
+                if os.lstat(path).st_uid == os.getuid() and lock_is_free(path):
+                    found.append(path)
+            except OSError:
+                continue
+    return found
+
+
+def _broker_procs() -> list[tuple[int, str, int]]:
+    """(pid, directory, root_pid) of this user's broker processes."""
+    procs = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{entry}").st_uid != os.getuid():
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+        except OSError:
+            continue
+        if "shmreduce.broker.server" in argv:
+            i = argv.index("shmreduce.broker.server")
+            if len(argv) >= i + 3 and argv[i + 2].isdigit():
+                procs.append((int(entry), argv[i + 1], int(argv[i + 2])))
+    return procs
+
+
+def orphan_brokers() -> list[tuple[int, str, int]]:
+    """Brokers whose program root process is gone (they normally exit on their own)."""
+    return [p for p in _broker_procs() if not os.path.exists(f"/proc/{p[2]}")]
+
+
+def _check_broker(base: str) -> tuple[bool, str]:
+    import multiprocessing
+
+    from shmreduce.broker import client
+
+    directory = os.path.join(base, f"{P.DIR_PREFIX}doctor-{secrets.token_hex(6)}")
+    c = client.BrokerClient(directory, os.getpid())
+    try:
+        t0 = time.monotonic()
+        counters = c.ping()
+        ms = (time.monotonic() - t0) * 1000
+        ok = counters.get("clients") == 1
+        return ok, f"started a throwaway broker (pid {counters.get('pid')}) and pinged it in {ms:.0f} ms"
+    except Exception as exc:  # noqa: BLE001  reported as a failed check
+        return False, f"could not start or reach a broker in {base}: {exc}"
+    finally:
+        c.close()
+        pid = c.broker_pid
+        if pid:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 10
+        while os.path.exists(directory) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        shutil.rmtree(directory, ignore_errors=True)
+        del multiprocessing
+
+
+def doctor() -> int:
+    base = program.shm_base()
+    problems = 0
+
+    def report(ok: bool, what: str, detail: str) -> None:
+        nonlocal problems
+        problems += not ok
+        print(f"[{'ok' if ok else 'PROBLEM'}] {what}: {detail}")
+
+    try:
+        st = os.statvfs(base)
+        size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+        report(
+            free >= MIN_SHM_BYTES,
+            "shm mount",
+            f"{base}: {_fmt(size)} total, {_fmt(free)} free"
+            + ("" if free >= MIN_SHM_BYTES else
+               f" (under {_fmt(MIN_SHM_BYTES)}: 'file_system' sends will fail; use 'file_descriptor' "
+               "(memfd, not limited by this mount), or set SHMREDUCE_SHM_DIR to a larger tmpfs, "
+               "or give the container --shm-size)"),
+        )
+    except OSError as exc:
+        report(False, "shm mount", f"{base}: {exc}; set SHMREDUCE_SHM_DIR to a writable tmpfs")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    usable = hard if hard != resource.RLIM_INFINITY else soft
+    report(
+        usable >= MIN_NOFILE,
+        "descriptor limit",
+        f"soft {soft}, hard {hard} (register() raises soft to hard)"
+        + ("" if usable >= MIN_NOFILE else
+           f"; under {MIN_NOFILE}: receivers holding many tensors with 'file_descriptor' will hit "
+           "'out of file descriptors'; raise ulimit -Hn or use 'file_system'"),
+    )
+    try:
+        fd = os.memfd_create("shmreduce-doctor", os.MFD_CLOEXEC)
+        os.ftruncate(fd, 1 << 20)
+        os.close(fd)
+        report(True, "memfd", "memfd_create works ('file_descriptor' strategy available)")
+    except (AttributeError, OSError) as exc:
+        report(False, "memfd", f"memfd_create failed ({exc}); use the 'file_system' strategy")
+    ok, detail = _check_broker(base)
+    report(ok, "broker", detail)
+    stale = stale_dirs(base)
+    report(not stale, "stale program directories",
+           "none" if not stale else f"{len(stale)} ({', '.join(stale[:5])}); run: python -m shmreduce cleanup --yes")
+    orphans = orphan_brokers()
+    report(not orphans, "orphan brokers",
+           "none" if not orphans else f"{[p[0] for p in orphans]}; run: python -m shmreduce cleanup --yes")
+    print("all good" if not problems else f"{problems} problem(s) found")
+    return 1 if problems else 0
+
+
+def cleanup(yes: bool) -> int:
+    base = program.shm_base()
+    stale = stale_dirs(base)
+    orphans = orphan_brokers()
+    for path in stale:
+        print(f"stale program directory: {path}")
+    for pid, directory, root in orphans:
+        print(f"broker of a dead program: pid {pid} (program {directory}, root {root} gone)")
+    if not stale and not orphans:
+        print("nothing to clean")
+        return 0
+    if not yes:
+        print("run again with --yes to remove them")
+        return 0
+    from shmreduce.broker.server import lock_is_free, remove_program_dir
+
+    for pid, _directory, _root in orphans:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+    for path in stale:
+        if lock_is_free(path):
+            remove_program_dir(path)
+            print(f"removed {path}")
+    for pid, _d, _r in orphans:
+        print(f"stopped broker {pid}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shmreduce", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="check shm size, descriptor limits, memfd, the broker, stale state")
+    c = sub.add_parser("cleanup", help="list (and with --yes remove) stale program dirs and orphan brokers")
+    c.add_argument("--yes", action="store_true", help="remove what is listed")
+    args = parser.parse_args(argv)
+    if args.command == "doctor":
+        return doctor()
+    return cleanup(args.yes)
