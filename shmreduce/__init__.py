@@ -28,12 +28,15 @@ _EXPORTS = {
     "get_all_sharing_strategies": "shmreduce.strategy",
     "stats": "shmreduce.stats",
     "SharingError": "shmreduce.errors",
+    "share_numpy": "shmreduce.numpy_support",
+    "unshare_numpy": "shmreduce.numpy_support",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from shmreduce.errors import SharingError
+    from shmreduce.numpy_support import share_numpy, unshare_numpy
     from shmreduce.registry import (
         dispatch_table,
         dumps,
