@@ -75,3 +75,33 @@ def shutdown_and_check_leaks(fds_before: set[str], timeout: float = 15.0) -> Non
     assert wait_for(lambda: not shm_entries(), timeout), f"left in shm dir: {sorted(shm_entries())}"
     leaked = {fd for fd in open_fds() - fds_before if "memfd:shmreduce" in fd or "shmreduce" in fd or "socket:" in fd}
     assert not leaked, f"descriptors leaked: {leaked}"
+
+
+def run_in_child(fn, *args, timeout: float = 20.0):
+    """Run fn(*args) in a fork child; return ("ok", value) or (exception type name, message).
+
+    Bounded: the child is joined, and killed if it outlives *timeout*.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    a, b = ctx.Pipe()
+
+    def target():
+        try:
+            b.send(("ok", fn(*args)))
+        except BaseException as exc:  # noqa: BLE001
+            b.send((type(exc).__name__, str(exc)))
+
+    p = ctx.Process(target=target)
+    p.start()
+    try:
+        assert a.poll(timeout), "child hung"
+        return a.recv()
+    finally:
+        p.join(timeout)
+        if p.is_alive():
+            p.kill()
+            p.join()
+        a.close()
+        b.close()

@@ -14,7 +14,6 @@ and the rest of the message is consumed: load it again and you get SharingError
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
 import subprocess
@@ -28,34 +27,9 @@ import shmreduce
 from shmreduce import program, reductions, transfer
 from shmreduce.transfer import SegmentRef
 
-from helpers import open_fds, shm_base, wait_for
+from helpers import open_fds, run_in_child, shm_base, wait_for
 
 TIMEOUT = 20.0
-
-
-def _in_child(fn, *args):
-    """Run fn(*args) in a fork child; return ("ok", value) or (exception type name, message)."""
-    ctx = mp.get_context("fork")
-    a, b = ctx.Pipe()
-
-    def target():
-        try:
-            b.send(("ok", fn(*args)))
-        except BaseException as exc:  # noqa: BLE001
-            b.send((type(exc).__name__, str(exc)))
-
-    p = ctx.Process(target=target)
-    p.start()
-    try:
-        assert a.poll(TIMEOUT), "child hung"
-        return a.recv()
-    finally:
-        p.join(TIMEOUT)
-        if p.is_alive():
-            p.kill()
-            p.join()
-        a.close()
-        b.close()
 
 
 def _rebuild_sum(ref):
@@ -78,7 +52,7 @@ def _shared_ref(t):
 
 def _next_message_works():
     t = torch.arange(10.0)
-    status, value = _in_child(lambda b: float(pickle.loads(b).sum()), shmreduce.dumps(t))
+    status, value = run_in_child(lambda b: float(pickle.loads(b).sum()), shmreduce.dumps(t))
     assert (status, value) == ("ok", 45.0)
 
 
@@ -100,35 +74,35 @@ def test_forged_key_is_stale(strat):
     ref = _shared_ref(t)
     forged = ref._replace(message=os.urandom(16))
     t0 = time.monotonic()
-    result = _in_child(_rebuild_sum, forged)
+    result = run_in_child(_rebuild_sum, forged)
     assert time.monotonic() - t0 < 10
     _assert_sharing_error(result, "forged")  # also for file_system: the key delivers the file
     # the real message is still deliverable
-    assert _in_child(_rebuild_sum, ref) == ("ok", 8.0)
+    assert run_in_child(_rebuild_sum, ref) == ("ok", 8.0)
     _next_message_works()
 
 
 def test_bad_key_length_and_kind_refused(strat):
     ref = _shared_ref(torch.ones(4))
-    _assert_sharing_error(_in_child(_rebuild_sum, ref._replace(message=b"short")), "forged")
-    _assert_sharing_error(_in_child(_rebuild_sum, ref._replace(kind="evil")), "not a shmreduce segment handle")
-    assert _in_child(_rebuild_sum, ref) == ("ok", 4.0)
+    _assert_sharing_error(run_in_child(_rebuild_sum, ref._replace(message=b"short")), "forged")
+    _assert_sharing_error(run_in_child(_rebuild_sum, ref._replace(kind="evil")), "not a shmreduce segment handle")
+    assert run_in_child(_rebuild_sum, ref) == ("ok", 4.0)
     _next_message_works()
 
 
 def test_wrong_size_refused(strat):
     t = torch.ones(16)
     ref = _shared_ref(t)
-    result = _in_child(_rebuild_sum, ref._replace(nbytes=ref.nbytes * 1000))
+    result = run_in_child(_rebuild_sum, ref._replace(nbytes=ref.nbytes * 1000))
     _assert_sharing_error(result, "does not match its handle")
     _next_message_works()
 
 
 def test_wrong_fd_slot_or_identity_refused(registered_fd):
     ref = _shared_ref(torch.ones(16))
-    _assert_sharing_error(_in_child(_rebuild_sum, ref._replace(slot=5)), "cannot receive")
+    _assert_sharing_error(run_in_child(_rebuild_sum, ref._replace(slot=5)), "cannot receive")
     ref = _shared_ref(torch.ones(16))
-    _assert_sharing_error(_in_child(_rebuild_sum, ref._replace(name="1:2")), "does not match its handle")
+    _assert_sharing_error(run_in_child(_rebuild_sum, ref._replace(name="1:2")), "does not match its handle")
     _next_message_works()
 
 
@@ -139,7 +113,7 @@ def test_wrong_fd_slot_or_identity_refused(registered_fd):
 def test_names_outside_program_dir_refused(name):
     with shmreduce.registered(strategy="file_system"):
         ref = _shared_ref(torch.ones(4))
-        result = _in_child(_rebuild_sum, ref._replace(name=name))
+        result = run_in_child(_rebuild_sum, ref._replace(name=name))
         status, message = result
         assert status == "SharingError", result
         assert "forged" in message or "gone" in message or "stale" in message, message
@@ -153,7 +127,7 @@ def test_program_dir_outside_base_refused(strat, directory, tmp_path):
     if directory.startswith("/tmp/shmreduce"):
         directory = str(tmp_path / "shmreduce-evil")
     existed = os.path.exists(directory)
-    result = _in_child(_rebuild_sum, ref._replace(program=directory))
+    result = run_in_child(_rebuild_sum, ref._replace(program=directory))
     assert result[0] == "SharingError", result
     assert existed or not os.path.exists(directory), "a forged handle made a directory"
     assert set(os.listdir("/tmp")) <= before | {tmp_path.name}
@@ -176,7 +150,7 @@ def test_stale_handle_program_gone(strat):
     assert wait_for(lambda: not [d for d in os.listdir(shm_base()) if d != os.path.basename(program.current().directory)], 10)
     fds = len(open_fds())
     t0 = time.monotonic()
-    result = _in_child(lambda b: float(shmreduce.loads(b).sum()), data)
+    result = run_in_child(lambda b: float(shmreduce.loads(b).sum()), data)
     assert time.monotonic() - t0 < 10
     _assert_sharing_error(result)
     assert "send it again" in result[1] or "gone" in result[1], result
@@ -188,8 +162,8 @@ def test_stale_handle_program_gone(strat):
 
 def test_stale_handle_already_received(strat):
     data = shmreduce.dumps(torch.full((32,), 2.0))
-    assert _in_child(lambda b: float(shmreduce.loads(b).sum()), data) == ("ok", 64.0)
-    result = _in_child(lambda b: float(shmreduce.loads(b).sum()), data)
+    assert run_in_child(lambda b: float(shmreduce.loads(b).sum()), data) == ("ok", 64.0)
+    result = run_in_child(lambda b: float(shmreduce.loads(b).sum()), data)
     _assert_sharing_error(result, "already received")
     _next_message_works()
 
@@ -204,7 +178,7 @@ def test_truncated_pickle(strat):
     assert len(open_fds()) <= fds
     # a truncated message received in another process: pickle's error, nothing hangs
     data = shmreduce.dumps([torch.ones(100), torch.ones(100)])
-    result = _in_child(lambda b: shmreduce.loads(b), data[: len(data) - 2])
+    result = run_in_child(lambda b: shmreduce.loads(b), data[: len(data) - 2])
     assert result[0] in ("UnpicklingError", "EOFError"), result
     _next_message_works()
 
@@ -221,7 +195,7 @@ def test_broker_gone_is_sharing_error(registered_fd):
     pid = c.broker_pid
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
-    result = _in_child(lambda b: shmreduce.loads(b), data)
+    result = run_in_child(lambda b: shmreduce.loads(b), data)
     assert time.monotonic() - t0 < 10
     _assert_sharing_error(result)
     _next_message_works()

@@ -20,31 +20,9 @@ from shmreduce import program, transfer
 from shmreduce.broker import client as broker_client
 from shmreduce.broker import protocol as P
 
+from helpers import run_in_child
+
 TIMEOUT = 20.0
-
-
-def _in_child(fn):
-    ctx = mp.get_context("fork")
-    a, b = ctx.Pipe()
-
-    def target():
-        try:
-            b.send(("ok", fn()))
-        except BaseException as exc:  # noqa: BLE001
-            b.send((type(exc).__name__, str(exc)))
-
-    p = ctx.Process(target=target)
-    p.start()
-    try:
-        assert a.poll(TIMEOUT), "child hung"
-        return a.recv()
-    finally:
-        p.join(TIMEOUT)
-        if p.is_alive():
-            p.kill()
-            p.join()
-        a.close()
-        b.close()
 
 
 def _share_fs():
@@ -78,11 +56,11 @@ def test_other_authkey_refused(strategy):
         broker_client.close_all()
         return float(shmreduce.loads(data).sum())
 
-    status, message = _in_child(other_program)
+    status, message = run_in_child(other_program)
     assert status == "SharingError", (status, message)
     assert "authkey" in message or "refused" in message, message
     # the broker and the program are unharmed
-    assert _in_child(lambda: float(shmreduce.loads(data).sum())) == ("ok", 64.0)
+    assert run_in_child(lambda: float(shmreduce.loads(data).sum())) == ("ok", 64.0)
 
 
 def test_raw_connection_with_wrong_key_is_closed(strategy):
@@ -100,9 +78,9 @@ def test_raw_connection_with_wrong_key_is_closed(strategy):
             sock.close()
         return "accepted"
 
-    result = _in_child(connect_wrong)
+    result = run_in_child(connect_wrong)
     assert result[0] == "ok" and result[1].startswith("refused"), result
-    assert _in_child(lambda: float(shmreduce.loads(data).sum())) == ("ok", 64.0)
+    assert run_in_child(lambda: float(shmreduce.loads(data).sum())) == ("ok", 64.0)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to another uid")
@@ -145,11 +123,11 @@ def test_other_user_cannot_connect_or_open(strategy):
             out["loads"] = type(exc).__name__
         return out
 
-    status, out = _in_child(as_nobody)
+    status, out = run_in_child(as_nobody)
     assert status == "ok", out
     assert out["connect"] == "PermissionError", out
     assert out["list"] == "PermissionError", out
     assert out.get("open", "PermissionError") == "PermissionError", out
     assert out["loads"] == "SharingError", out
     # the message is still there for the real receiver
-    assert _in_child(lambda: float(shmreduce.loads(data).sum())) == ("ok", 64.0)
+    assert run_in_child(lambda: float(shmreduce.loads(data).sum())) == ("ok", 64.0)
