@@ -16,13 +16,12 @@ _new_with_weak_ptr = UntypedStorage._new_with_weak_ptr
 _expired = UntypedStorage._expired
 
 
-def swap_in(storage: torch.UntypedStorage, shared: torch.UntypedStorage) -> None:
-    """Copy *storage*'s bytes into *shared*, then swap their memory in place.
+def swap_memory(storage: torch.UntypedStorage, shared: torch.UntypedStorage) -> None:
+    """Swap the memory of two storages in place (same size).
 
-    Every tensor viewing *storage* now reads and writes the shared memory; *shared*
-    is left holding the old private memory, freed when it is dropped.
+    Every tensor viewing *storage* now reads and writes *shared*'s memory; *shared*
+    is left holding the old memory, freed when it is dropped.
     """
-    shared.copy_(storage)
     storage._swap_data_ptr_(shared)
 
 

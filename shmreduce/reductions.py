@@ -25,16 +25,12 @@ _SPARSE_COMPRESSED = {
 }
 
 
-class TensorMeta(NamedTuple):
-    """Everything of a strided tensor but its storage."""
-
-    cls: type
-    dtype: torch.dtype
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    requires_grad: bool
-    state: dict | None  # the instance __dict__ of a subclass (e.g. attributes), if any
+# A strided tensor travels as (ref, meta): *ref* the storage's transfer.SegmentRef as
+# a plain tuple (or None for an empty storage), *meta* everything else as a plain
+# tuple (dtype, size, stride, offset, extra), where *extra* is None for a plain
+# Tensor that does not require grad, else (class, requires_grad, instance __dict__
+# or None). Plain tuples pickle and load in C; this is the per-tensor hot path.
+Meta = tuple
 
 
 def _refuse_non_leaf(tensor: torch.Tensor) -> None:
@@ -46,26 +42,25 @@ def _refuse_non_leaf(tensor: torch.Tensor) -> None:
         )
 
 
-def _meta(tensor: torch.Tensor) -> TensorMeta:
-    state = tensor.__dict__ if type(tensor) is not torch.Tensor and tensor.__dict__ else None
-    return TensorMeta(
-        type(tensor),
-        tensor.dtype,
-        tuple(tensor.size()),
-        tuple(tensor.stride()),
-        tensor.storage_offset(),
-        tensor.requires_grad,
-        dict(state) if state else None,
-    )
+def _meta(tensor: torch.Tensor) -> Meta:
+    cls = type(tensor)
+    extra = None
+    if cls is not torch.Tensor or tensor.requires_grad:
+        state = tensor.__dict__ if cls is not torch.Tensor and tensor.__dict__ else None
+        extra = (cls, tensor.requires_grad, dict(state) if state else None)
+    return (tensor.dtype, tuple(tensor.size()), tuple(tensor.stride()), tensor.storage_offset(), extra)
 
 
-def _finish(t: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
-    if meta.cls is not torch.Tensor:
-        t = torch.Tensor._make_subclass(meta.cls, t, meta.requires_grad)
-    elif meta.requires_grad:
+def _finish(t: torch.Tensor, extra: tuple | None) -> torch.Tensor:
+    if extra is None:
+        return t
+    cls, requires_grad, state = extra
+    if cls is not torch.Tensor:
+        t = torch.Tensor._make_subclass(cls, t, requires_grad)
+    elif requires_grad:
         t.requires_grad_(True)
-    if meta.state:
-        t.__dict__.update(meta.state)
+    if state:
+        t.__dict__.update(state)
     return t
 
 
@@ -74,7 +69,8 @@ def _finish(t: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
 
 def reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple]:
     _refuse_non_leaf(tensor)
-    torch.utils.hooks.warn_if_has_hooks(tensor)
+    if tensor._backward_hooks:
+        torch.utils.hooks.warn_if_has_hooks(tensor)
     layout = tensor.layout
     if layout is torch.sparse_coo:
         return reduce_sparse_coo(tensor)
@@ -83,29 +79,29 @@ def reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple]:
     if tensor.is_nested:
         return reduce_nested(tensor)
     device = tensor.device.type
+    if device == "cpu":
+        storage = tensor.untyped_storage()
+        ref = tuple(transfer.share(storage)) if storage.nbytes() else None
+        return rebuild_tensor, (ref, _meta(tensor))
     if device == "cuda":
         from torch.multiprocessing.reductions import reduce_tensor as torch_reduce_tensor
 
         return torch_reduce_tensor(tensor)
     if device == "meta":
         return rebuild_meta_tensor, (_meta(tensor), tensor.untyped_storage().nbytes())
-    if device != "cpu":
-        raise SharingError(f"cannot share a tensor on device {tensor.device}: move it to CPU first")
-    storage = tensor.untyped_storage()
-    ref = transfer.share(storage) if storage.nbytes() else None
-    return rebuild_tensor, (ref, _meta(tensor))
+    raise SharingError(f"cannot share a tensor on device {tensor.device}: move it to CPU first")
 
 
-def rebuild_tensor(ref: transfer.SegmentRef | None, meta: TensorMeta) -> torch.Tensor:
+def rebuild_tensor(ref: tuple | None, meta: Meta) -> torch.Tensor:
     storage = transfer.receive(ref) if ref is not None else torch.UntypedStorage(0)
-    t = torch.empty((0,), dtype=meta.dtype).set_(storage, meta.offset, meta.size, meta.stride)
-    return _finish(t, meta)
+    dtype, size, stride, offset, extra = meta
+    return _finish(torch.empty((0,), dtype=dtype).set_(storage, offset, size, stride), extra)
 
 
-def rebuild_meta_tensor(meta: TensorMeta, nbytes: int) -> torch.Tensor:
+def rebuild_meta_tensor(meta: Meta, nbytes: int) -> torch.Tensor:
+    dtype, size, stride, offset, extra = meta
     storage = torch.UntypedStorage(nbytes, device="meta")
-    t = torch.empty((0,), dtype=meta.dtype, device="meta").set_(storage, meta.offset, meta.size, meta.stride)
-    return _finish(t, meta)
+    return _finish(torch.empty((0,), dtype=dtype, device="meta").set_(storage, offset, size, stride), extra)
 
 
 class SparseCoo(NamedTuple):
@@ -193,11 +189,11 @@ def reduce_storage(storage: torch.UntypedStorage) -> tuple[Any, tuple]:
         return rebuild_meta_storage, (storage.nbytes(),)
     if device != "cpu":
         raise SharingError(f"cannot share a storage on device {storage.device}: move it to CPU first")
-    ref = transfer.share(storage) if storage.nbytes() else None
+    ref = tuple(transfer.share(storage)) if storage.nbytes() else None
     return rebuild_storage, (ref,)
 
 
-def rebuild_storage(ref: transfer.SegmentRef | None) -> torch.UntypedStorage:
+def rebuild_storage(ref: tuple | None) -> torch.UntypedStorage:
     return transfer.receive(ref) if ref is not None else torch.UntypedStorage(0)
 
 

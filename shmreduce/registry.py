@@ -162,10 +162,15 @@ def _forking_loads(data: Any, /, **kwargs: Any) -> Any:
 
 
 def _share_memory_(self: torch.UntypedStorage, *args: Any, **kwargs: Any) -> torch.UntypedStorage:
-    # torch moves a storage that is already shared when its mechanism differs from
-    # the current strategy (e.g. a from_file mapping under file_system), which
-    # breaks aliasing; its own docs call share_memory_ a no-op for shared storages.
-    if self.device.type == "cpu" and self.is_shared():
+    # While registered, CPU storages are moved into shmreduce's own segments for the
+    # current strategy (torch's file_system path would start torch_shm_manager and
+    # leave /dev/shm/torch_* files to it). A storage that is already shared is left
+    # alone: torch moves it again when its mechanism differs from the strategy (e.g.
+    # a from_file mapping under file_system), which breaks aliasing; its own docs call
+    # share_memory_ a no-op for shared storages.
+    if self.device.type == "cpu":
+        if not self.is_shared() and self.nbytes():
+            transfer.share_in_place(self)
         return self
     return _saved_attrs["share_memory_"](self, *args, **kwargs)
 

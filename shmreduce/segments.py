@@ -2,13 +2,17 @@
 
 Two kinds (see ``cache.Segment``): anonymous memfds for ``file_descriptor`` (not
 limited by the size of /dev/shm) and named files, mode 0600, in the program
-directory for ``file_system`` (space reserved up front with posix_fallocate, so a
-full mount is a ``SharingError`` now rather than a SIGBUS later). Every descriptor
-opened here is closed here: torch's storages keep their own.
+directory for ``file_system``. A storage moves in by writing its bytes through the
+new segment's descriptor, then swapping its memory for a mapping of the segment:
+every page is allocated by that write, so a full mount or memory limit is a
+``SharingError`` now rather than a SIGBUS later. Descriptors opened here are closed
+here, except the memfd ``move_to_memfd`` returns to its caller; torch's storages
+keep their own.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import secrets
@@ -26,30 +30,51 @@ def _fd_identity(fd: int) -> tuple[str, int]:
     return f"{st.st_dev}:{st.st_ino}", st.st_size
 
 
+def _fd_name(fd: int) -> str:
+    st = os.fstat(fd)
+    return f"{st.st_dev}:{st.st_ino}"
+
+
 def _os_error(exc: OSError, what: str) -> SharingError:
     if exc.errno in (errno.EMFILE, errno.ENFILE):
         return too_many_files(what)
     return SharingError(f"{what} failed: {exc}")
 
 
-def move_to_memfd(storage: torch.UntypedStorage) -> Segment:
+def _write_all(fd: int, storage: torch.UntypedStorage, nbytes: int) -> None:
+    # Through the descriptor, not through a fresh mapping: the kernel copies into the
+    # new pages directly, sparing one page fault per page (half the cost of a small
+    # storage here), and a full memory limit is an error now rather than a SIGBUS.
+    view = memoryview((ctypes.c_char * nbytes).from_address(storage.data_ptr())).cast("B")
+    done = 0
+    while done < nbytes:
+        done += os.pwrite(fd, view[done:], done)
+
+
+def move_to_memfd(storage: torch.UntypedStorage) -> tuple[Segment, int]:
+    """Move *storage* into a new memfd in place; return its segment and the memfd.
+
+    The caller owns (and closes) the returned descriptor; the storage keeps its own.
+    """
     nbytes = storage.nbytes()
     try:
         fd = os.memfd_create("shmreduce", os.MFD_CLOEXEC)
     except OSError as exc:
         raise _os_error(exc, "memfd_create") from exc
     try:
-        os.ftruncate(fd, nbytes)
-        name, _ = _fd_identity(fd)
+        _write_all(fd, storage, nbytes)
+        name = _fd_name(fd)
         shared = _torch.new_shared_fd(fd, nbytes)
     except OSError as exc:
-        raise _os_error(exc, "sizing a memfd") from exc
-    except RuntimeError as exc:
-        raise SharingError(f"mapping a {nbytes}-byte memfd failed: {exc}") from exc
-    finally:
         os.close(fd)
-    _torch.swap_in(storage, shared)
-    return Segment("fd", "", name, nbytes)
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise SharingError(f"out of memory for a {nbytes}-byte shared segment: {exc.strerror}") from exc
+        raise _os_error(exc, "filling a memfd") from exc
+    except RuntimeError as exc:
+        os.close(fd)
+        raise SharingError(f"mapping a {nbytes}-byte memfd failed: {exc}") from exc
+    _torch.swap_memory(storage, shared)
+    return Segment("fd", "", name, nbytes), fd
 
 
 def move_to_file(storage: torch.UntypedStorage, program: str) -> Segment:
@@ -61,20 +86,20 @@ def move_to_file(storage: torch.UntypedStorage, program: str) -> Segment:
     except OSError as exc:
         raise _os_error(exc, f"creating {path}") from exc
     try:
-        os.posix_fallocate(fd, 0, nbytes)
+        _write_all(fd, storage, nbytes)
     except OSError as exc:
-        os.close(fd)
         os.unlink(path)
         if exc.errno in (errno.ENOSPC, errno.EFBIG):
             raise out_of_shm(program, nbytes, exc.strerror or str(exc)) from exc
-        raise _os_error(exc, f"reserving {path}") from exc
-    os.close(fd)
+        raise _os_error(exc, f"writing {path}") from exc
+    finally:
+        os.close(fd)
     try:
         shared = _torch.map_file(path, shared=True, nbytes=nbytes)
     except RuntimeError as exc:
         os.unlink(path)
         raise SharingError(f"mapping {path} failed: {exc}") from exc
-    _torch.swap_in(storage, shared)
+    _torch.swap_memory(storage, shared)
     return Segment("fs", program, name, nbytes)
 
 

@@ -62,42 +62,83 @@ def counters() -> dict[str, int]:
 class _Outgoing:
     """The deposit a message is building, per broker it touches."""
 
-    __slots__ = ("key", "fds", "slots", "keep", "holds", "inflight")
+    __slots__ = ("key", "program", "fds", "owned", "slots", "keep", "holds", "inflight")
 
     def __init__(self) -> None:
         self.key = os.urandom(KEY_LEN)
-        self.fds: list[int] = []
+        self.program = program.current().directory
+        self.fds: list[int] = []  # the deposit's descriptors, by slot
+        self.owned: list[int] = []  # those of them we opened: closed after the deposit
         self.slots: dict[str, int] = {}
-        self.keep: list[torch.UntypedStorage] = []  # keeps each fd valid until the deposit
-        self.holds: dict[str, list[str]] = {}
-        self.inflight: dict[str, list[str]] = {}
+        self.keep: list[torch.UntypedStorage] = []  # keeps borrowed descriptors valid until the deposit
+        self.holds: dict[str, list[str]] = {}  # new fs files, by program: held by this process
+        self.inflight: dict[str, dict[str, None]] = {}  # fs names the receiver will hold
 
-    def add(self, storage: torch.UntypedStorage, segment: Segment) -> SegmentRef:
-        if segment.kind == "fd":
-            slot = self.slots.get(segment.name)
-            if slot is None:
-                slot = self.slots[segment.name] = len(self.fds)
-                self.fds.append(_torch.storage_fd(storage))
+    def add(self, storage: torch.UntypedStorage) -> SegmentRef:
+        segment = cache.segment_of(storage)
+        fd = -1
+        if segment is None:
+            segment, fd = self._new_segment(storage)
+        else:
+            _counters["storages_reused"] += 1
+        if segment.kind == "fs":
+            self.inflight.setdefault(segment.program, {})[segment.name] = None
+            return SegmentRef("fs", segment.program, self.key, segment.name, segment.nbytes, -1)
+        slot = self.slots.get(segment.name)
+        if slot is None:
+            slot = self.slots[segment.name] = len(self.fds)
+            if fd < 0:
+                fd = _torch.storage_fd(storage)  # the storage's own descriptor
                 self.keep.append(storage)
-            return SegmentRef("fd", program.current().directory, self.key, segment.name, segment.nbytes, slot)
-        names = self.inflight.setdefault(segment.program, [])
-        if segment.name not in names:
-            names.append(segment.name)
-        return SegmentRef("fs", segment.program, self.key, segment.name, segment.nbytes, -1)
+            else:
+                self.owned.append(fd)
+            self.fds.append(fd)
+        return SegmentRef("fd", self.program, self.key, segment.name, segment.nbytes, slot)
+
+    def _new_segment(self, storage: torch.UntypedStorage) -> tuple[Segment, int]:
+        """The segment of a storage the cache does not know, and its memfd if we made one."""
+        fd = -1
+        segment = segments.adopt_fd(storage) if storage.is_shared() else None
+        if segment is None:
+            if get_sharing_strategy() == "file_system":
+                prog = program.current()
+                if not os.path.isdir(prog.directory):
+                    # The broker makes the directory; gone means that broker died.
+                    broker.client_for(prog.directory, prog.root_pid).connect(fresh=True)
+                segment = segments.move_to_file(storage, prog.directory)
+                self.holds.setdefault(prog.directory, []).append(segment.name)
+            else:
+                segment, fd = segments.move_to_memfd(storage)
+            _counters["storages_shared"] += 1
+            _counters["bytes_shared"] += segment.nbytes
+        _release(cache.remember(storage, segment))
+        return segment, fd
 
     def flush(self, deliver: bool = True) -> None:
-        own = program.current()
-        targets = set(self.holds) | (set(self.inflight) if deliver else set())
-        if deliver and self.fds:
-            targets.add(own.directory)
-        for directory in targets:
-            fds = self.fds if deliver and directory == own.directory else []
-            inflight = self.inflight.get(directory, []) if deliver else []
-            holds = self.holds.get(directory, [])
-            broker.client_for(directory, own.root_pid).deposit(self.key, fds, holds, inflight)
-        if deliver and (self.fds or self.inflight):
-            _counters["messages_sent"] += 1
-        self.keep.clear()
+        """Send the deposit (or, if not *deliver*, only the holds of new fs files)."""
+        try:
+            own = program.current()
+            if deliver:
+                targets = set(self.holds) | set(self.inflight)
+                if self.fds:
+                    targets.add(own.directory)
+            else:
+                targets = set(self.holds)
+            for directory in targets:
+                client = broker.client_for(directory, own.root_pid)
+                holds = self.holds.get(directory, [])
+                if not deliver:
+                    client.hold(holds)
+                    continue
+                fds = self.fds if directory == own.directory else []
+                client.deposit(self.key, fds, holds, list(self.inflight.get(directory, ())))
+            if deliver and (self.fds or self.inflight):
+                _counters["messages_sent"] += 1
+        finally:
+            for fd in self.owned:
+                os.close(fd)
+            self.owned.clear()
+            self.keep.clear()
 
 
 _local = threading.local()
@@ -120,37 +161,30 @@ def sending() -> Iterator[None]:
     out.flush()
 
 
-def _segment_for(storage: torch.UntypedStorage, out: _Outgoing) -> Segment:
-    segment = cache.segment_of(storage)
-    if segment is not None:
-        _counters["storages_reused"] += 1
-        return segment
-    if storage.is_shared():
-        segment = segments.adopt_fd(storage)
-    if segment is None:
-        if get_sharing_strategy() == "file_system":
-            prog = program.current()
-            if not os.path.isdir(prog.directory):
-                # The broker makes the directory; gone means that broker died.
-                broker.client_for(prog.directory, prog.root_pid).connect(fresh=True)
-            segment = segments.move_to_file(storage, prog.directory)
-            out.holds.setdefault(prog.directory, []).append(segment.name)
-        else:
-            segment = segments.move_to_memfd(storage)
-        _counters["storages_shared"] += 1
-        _counters["bytes_shared"] += segment.nbytes
-    _release(cache.remember(storage, segment))
-    return segment
-
-
 def share(storage: torch.UntypedStorage) -> SegmentRef:
     """Move *storage* into shared memory (once) and add it to the current message."""
     out = getattr(_local, "out", None)
     if out is not None:
-        return out.add(storage, _segment_for(storage, out))
+        return out.add(storage)
     with sending():
-        out = _local.out
-        return out.add(storage, _segment_for(storage, out))
+        return _local.out.add(storage)
+
+
+def share_in_place(storage: torch.UntypedStorage) -> None:
+    """Move *storage* into a shared segment now, outside any message (``share_memory_``).
+
+    A new ``file_system`` file is held by this process at its broker, as it would be
+    after a send.
+    """
+    if cache.segment_of(storage) is not None:
+        return
+    out = _Outgoing()
+    try:
+        _segment, fd = out._new_segment(storage)
+        if fd >= 0:
+            out.owned.append(fd)  # the storage keeps its own
+    finally:
+        out.flush(deliver=False)
 
 
 def _release(released: dict[str, list[str]]) -> None:
@@ -173,7 +207,7 @@ class _Fetched:
         self.left = len(self.fds)
 
     def take(self, slot: int) -> int | None:
-        if not 0 <= slot < len(self.fds):
+        if not isinstance(slot, int) or not 0 <= slot < len(self.fds):
             return None
         fd = self.fds[slot]
         if fd is not None:
@@ -193,19 +227,20 @@ _pending: "OrderedDict[tuple[str, bytes], _Fetched]" = OrderedDict()
 _pending_lock = threading.Lock()
 
 
-def _fetched(ref: SegmentRef) -> _Fetched:
-    key = (ref.program, ref.message)
-    with _pending_lock:
-        entry = _pending.get(key)
-        if entry is not None:
-            return entry
-    if not os.path.basename(ref.program).startswith(DIR_PREFIX) or len(ref.message) != KEY_LEN:
-        raise SharingError(f"refusing handle for {ref.program!r}: not a shmreduce program directory (forged message?)")
-    if not os.path.isdir(ref.program):
+def _fetched(directory: str, message: bytes) -> _Fetched:
+    key = (directory, message)
+    entry = _pending.get(key)
+    if entry is not None:
+        return entry
+    if not isinstance(directory, str) or not isinstance(message, bytes):
+        raise SharingError(f"not a shmreduce segment handle: {directory!r}, {message!r} (forged message?)")
+    if not os.path.basename(directory).startswith(DIR_PREFIX) or len(message) != KEY_LEN:
+        raise SharingError(f"refusing handle for {directory!r}: not a shmreduce program directory (forged message?)")
+    if not os.path.isdir(directory):
         # Its broker is gone (the janitor removed the directory): never start a new
         # broker for a directory named by a pickle, which could be anywhere.
-        raise stale_message(f"cannot receive from {ref.program!r}: no such program directory")
-    entry = _Fetched(broker.client_for(ref.program, os.getpid()).fetch(ref.message))
+        raise stale_message(f"cannot receive from {directory!r}: no such program directory")
+    entry = _Fetched(broker.client_for(directory, os.getpid()).fetch(message))
     if not entry.unknown:
         _counters["messages_received"] += 1
     with _pending_lock:
@@ -225,21 +260,26 @@ def _forget(key: tuple[str, bytes]) -> None:
         entry.close()
 
 
-def receive(ref: SegmentRef) -> torch.UntypedStorage:
-    """The storage *ref* names: from the cache if this process maps it already."""
-    if not isinstance(ref, SegmentRef) or ref.kind not in ("fd", "fs"):
+def receive(ref: tuple) -> torch.UntypedStorage:
+    """The storage *ref* (a ``SegmentRef`` or its plain tuple) names: from the cache
+    if this process maps it already."""
+    try:
+        kind, directory, message, name, nbytes, slot = ref
+    except (TypeError, ValueError):
+        raise SharingError(f"not a shmreduce segment handle: {ref!r}") from None
+    if kind != "fd" and kind != "fs":
         raise SharingError(f"not a shmreduce segment handle: {ref!r}")
-    entry = _fetched(ref)
-    segment = Segment(ref.kind, "" if ref.kind == "fd" else ref.program, ref.name, ref.nbytes)
-    fd = entry.take(ref.slot) if ref.kind == "fd" else None
+    entry = _fetched(directory, message)
+    segment = Segment(kind, "" if kind == "fd" else directory, name, nbytes)
+    fd = entry.take(slot) if kind == "fd" else None
     try:
         storage = cache.storage_of(segment)
         if storage is None:
-            if entry.unknown or (ref.kind == "fd" and fd is None):
-                raise stale_message(f"cannot receive segment {ref.name}")
+            if entry.unknown or (kind == "fd" and fd is None):
+                raise stale_message(f"cannot receive segment {name}")
             storage = segments.map_fd(fd, segment) if fd is not None else segments.map_file(segment)
             _counters["storages_received"] += 1
-            _counters["bytes_received"] += ref.nbytes
+            _counters["bytes_received"] += nbytes
             _release(cache.remember(storage, segment))
         return storage
     finally:

@@ -169,8 +169,6 @@ sys.exit(0 if ok else 1)
 """
 
 
-@pytest.mark.xfail(reason="core bug: transfer._Outgoing.flush(deliver=False) deposits an empty message "
-                   "that the broker keeps (server._should_exit) until the root process exits", strict=True)
 def test_failed_pickle_under_file_system_lets_broker_exit():
     # In a fresh interpreter (with its own shm dir under ours) so a stuck broker cannot
     # fail this module's leak check; it goes away when that interpreter exits.

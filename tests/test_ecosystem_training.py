@@ -21,20 +21,6 @@ TIMEOUT = 60
 # -- hogwild -------------------------------------------------------------------------
 
 
-def share_model(model: nn.Module) -> None:
-    # Work-around for the core bug pinned by test_share_memory_under_file_system_stays_in_shmreduce:
-    # under file_system, share_memory_() goes through torch's libshm (torch_shm_manager,
-    # a socket held open for the life of the process, /dev/shm/torch_* files). Sharing
-    # under file_descriptor keeps this process clean; the sends below still run under
-    # the strategy being tested.
-    strategy = shmreduce.get_sharing_strategy()
-    shmreduce.set_sharing_strategy("file_descriptor")
-    try:
-        model.share_memory()
-    finally:
-        shmreduce.set_sharing_strategy(strategy)
-
-
 def mark_rows(rank: int, model: nn.Module, steps: int) -> None:
     # Disjoint writes: each worker owns row `rank` of the weight, so the result is exact.
     with torch.no_grad():
@@ -57,7 +43,7 @@ def sgd_worker(rank: int, model: nn.Module, steps: int) -> None:
 def test_hogwild_spawn_workers_update_parent_parameters(strategy):
     model = nn.Linear(3, 2, bias=False)
     nn.init.zeros_(model.weight)
-    share_model(model)
+    model.share_memory()
     tmp.spawn(mark_rows, args=(model, 5), nprocs=2, join=True)
     assert torch.equal(model.weight, torch.tensor([[5.0] * 3, [5.0] * 3]))
     assert isinstance(model.weight, nn.Parameter) and model.weight.requires_grad
@@ -67,7 +53,7 @@ def test_hogwild_spawn_workers_update_parent_parameters(strategy):
 def test_hogwild_process_sgd_converges(strategy, method):
     torch.manual_seed(0)
     model = nn.Linear(2, 1)
-    share_model(model)
+    model.share_memory()
     ctx = mp.get_context(method)
     procs = [ctx.Process(target=sgd_worker, args=(r, model, 100)) for r in range(2)]
     for p in procs:
@@ -141,6 +127,8 @@ def test_actor_learner_fixed_steps(strategy, method):
 
 _SHARE_UNDER_FS = r"""
 import os, sys, torch, shmreduce
+from shmreduce.broker import client
+from shmreduce.cache import cache
 def sockets():
     out = set()
     for fd in os.listdir("/proc/self/fd"):
@@ -156,17 +144,19 @@ shmreduce.register(strategy="file_system")
 socks, files = sockets(), torch_files()
 model = torch.nn.Linear(4, 4)
 model.share_memory()
-assert model.weight.is_shared()
+assert model.weight.is_shared() and model.bias.is_shared()
+segment = cache.segment_of(model.weight.untyped_storage())
+assert segment is not None and segment.kind == "fs", segment
+assert os.path.exists(os.path.join(segment.program, segment.name)), segment
+ours = {os.readlink(f"/proc/self/fd/{c.sock.fileno()}") for c in client.existing_clients() if c.sock}
 new_files = torch_files() - files
-new_socks = sockets() - socks
+new_socks = sockets() - socks - ours
 shmreduce.unregister()
 print("torch_files", len(new_files), "sockets", len(new_socks))
 sys.exit(1 if new_files or new_socks else 0)
 """
 
 
-@pytest.mark.xfail(reason="core bug: registry._share_memory_ defers to torch's share_memory_ under "
-                   "file_system, which uses libshm/torch_shm_manager instead of shmreduce segments", strict=True)
 def test_share_memory_under_file_system_stays_in_shmreduce():
     # Run in a fresh interpreter: libshm's socket and torch_shm_manager would otherwise
     # stay with the test process.

@@ -82,6 +82,25 @@ def echo(strategy):
     assert proc.exitcode == 0
 
 
+def test_share_memory_moves_into_a_shmreduce_segment_then_sends_without_copy(echo, strategy):
+    from shmreduce.cache import cache
+
+    t = torch.arange(12.0)
+    ptr = t.data_ptr()
+    t.share_memory_()
+    assert t.is_shared() and t.data_ptr() != ptr and t.tolist() == list(map(float, range(12)))
+    segment = cache.segment_of(t.untyped_storage())
+    assert segment is not None and segment.kind == {"file_descriptor": "fd", "file_system": "fs"}[strategy]
+    t.share_memory_()  # a no-op the second time
+    assert cache.segment_of(t.untyped_storage()) == segment
+    before = shmreduce.stats()
+    back = echo(t)
+    after = shmreduce.stats()
+    assert after["storages_shared"] == before["storages_shared"]
+    assert after["storages_reused"] == before["storages_reused"] + 1
+    assert back.untyped_storage()._cdata == t.untyped_storage()._cdata
+
+
 def test_received_storage_is_shared_and_share_memory_keeps_aliasing(echo):
     t = torch.arange(10.0)
     for strategy_now in ("file_descriptor", "file_system"):

@@ -20,14 +20,15 @@ def test_new_shared_fd_dups_and_is_shared():
     assert own >= 0 and os.readlink(f"/proc/self/fd/{own}").startswith("/memfd:t")
 
 
-def test_swap_in_moves_memory_under_live_views():
+def test_swap_memory_moves_memory_under_live_views():
     t = torch.arange(8, dtype=torch.int64)
     view = t[2:5]
     fd = os.memfd_create("t", os.MFD_CLOEXEC)
     os.ftruncate(fd, t.untyped_storage().nbytes())
     shared = _torch.new_shared_fd(fd, t.untyped_storage().nbytes())
     os.close(fd)
-    _torch.swap_in(t.untyped_storage(), shared)
+    shared.copy_(t.untyped_storage())
+    _torch.swap_memory(t.untyped_storage(), shared)
     assert t.is_shared() and view.is_shared()
     assert view.tolist() == [2, 3, 4]
     assert not shared.is_shared()  # it holds the old private memory now

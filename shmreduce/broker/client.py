@@ -32,14 +32,18 @@ _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspat
 on_connect: list[Callable[["BrokerClient"], None]] = []
 
 
-def _kernel_timeouts(sock: socket.socket, seconds: float) -> None:
-    # Blocking socket with SO_RCVTIMEO/SO_SNDTIMEO: the kernel bounds every call (it
-    # fails with EAGAIN), and CPython skips the poll() it runs before each call on a
-    # socket with a Python-level timeout (~40 us per deposit, measured by make bench).
+def _timeval(seconds: float) -> bytes:
+    return struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+
+
+def _kernel_timeouts(sock: socket.socket) -> None:
+    # Blocking socket with SO_RCVTIMEO/SO_SNDTIMEO, set once: the kernel bounds every
+    # call (it fails with EAGAIN), and CPython skips the poll() it runs before each
+    # call on a socket with a Python-level timeout (~40 us per deposit, measured by
+    # make bench). A reply may wait up to FETCH_WAIT for its deposit at the broker.
     sock.settimeout(None)
-    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(IO_TIMEOUT + P.FETCH_WAIT))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(IO_TIMEOUT))
 
 
 def _authkey() -> bytes:
@@ -87,7 +91,7 @@ class BrokerClient:
         last: Exception | None = None
         for attempt in range(3):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-            _kernel_timeouts(sock, IO_TIMEOUT)
+            _kernel_timeouts(sock)
             try:
                 sock.connect(path)
                 self.broker_pid = P.client_handshake(sock, _authkey())
@@ -192,7 +196,6 @@ class BrokerClient:
                     sock = self._socket()
                     P.send_record(sock, P.FETCH, key)
                 self.round_trips += 1
-                _kernel_timeouts(sock, IO_TIMEOUT + P.FETCH_WAIT)
                 while True:
                     record = P.recv_record(sock)
                     if record is None:
@@ -219,9 +222,6 @@ class BrokerClient:
                 for fd in fds:
                     os.close(fd)
                 raise self._broken(exc) from exc
-            finally:
-                if self.sock is not None:
-                    _kernel_timeouts(self.sock, IO_TIMEOUT)
 
     def ping(self) -> dict:
         """The broker's counters; also a barrier for this connection's earlier sends."""

@@ -54,6 +54,7 @@ import array
 import hashlib
 import hmac
 import os
+import re
 import socket
 import struct
 
@@ -92,12 +93,12 @@ class ProtocolError(Exception):
     """The peer broke the protocol or failed authentication."""
 
 
+_SEGMENT_NAME = re.compile(SEG_PREFIX + "[0-9a-f]{24}")
+_NAME_LIST = re.compile(rb"(?:seg-[0-9a-f]{24})(?:\nseg-[0-9a-f]{24})*")
+
+
 def is_segment_name(name: str) -> bool:
-    return (
-        len(name) == SEG_NAME_LEN
-        and name.startswith(SEG_PREFIX)
-        and all(c in "0123456789abcdef" for c in name[len(SEG_PREFIX):])
-    )
+    return _SEGMENT_NAME.fullmatch(name) is not None
 
 
 def encode_names(names) -> bytes:
@@ -107,11 +108,9 @@ def encode_names(names) -> bytes:
 def decode_names(blob: bytes) -> list[str]:
     if not blob:
         return []
-    names = blob.decode("ascii").split("\n")
-    for name in names:
-        if not is_segment_name(name):
-            raise ProtocolError(f"bad segment name {name!r}")
-    return names
+    if _NAME_LIST.fullmatch(blob) is None:
+        raise ProtocolError(f"bad segment names {blob[:80]!r}")
+    return blob.decode("ascii").split("\n")
 
 
 def encode_deposit(holds, inflight) -> bytes:
@@ -136,6 +135,8 @@ def decode_fetched(body: bytes) -> tuple[int, int]:
 # -- records -----------------------------------------------------------------------
 
 _ANC_SPACE = socket.CMSG_SPACE(MAX_FDS * 4)
+_MSG_CTRUNC = int(socket.MSG_CTRUNC)  # plain ints: the enum's __and__ is Python code
+_MSG_TRUNC = int(socket.MSG_TRUNC)
 
 
 def send_record(sock: socket.socket, op: bytes, key: bytes, body: bytes = b"", fds=()) -> None:
@@ -147,21 +148,21 @@ def send_record(sock: socket.socket, op: bytes, key: bytes, body: bytes = b"", f
         sock.sendall(data)
 
 
-def recv_record(sock: socket.socket) -> tuple[bytes, bytes, bytes, list[int]] | None:
+def recv_record(sock: socket.socket, flags: int = 0) -> tuple[bytes, bytes, bytes, list[int]] | None:
     """One record as (op, key, body, fds), or None at end of stream.
 
     Every descriptor received is returned (or closed before raising): the caller owns
     them. Raises OSError(EMFILE) if the kernel had to drop descriptors because this
     process is at its descriptor limit.
     """
-    data, anc, flags, _addr = sock.recvmsg(MAX_RECORD, _ANC_SPACE)
+    data, anc, msg_flags, _addr = sock.recvmsg(MAX_RECORD, _ANC_SPACE, flags)
     fds: list[int] = []
     for level, kind, payload in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             arr = array.array("i")
             arr.frombytes(payload[: len(payload) - (len(payload) % arr.itemsize)])
             fds.extend(arr)
-    if flags & socket.MSG_CTRUNC:
+    if msg_flags & _MSG_CTRUNC:
         for fd in fds:
             os.close(fd)
         import errno
@@ -171,7 +172,7 @@ def recv_record(sock: socket.socket) -> tuple[bytes, bytes, bytes, list[int]] | 
         for fd in fds:
             os.close(fd)
         return None
-    if flags & socket.MSG_TRUNC or len(data) < HEADER_LEN:
+    if msg_flags & _MSG_TRUNC or len(data) < HEADER_LEN:
         for fd in fds:
             os.close(fd)
         raise ProtocolError("truncated record")

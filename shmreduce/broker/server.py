@@ -17,7 +17,7 @@ import errno
 import fcntl
 import json
 import os
-import selectors
+import select
 import shutil
 import signal
 import socket
@@ -56,13 +56,13 @@ class Broker:
         self.messages: dict[bytes, _Message] = {}
         self.refs: dict[str, int] = {}
         self.parked: list[tuple[float, _Client, bytes]] = []
-        self.sel = selectors.DefaultSelector()
-        self.sel.register(listener, selectors.EVENT_READ, None)
+        self.poller = select.epoll()
+        self.poller.register(listener.fileno(), select.EPOLLIN)
         self.root_alive = True
         self.root_fd = -1
         try:
             self.root_fd = os.pidfd_open(root_pid)
-            self.sel.register(self.root_fd, selectors.EVENT_READ, "root")
+            self.poller.register(self.root_fd, select.EPOLLIN)
         except (OSError, AttributeError):
             self.root_alive = _pid_alive(root_pid)
         self.idle_since: float | None = time.monotonic()
@@ -120,16 +120,19 @@ class Broker:
             if peer_uid(sock) != self.uid:
                 raise P.ProtocolError("peer runs as another user")
             P.serve_handshake(sock, self.authkey)
+            # Non-blocking from now on: the loop drains whatever a client has queued,
+            # and a client that stops reading its replies is dropped, never waited on.
+            sock.setblocking(False)
         except (OSError, P.ProtocolError):
             sock.close()
             return
         client = _Client(sock)
         self.clients[sock.fileno()] = client
-        self.sel.register(sock, selectors.EVENT_READ, client)
+        self.poller.register(sock.fileno(), select.EPOLLIN)
         self.idle_since = None
 
     def _drop(self, client: _Client) -> None:
-        self.sel.unregister(client.sock)
+        self.poller.unregister(client.sock.fileno())
         del self.clients[client.sock.fileno()]
         self._release(client, list(client.holds))
         self.parked = [p for p in self.parked if p[1] is not client]
@@ -138,27 +141,37 @@ class Broker:
             self.idle_since = time.monotonic()
 
     def _serve(self, client: _Client) -> None:
-        try:
-            record = P.recv_record(client.sock)
-        except (OSError, P.ProtocolError):
-            record = None
-        if record is None:
-            self._drop(client)
-            return
-        op, key, body, fds = record
+        """Handle every record *client* has queued."""
+        while True:
+            try:
+                record = P.recv_record(client.sock)
+            except BlockingIOError:
+                return
+            except (OSError, P.ProtocolError):
+                record = None
+            if record is None:
+                self._drop(client)
+                return
+            if not self._handle(client, *record):
+                return
+
+    def _handle(self, client: _Client, op: bytes, key: bytes, body: bytes, fds: list[int]) -> bool:
+        """One record; False if the client was dropped."""
         try:
             if op == P.DEPOSIT:
                 holds, inflight = P.decode_deposit(body)
                 self._hold(client, holds)
-                msg = self.messages.get(key)
-                if msg is None:
-                    msg = self.messages[key] = _Message()
-                msg.fds.extend(fds)
-                fds = []
-                for name in inflight:
-                    self._incref(name)
-                msg.names.extend(inflight)
-                self._answer_parked(key)
+                if fds or inflight:
+                    msg = self.messages.get(key)
+                    if msg is None:
+                        msg = self.messages[key] = _Message()
+                    msg.fds.extend(fds)
+                    fds = []
+                    for name in inflight:
+                        self._incref(name)
+                    msg.names.extend(inflight)
+                    if self.parked:
+                        self._answer_parked(key)
             elif op == P.FETCH:
                 if key in self.messages:
                     self._reply_fetch(client, key)
@@ -172,11 +185,13 @@ class Broker:
                 P.send_record(client.sock, P.PONG, P.NO_KEY, json.dumps(self.counters()).encode())
             else:
                 raise P.ProtocolError(f"unknown op {op!r}")
+            return True
         except (OSError, P.ProtocolError):
             for fd in fds:
                 os.close(fd)
             if client.sock.fileno() in self.clients:
                 self._drop(client)
+            return False
 
     def _reply_fetch(self, client: _Client, key: bytes) -> None:
         msg = self.messages.pop(key)
@@ -201,7 +216,11 @@ class Broker:
         for entry in self.parked:
             if entry[2] == key:
                 self.parked.remove(entry)
-                self._reply_fetch(entry[1], key)
+                try:
+                    self._reply_fetch(entry[1], key)
+                except OSError:
+                    if entry[1].sock.fileno() in self.clients:
+                        self._drop(entry[1])
                 return
 
     def _expire_parked(self, now: float) -> None:
@@ -228,6 +247,7 @@ class Broker:
         return now - self.idle_since >= GRACE
 
     def run(self) -> None:
+        listener, clients = self.listener.fileno(), self.clients
         while True:
             now = time.monotonic()
             if self._should_exit(now):
@@ -235,19 +255,21 @@ class Broker:
             timeout = 0.25
             if self.parked:
                 timeout = min(timeout, max(0.0, min(p[0] for p in self.parked) - now))
-            for key, _ in self.sel.select(timeout):
-                data = key.data
-                if data is None:
+            for fd, _events in self.poller.poll(timeout):
+                client = clients.get(fd)
+                if client is not None:
+                    self._serve(client)
+                elif fd == listener:
                     self._accept()
-                elif data == "root":
+                elif fd == self.root_fd:
                     self.root_alive = False
-                    self.sel.unregister(self.root_fd)
+                    self.poller.unregister(self.root_fd)
                     os.close(self.root_fd)
-                    if not self.clients:
+                    self.root_fd = -1
+                    if not clients:
                         self.idle_since = time.monotonic()
-                elif data.sock.fileno() in self.clients:
-                    self._serve(data)
-            self._expire_parked(time.monotonic())
+            if self.parked:
+                self._expire_parked(time.monotonic())
 
     def shutdown(self) -> None:
         for msg in self.messages.values():
@@ -257,6 +279,7 @@ class Broker:
         for client in list(self.clients.values()):
             client.sock.close()
         self.listener.close()
+        self.poller.close()
         remove_program_dir(self.dir)
 
 
