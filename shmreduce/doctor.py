@@ -36,7 +36,7 @@ def _fmt(n: float) -> str:
 def stale_dirs(base: str) -> list[str]:
     from shmreduce.broker.server import lock_is_free
 
-    found = []
+    found: list[str] = []
     try:
         entries = sorted(os.listdir(base))
     except OSError:

@@ -29,7 +29,7 @@ Limits (these are pickled by value, exactly as without shmreduce):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -38,6 +38,8 @@ from shmreduce import registry
 
 DEFAULT_MIN_NBYTES = 1 << 16
 _state = {"min_nbytes": DEFAULT_MIN_NBYTES}
+
+Order = Literal["C", "F"]
 
 
 def share_numpy(min_nbytes: int = DEFAULT_MIN_NBYTES) -> None:
@@ -62,7 +64,7 @@ def is_numpy_shared() -> bool:
     return registry.list_reducers().get(np.ndarray) is reduce_ndarray
 
 
-def _order(arr: np.ndarray) -> str:
+def _order(arr: np.ndarray) -> Order:
     return "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
 
 
@@ -88,7 +90,8 @@ def _backing_tensor(arr: np.ndarray) -> torch.Tensor | None:
 def reduce_ndarray(arr: np.ndarray) -> tuple:
     """Reducer for ``numpy.ndarray``: large plain arrays via a shared uint8 tensor."""
     if type(arr) is not np.ndarray or arr.dtype.hasobject or arr.nbytes == 0 or arr.nbytes < _state["min_nbytes"]:
-        return arr.__reduce__()
+        # ndarray.__reduce__ always returns a tuple (the str form is for singletons).
+        return cast(tuple, arr.__reduce__())
     order = _order(arr)
     buf = _backing_tensor(arr)
     if buf is None:
@@ -97,10 +100,10 @@ def reduce_ndarray(arr: np.ndarray) -> tuple:
     return rebuild_ndarray, (buf, arr.dtype, arr.shape, order)
 
 
-def _view(buf: torch.Tensor, dtype: np.dtype, shape: tuple, order: str) -> np.ndarray:
+def _view(buf: torch.Tensor, dtype: np.dtype, shape: tuple[int, ...], order: Order) -> np.ndarray:
     return buf.numpy().view(dtype).reshape(shape, order=order)
 
 
-def rebuild_ndarray(buf: torch.Tensor, dtype: Any, shape: tuple, order: str) -> np.ndarray:
+def rebuild_ndarray(buf: torch.Tensor, dtype: Any, shape: tuple[int, ...], order: Order) -> np.ndarray:
     """An array of *dtype*/*shape*/*order* over the shared bytes of *buf* (no copy)."""
     return _view(buf, np.dtype(dtype), tuple(shape), order)

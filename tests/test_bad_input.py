@@ -25,7 +25,6 @@ import torch
 
 import shmreduce
 from shmreduce import program, reductions, transfer
-from shmreduce.transfer import SegmentRef
 
 from helpers import open_fds, run_in_child, shm_base, wait_for
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import shmreduce
-from shmreduce import program, transfer
+from shmreduce import program
 from shmreduce.broker import client as broker_client
 from shmreduce.broker import protocol as P
 
