@@ -92,10 +92,16 @@ def reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple]:
     raise SharingError(f"cannot share a tensor on device {tensor.device}: move it to CPU first")
 
 
+_EMPTY: dict[torch.dtype, torch.Tensor] = {}  # one empty tensor per dtype: new_empty is cheap
+
+
 def rebuild_tensor(ref: tuple | None, meta: Meta) -> torch.Tensor:
     storage = transfer.receive(ref) if ref is not None else torch.UntypedStorage(0)
     dtype, size, stride, offset, extra = meta
-    return _finish(torch.empty((0,), dtype=dtype).set_(storage, offset, size, stride), extra)
+    empty = _EMPTY.get(dtype)
+    if empty is None:
+        empty = _EMPTY[dtype] = torch.empty((0,), dtype=dtype)
+    return _finish(empty.new_empty((0,)).set_(storage, offset, size, stride), extra)
 
 
 def rebuild_meta_tensor(meta: Meta, nbytes: int) -> torch.Tensor:

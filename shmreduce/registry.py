@@ -132,6 +132,7 @@ def list_reducers() -> dict[type, Reducer]:
 def _changed() -> None:
     _resolved.clear()
     _cloud_table.clear()
+    _forking_table.clear()
 
 
 def _restore_reducer(cls: type, previous: Any) -> None:
@@ -144,11 +145,32 @@ def _restore_reducer(cls: type, previous: Any) -> None:
 # -- the ForkingPickler entry points while registered -------------------------------
 
 
+# ForkingPickler's table (copyreg's plus its _extra_reducers) as a DispatchTable,
+# with the snapshots it was built from: reused while they are unchanged, rather than
+# copied for every message as ForkingPickler.__init__ does.
+_forking_table: list[tuple[dict, dict, DispatchTable]] = []
+
+
+def _forking_dispatch_table() -> DispatchTable:
+    extra = ForkingPickler._extra_reducers
+    if _forking_table:
+        base, extras, table = _forking_table[0]
+        if base == copyreg.dispatch_table and extras == extra:
+            return table
+    table = DispatchTable(copyreg.dispatch_table)
+    table.update(extra)
+    _forking_table[:] = [(dict(copyreg.dispatch_table), dict(extra), table)]
+    return table
+
+
 def _forking_dumps(cls: type, obj: Any, protocol: int | None = None) -> memoryview:
     buf = io.BytesIO()
     if _use_cloudpickle:
         pickler: Any = _CloudPickler(buf, protocol)
-    else:
+    elif cls is ForkingPickler:
+        pickler = pickle.Pickler(buf, protocol)  # what ForkingPickler adds is its table
+        pickler.dispatch_table = _forking_dispatch_table()
+    else:  # a subclass may set up its own table: extend whatever it made
         pickler = cls(buf, protocol)
         pickler.dispatch_table = DispatchTable(pickler.dispatch_table)
     with transfer.sending():

@@ -45,10 +45,12 @@ def _write_all(fd: int, storage: torch.UntypedStorage, nbytes: int) -> None:
     # Through the descriptor, not through a fresh mapping: the kernel copies into the
     # new pages directly, sparing one page fault per page (half the cost of a small
     # storage here), and a full memory limit is an error now rather than a SIGBUS.
-    view = memoryview((ctypes.c_char * nbytes).from_address(storage.data_ptr())).cast("B")
-    done = 0
-    while done < nbytes:
-        done += os.pwrite(fd, view[done:], done)
+    data = (ctypes.c_char * nbytes).from_address(storage.data_ptr())
+    done = os.pwrite(fd, data, 0)
+    if done < nbytes:  # a single write stops at 2 GiB
+        view = memoryview(data).cast("B")
+        while done < nbytes:
+            done += os.pwrite(fd, view[done:], done)
 
 
 def move_to_memfd(storage: torch.UntypedStorage) -> tuple[Segment, int]:

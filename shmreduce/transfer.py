@@ -15,8 +15,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from contextlib import contextmanager
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -111,7 +110,9 @@ class _Outgoing:
                 segment, fd = segments.move_to_memfd(storage)
             _counters["storages_shared"] += 1
             _counters["bytes_shared"] += segment.nbytes
-        _release(cache.remember(storage, segment))
+        released = cache.remember(storage, segment)
+        if released:
+            _release(released)
         return segment, fd
 
     def flush(self, deliver: bool = True) -> None:
@@ -144,21 +145,22 @@ class _Outgoing:
 _local = threading.local()
 
 
-@contextmanager
-def sending() -> Iterator[None]:
-    """Group every storage pickled inside into one deposit (nested scopes join the outer)."""
-    if getattr(_local, "out", None) is not None:
-        yield
-        return
-    out = _local.out = _Outgoing()
-    try:
-        yield
-    except BaseException:
-        _local.out = None
-        out.flush(deliver=False)  # new fs files are still ours to hold
-        raise
-    _local.out = None
-    out.flush()
+class sending:
+    """``with sending():`` groups every storage pickled inside into one deposit, sent
+    when the scope closes (nested scopes join the outer one). If the block raises,
+    nothing is delivered; new fs files are still held by this process."""
+
+    __slots__ = ("outer",)
+
+    def __enter__(self) -> None:
+        self.outer = getattr(_local, "out", None) is not None
+        if not self.outer:
+            _local.out = _Outgoing()
+
+    def __exit__(self, exc_type: type | None, *_: object) -> None:
+        if not self.outer:
+            out, _local.out = _local.out, None
+            out.flush(deliver=exc_type is None)
 
 
 def share(storage: torch.UntypedStorage) -> SegmentRef:
@@ -228,10 +230,8 @@ _pending_lock = threading.Lock()
 
 
 def _fetched(directory: str, message: bytes) -> _Fetched:
+    """Fetch a message not seen yet (one broker round trip) and keep it pending."""
     key = (directory, message)
-    entry = _pending.get(key)
-    if entry is not None:
-        return entry
     if not isinstance(directory, str) or not isinstance(message, bytes):
         raise SharingError(f"not a shmreduce segment handle: {directory!r}, {message!r} (forged message?)")
     if not os.path.basename(directory).startswith(DIR_PREFIX) or len(message) != KEY_LEN:
@@ -269,7 +269,7 @@ def receive(ref: tuple) -> torch.UntypedStorage:
         raise SharingError(f"not a shmreduce segment handle: {ref!r}") from None
     if kind != "fd" and kind != "fs":
         raise SharingError(f"not a shmreduce segment handle: {ref!r}")
-    entry = _fetched(directory, message)
+    entry = _pending.get((directory, message)) or _fetched(directory, message)
     segment = Segment(kind, "" if kind == "fd" else directory, name, nbytes)
     fd = entry.take(slot) if kind == "fd" else None
     try:
@@ -280,27 +280,31 @@ def receive(ref: tuple) -> torch.UntypedStorage:
             storage = segments.map_fd(fd, segment) if fd is not None else segments.map_file(segment)
             _counters["storages_received"] += 1
             _counters["bytes_received"] += nbytes
-            _release(cache.remember(storage, segment))
+            released = cache.remember(storage, segment)
+            if released:
+                _release(released)
         return storage
     finally:
         if fd is not None:
             os.close(fd)
 
 
-@contextmanager
-def receiving() -> Iterator[None]:
-    """Close whatever the messages loaded inside left unclaimed."""
-    if getattr(_local, "incoming", None) is not None:
-        yield
-        return
-    keys: list[tuple[str, bytes]] = []
-    _local.incoming = keys
-    try:
-        yield
-    finally:
-        _local.incoming = None
-        for key in keys:
-            _forget(key)
+class receiving:
+    """``with receiving():`` closes whatever the messages loaded inside left unclaimed
+    (nested scopes join the outer one)."""
+
+    __slots__ = ("outer",)
+
+    def __enter__(self) -> None:
+        self.outer = getattr(_local, "incoming", None) is not None
+        if not self.outer:
+            _local.incoming = []
+
+    def __exit__(self, *_: object) -> None:
+        if not self.outer:
+            keys, _local.incoming = _local.incoming, None
+            for key in keys:
+                _forget(key)
 
 
 def pending_count() -> int:
