@@ -200,12 +200,21 @@ def _release(released: dict[str, list[str]]) -> None:
 # -- receiving ---------------------------------------------------------------------
 
 
-class _Fetched:
-    __slots__ = ("fds", "left", "unknown")
+class _Incoming:
+    """A message this process has started to receive, and its descriptors once fetched."""
 
-    def __init__(self, fds: list[int] | None) -> None:
+    __slots__ = ("fds", "left", "fetched", "unknown")
+
+    def __init__(self) -> None:
+        self.fds: list[int | None] = []
+        self.left = 0
+        self.fetched = False  # fd refs need the deposit's descriptors: one round trip
+        self.unknown = False  # the broker had no such message
+
+    def fill(self, fds: list[int] | None) -> None:
+        self.fetched = True
         self.unknown = fds is None
-        self.fds: list[int | None] = list(fds or ())
+        self.fds = list(fds or ())
         self.left = len(self.fds)
 
     def take(self, slot: int) -> int | None:
@@ -225,13 +234,24 @@ class _Fetched:
         self.left = 0
 
 
-_pending: "OrderedDict[tuple[str, bytes], _Fetched]" = OrderedDict()
+_pending: "OrderedDict[tuple[str, bytes], _Incoming]" = OrderedDict()
 _pending_lock = threading.Lock()
 
 
-def _fetched(directory: str, message: bytes) -> _Fetched:
-    """Fetch a message not seen yet (one broker round trip) and keep it pending."""
+def _incoming(directory: str, message: bytes, kind: str) -> _Incoming:
+    """The pending entry of a message, starting its receipt on its first reference.
+
+    file_descriptor refs fetch the deposit's descriptors (one round trip per
+    message). file_system refs only *claim* the message, fire-and-forget: its files
+    exist while it holds them, so they can be mapped at once, and the claim moves
+    those holds to this process when the broker reads it.
+    """
     key = (directory, message)
+    entry = _pending.get(key)
+    if entry is not None:
+        if kind == "fd" and not entry.fetched:
+            entry.fill(broker.client_for(directory, os.getpid()).fetch(message))
+        return entry
     if not isinstance(directory, str) or not isinstance(message, bytes):
         raise SharingError(f"not a shmreduce segment handle: {directory!r}, {message!r} (forged message?)")
     if not os.path.basename(directory).startswith(DIR_PREFIX) or len(message) != KEY_LEN:
@@ -240,7 +260,12 @@ def _fetched(directory: str, message: bytes) -> _Fetched:
         # Its broker is gone (the janitor removed the directory): never start a new
         # broker for a directory named by a pickle, which could be anywhere.
         raise stale_message(f"cannot receive from {directory!r}: no such program directory")
-    entry = _Fetched(broker.client_for(directory, os.getpid()).fetch(message))
+    entry = _Incoming()
+    client = broker.client_for(directory, os.getpid())
+    if kind == "fd":
+        entry.fill(client.fetch(message))
+    else:
+        client.claim(message)
     if not entry.unknown:
         _counters["messages_received"] += 1
     with _pending_lock:
@@ -269,15 +294,18 @@ def receive(ref: tuple) -> torch.UntypedStorage:
         raise SharingError(f"not a shmreduce segment handle: {ref!r}") from None
     if kind != "fd" and kind != "fs":
         raise SharingError(f"not a shmreduce segment handle: {ref!r}")
-    entry = _pending.get((directory, message)) or _fetched(directory, message)
+    entry = _incoming(directory, message, kind)
     segment = Segment(kind, "" if kind == "fd" else directory, name, nbytes)
     fd = entry.take(slot) if kind == "fd" else None
     try:
         storage = cache.storage_of(segment)
         if storage is None:
-            if entry.unknown or (kind == "fd" and fd is None):
-                raise stale_message(f"cannot receive segment {name}")
-            storage = segments.map_fd(fd, segment) if fd is not None else segments.map_file(segment)
+            if kind == "fd":
+                if fd is None:
+                    raise stale_message(f"cannot receive segment {name}")
+                storage = segments.map_fd(fd, segment)
+            else:
+                storage = segments.map_file(segment)
             _counters["storages_received"] += 1
             _counters["bytes_received"] += nbytes
             released = cache.remember(storage, segment)

@@ -148,7 +148,7 @@ assert model.weight.is_shared() and model.bias.is_shared()
 segment = cache.segment_of(model.weight.untyped_storage())
 assert segment is not None and segment.kind == "fs", segment
 assert os.path.exists(os.path.join(segment.program, segment.name)), segment
-ours = {os.readlink(f"/proc/self/fd/{c.sock.fileno()}") for c in client.existing_clients() if c.sock}
+ours = {os.readlink(f"/proc/self/fd/{s.fileno()}") for c in client.existing_clients() for s in c.sockets()}
 new_files = torch_files() - files
 new_socks = sockets() - socks - ours
 shmreduce.unregister()

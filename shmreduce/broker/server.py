@@ -31,11 +31,24 @@ GRACE = float(os.environ.get("SHMREDUCE_BROKER_GRACE", "1.0"))
 
 
 class _Client:
-    __slots__ = ("sock", "holds")
+    """One client process: the names it holds, across its connections."""
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
+    __slots__ = ("token", "holds", "conns")
+
+    def __init__(self, token: bytes) -> None:
+        self.token = token
         self.holds: set[str] = set()
+        self.conns = 0
+
+
+class _Conn:
+    __slots__ = ("sock", "fd", "client", "post")
+
+    def __init__(self, sock: socket.socket, client: _Client, post: bool) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.client = client
+        self.post = post
 
 
 class _Message:
@@ -46,16 +59,28 @@ class _Message:
         self.names: list[str] = []
 
 
+_POST_EVENTS = select.EPOLLIN | select.EPOLLONESHOT
+EARLY_CLAIM_TTL = 30.0  # seconds a claim that arrived before its deposit is remembered
+
+
 class Broker:
     def __init__(self, directory: str, listener: socket.socket, authkey: bytes, root_pid: int) -> None:
         self.dir = directory
         self.listener = listener
         self.authkey = authkey
         self.uid = os.getuid()
-        self.clients: dict[int, _Client] = {}
+        self.conns: dict[int, _Conn] = {}
+        self.clients: dict[bytes, _Client] = {}
         self.messages: dict[bytes, _Message] = {}
         self.refs: dict[str, int] = {}
-        self.parked: list[tuple[float, _Client, bytes]] = []
+        self.parked: list[tuple[float, _Conn, bytes]] = []
+        self.early_claims: dict[bytes, tuple[float, _Client]] = {}
+        # Post connections are armed one-shot: the first record after a quiet spell
+        # wakes the broker; then the connection "cools" for POST_WINDOW, and what
+        # arrives meanwhile is read in one batch at the end of the window.
+        self.cooling: set[int] = set()
+        self.cool_until: float | None = None
+        self.draining = False
         self.poller = select.epoll()
         self.poller.register(listener.fileno(), select.EPOLLIN)
         self.root_alive = True
@@ -96,10 +121,19 @@ class Broker:
                 client.holds.discard(name)
                 self._decref(name)
 
+    def _give_names(self, client: _Client, msg: _Message) -> None:
+        """The message's in-flight names become *client*'s (dropped if it is gone)."""
+        if client.conns:
+            self._hold(client, msg.names)
+        for name in msg.names:
+            self._decref(name)
+        msg.names = []
+
     def counters(self) -> dict:
         return {
             "pid": os.getpid(),
             "clients": len(self.clients),
+            "connections": len(self.conns),
             "messages": len(self.messages),
             "message_fds": sum(len(m.fds) for m in self.messages.values()),
             "segment_files": len(self.refs),
@@ -119,98 +153,159 @@ class Broker:
 
             if peer_uid(sock) != self.uid:
                 raise P.ProtocolError("peer runs as another user")
-            P.serve_handshake(sock, self.authkey)
+            role, token = P.serve_handshake(sock, self.authkey)
             # Non-blocking from now on: the loop drains whatever a client has queued,
             # and a client that stops reading its replies is dropped, never waited on.
             sock.setblocking(False)
         except (OSError, P.ProtocolError):
             sock.close()
             return
-        client = _Client(sock)
-        self.clients[sock.fileno()] = client
-        self.poller.register(sock.fileno(), select.EPOLLIN)
+        client = self.clients.get(token)
+        if client is None:
+            client = self.clients[token] = _Client(token)
+        client.conns += 1
+        conn = _Conn(sock, client, role == P.ROLE_POST)
+        self.conns[conn.fd] = conn
+        self.poller.register(conn.fd, _POST_EVENTS if conn.post else select.EPOLLIN)
         self.idle_since = None
 
-    def _drop(self, client: _Client) -> None:
-        self.poller.unregister(client.sock.fileno())
-        del self.clients[client.sock.fileno()]
-        self._release(client, list(client.holds))
-        self.parked = [p for p in self.parked if p[1] is not client]
-        client.sock.close()
-        if not self.clients:
+    def _drop(self, conn: _Conn) -> None:
+        if self.conns.pop(conn.fd, None) is None:
+            return
+        self.poller.unregister(conn.fd)
+        self.cooling.discard(conn.fd)
+        self.parked = [p for p in self.parked if p[1] is not conn]
+        conn.sock.close()
+        client = conn.client
+        client.conns -= 1
+        if not client.conns:
+            self.clients.pop(client.token, None)
+            self._release(client, list(client.holds))
+        if not self.conns:
             self.idle_since = time.monotonic()
 
-    def _serve(self, client: _Client) -> None:
-        """Handle every record *client* has queued."""
+    def _serve(self, conn: _Conn) -> int:
+        """Handle every record *conn* has queued; return how many (-1: conn dropped)."""
+        count = 0
         while True:
             try:
-                record = P.recv_record(client.sock)
+                record = P.recv_record(conn.sock)
             except BlockingIOError:
-                return
+                return count
             except (OSError, P.ProtocolError):
                 record = None
             if record is None:
-                self._drop(client)
-                return
-            if not self._handle(client, *record):
-                return
+                self._drop(conn)
+                return -1
+            if not self._handle(conn, *record):
+                return -1
+            count += 1
 
-    def _handle(self, client: _Client, op: bytes, key: bytes, body: bytes, fds: list[int]) -> bool:
-        """One record; False if the client was dropped."""
+    def _drain_posts(self) -> None:
+        """Read every post connection now: a barrier for what clients sent before."""
+        if self.draining:
+            return
+        self.draining = True
+        try:
+            for conn in [c for c in self.conns.values() if c.post]:
+                self._serve(conn)
+        finally:
+            self.draining = False
+
+    def _cool(self, conn: _Conn, now: float) -> None:
+        self.cooling.add(conn.fd)
+        if self.cool_until is None:
+            self.cool_until = now + P.POST_WINDOW
+
+    def _end_window(self, now: float) -> None:
+        """Read the cooling connections; re-arm those that stayed quiet."""
+        self.cool_until = None
+        for fd in list(self.cooling):
+            conn = self.conns.get(fd)
+            if conn is None:
+                self.cooling.discard(fd)
+                continue
+            got = self._serve(conn)
+            if got == 0:
+                self.cooling.discard(fd)
+                self.poller.modify(fd, _POST_EVENTS)
+        if self.cooling:
+            self.cool_until = now + P.POST_WINDOW
+
+    def _handle(self, conn: _Conn, op: bytes, key: bytes, body: bytes, fds: list[int]) -> bool:
+        """One record; False if the connection was dropped."""
+        client = conn.client
         try:
             if op == P.DEPOSIT:
                 holds, inflight = P.decode_deposit(body)
                 self._hold(client, holds)
                 if fds or inflight:
-                    msg = self.messages.get(key)
-                    if msg is None:
-                        msg = self.messages[key] = _Message()
-                    msg.fds.extend(fds)
+                    self._deposit(key, fds, inflight)
                     fds = []
-                    for name in inflight:
-                        self._incref(name)
-                    msg.names.extend(inflight)
-                    if self.parked:
-                        self._answer_parked(key)
-            elif op == P.FETCH:
-                if key in self.messages:
-                    self._reply_fetch(client, key)
+            elif op == P.CLAIM:
+                msg = self.messages.get(key)
+                if msg is None:
+                    self.early_claims[key] = (time.monotonic() + EARLY_CLAIM_TTL, client)
                 else:
-                    self.parked.append((time.monotonic() + P.FETCH_WAIT, client, key))
+                    self._give_names(client, msg)
+                    if not msg.fds:
+                        del self.messages[key]
+            elif op == P.FETCH:
+                if key not in self.messages:
+                    self._drain_posts()  # its deposit may still be queued on a post connection
+                if key in self.messages:
+                    self._reply_fetch(conn, key)
+                else:
+                    self.parked.append((time.monotonic() + P.FETCH_WAIT, conn, key))
             elif op == P.HOLD:
                 self._hold(client, P.decode_names(body))
             elif op == P.RELEASE:
                 self._release(client, P.decode_names(body))
             elif op == P.PING:
-                P.send_record(client.sock, P.PONG, P.NO_KEY, json.dumps(self.counters()).encode())
+                self._drain_posts()
+                P.send_record(conn.sock, P.PONG, P.NO_KEY, json.dumps(self.counters()).encode())
             else:
                 raise P.ProtocolError(f"unknown op {op!r}")
             return True
         except (OSError, P.ProtocolError):
             for fd in fds:
                 os.close(fd)
-            if client.sock.fileno() in self.clients:
-                self._drop(client)
+            self._drop(conn)
             return False
 
-    def _reply_fetch(self, client: _Client, key: bytes) -> None:
+    def _deposit(self, key: bytes, fds: list[int], inflight: list[str]) -> None:
+        msg = self.messages.get(key)
+        if msg is None:
+            msg = self.messages[key] = _Message()
+        msg.fds.extend(fds)
+        for name in inflight:
+            self._incref(name)
+        msg.names.extend(inflight)
+        early = self.early_claims.pop(key, None) if self.early_claims else None
+        if early is not None:
+            self._give_names(early[1], msg)
+            if not msg.fds:
+                del self.messages[key]
+                return
+        if self.parked:
+            self._answer_parked(key)
+
+    def _reply_fetch(self, conn: _Conn, key: bytes) -> None:
         msg = self.messages.pop(key)
         try:
             # The names become this client's before anything can fail, so that a
             # client dying mid-reply releases them through _drop.
-            self._hold(client, msg.names)
-            for name in msg.names:
-                self._decref(name)
+            self._give_names(conn.client, msg)
             head = P.encode_fetched(P.STATUS_OK, len(msg.fds))
             chunks = [msg.fds[i : i + P.MAX_FDS] for i in range(0, len(msg.fds), P.MAX_FDS)] or [[]]
             for chunk in chunks:
-                P.send_record(client.sock, P.FETCHED, key, head, chunk)
+                P.send_record(conn.sock, P.FETCHED, key, head, chunk)
         finally:
             for fd in msg.fds:
                 os.close(fd)
 
-    def _reply_unknown(self, client: _Client, key: bytes) -> None:
-        P.send_record(client.sock, P.FETCHED, key, P.encode_fetched(P.STATUS_UNKNOWN, 0))
+    def _reply_unknown(self, conn: _Conn, key: bytes) -> None:
+        P.send_record(conn.sock, P.FETCHED, key, P.encode_fetched(P.STATUS_UNKNOWN, 0))
 
     def _answer_parked(self, key: bytes) -> None:
         for entry in self.parked:
@@ -219,35 +314,36 @@ class Broker:
                 try:
                     self._reply_fetch(entry[1], key)
                 except OSError:
-                    if entry[1].sock.fileno() in self.clients:
-                        self._drop(entry[1])
+                    self._drop(entry[1])
                 return
 
-    def _expire_parked(self, now: float) -> None:
+    def _expire(self, now: float) -> None:
+        if self.early_claims:
+            for key in [k for k, (until, _) in self.early_claims.items() if until <= now]:
+                del self.early_claims[key]
         due = [p for p in self.parked if p[0] <= now]
         if not due:
             return
         self.parked = [p for p in self.parked if p[0] > now]
-        for _deadline, client, key in due:
+        for _deadline, conn, key in due:
             try:
-                self._reply_unknown(client, key)
+                self._reply_unknown(conn, key)
             except OSError:
-                if client.sock.fileno() in self.clients:
-                    self._drop(client)
+                self._drop(conn)
 
     # -- main loop -------------------------------------------------------------
 
     def _should_exit(self, now: float) -> bool:
         if self.stopping:
             return True
-        if self.clients or self.idle_since is None:
+        if self.conns or self.idle_since is None:
             return False
         if self.messages and self.root_alive:
             return False
         return now - self.idle_since >= GRACE
 
     def run(self) -> None:
-        listener, clients = self.listener.fileno(), self.clients
+        listener, conns = self.listener.fileno(), self.conns
         while True:
             now = time.monotonic()
             if self._should_exit(now):
@@ -255,10 +351,13 @@ class Broker:
             timeout = 0.25
             if self.parked:
                 timeout = min(timeout, max(0.0, min(p[0] for p in self.parked) - now))
+            if self.cool_until is not None:
+                timeout = min(timeout, max(0.0, self.cool_until - now))
             for fd, _events in self.poller.poll(timeout):
-                client = clients.get(fd)
-                if client is not None:
-                    self._serve(client)
+                conn = conns.get(fd)
+                if conn is not None:
+                    if self._serve(conn) >= 0 and conn.post:
+                        self._cool(conn, now)
                 elif fd == listener:
                     self._accept()
                 elif fd == self.root_fd:
@@ -266,18 +365,21 @@ class Broker:
                     self.poller.unregister(self.root_fd)
                     os.close(self.root_fd)
                     self.root_fd = -1
-                    if not clients:
+                    if not conns:
                         self.idle_since = time.monotonic()
-            if self.parked:
-                self._expire_parked(time.monotonic())
+            now = time.monotonic()
+            if self.cool_until is not None and now >= self.cool_until:
+                self._end_window(now)
+            if self.parked or self.early_claims:
+                self._expire(now)
 
     def shutdown(self) -> None:
         for msg in self.messages.values():
             for fd in msg.fds:
                 os.close(fd)
         self.messages.clear()
-        for client in list(self.clients.values()):
-            client.sock.close()
+        for conn in list(self.conns.values()):
+            conn.sock.close()
         self.listener.close()
         self.poller.close()
         remove_program_dir(self.dir)
