@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test bench examples clean
+.PHONY: install test typecheck bench examples clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -17,8 +17,11 @@ $(STAMP): $(PY) pyproject.toml constraints-dev.txt
 
 install: $(STAMP)
 
-test: $(STAMP)
+test: typecheck
 	$(PY) -m pytest -q --timeout=300 $(PYTEST_ARGS)
+
+typecheck: $(STAMP)
+	$(PY) -m mypy
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py --update-readme $(BENCH_ARGS)

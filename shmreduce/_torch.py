@@ -6,14 +6,21 @@ release changes any of them.
 
 from __future__ import annotations
 
+from typing import Callable, cast
+
 import torch
 
 UntypedStorage = torch.UntypedStorage
 
-new_shared_fd = UntypedStorage._new_shared_fd_cpu  # (fd, nbytes) -> storage; dups fd
-map_file = UntypedStorage.from_file  # (path, shared=True, nbytes=n) -> storage; keeps no fd
+# (fd, nbytes) -> storage; dups fd. Private, so absent from torch's type stubs.
+new_shared_fd: Callable[[int, int], torch.UntypedStorage] = UntypedStorage._new_shared_fd_cpu  # type: ignore[attr-defined]
 _new_with_weak_ptr = UntypedStorage._new_with_weak_ptr
 _expired = UntypedStorage._expired
+
+
+def map_file(path: str, nbytes: int) -> torch.UntypedStorage:
+    """A MAP_SHARED mapping of *path* (which keeps no descriptor open)."""
+    return cast(torch.UntypedStorage, UntypedStorage.from_file(path, shared=True, nbytes=nbytes))
 
 
 def swap_memory(storage: torch.UntypedStorage, shared: torch.UntypedStorage) -> None:
@@ -22,7 +29,7 @@ def swap_memory(storage: torch.UntypedStorage, shared: torch.UntypedStorage) -> 
     Every tensor viewing *storage* now reads and writes *shared*'s memory; *shared*
     is left holding the old memory, freed when it is dropped.
     """
-    storage._swap_data_ptr_(shared)
+    storage._swap_data_ptr_(shared)  # type: ignore[attr-defined]
 
 
 def storage_fd(storage: torch.UntypedStorage) -> int:

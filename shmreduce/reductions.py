@@ -225,8 +225,8 @@ def default_reducers() -> dict[type, Any]:
         table[cls] = reduce_storage if issubclass(cls, torch.UntypedStorage) else reduce_typed_storage
     table[torch.UntypedStorage] = reduce_storage
     table[torch.TypedStorage] = reduce_typed_storage
-    for cls in torch._tensor_classes:
-        table[cls] = reduce_tensor
+    for tensor_cls in torch._tensor_classes:
+        table[tensor_cls] = reduce_tensor
     table[torch.Tensor] = reduce_tensor
     table[torch.nn.Parameter] = reduce_tensor
     return table

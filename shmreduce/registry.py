@@ -35,6 +35,13 @@ from shmreduce import strategy as _strategy
 from shmreduce.broker import client as broker
 
 Reducer = Callable[[Any], tuple]
+# ForkingPickler.register's table (exact classes), and the process config that
+# multiprocessing hands to every child: both private, so absent from typeshed.
+_EXTRA_REDUCERS: dict[type, Any] = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
+
+
+def _process_config() -> dict[str, Any]:
+    return multiprocessing.current_process()._config  # type: ignore[attr-defined]
 _MISSING = object()
 _CONFIG_KEY = "shmreduce"
 
@@ -105,7 +112,7 @@ def register_reducer(cls: type, reduce: Reducer) -> None:
         _user[cls] = reduce
         _changed()
         if _registered:
-            _saved_reducers.setdefault(cls, ForkingPickler._extra_reducers.get(cls, _MISSING))
+            _saved_reducers.setdefault(cls, _EXTRA_REDUCERS.get(cls, _MISSING))
             ForkingPickler.register(cls, reduce)
 
 
@@ -137,9 +144,9 @@ def _changed() -> None:
 
 def _restore_reducer(cls: type, previous: Any) -> None:
     if previous is _MISSING:
-        ForkingPickler._extra_reducers.pop(cls, None)
+        _EXTRA_REDUCERS.pop(cls, None)
     else:
-        ForkingPickler._extra_reducers[cls] = previous
+        _EXTRA_REDUCERS[cls] = previous
 
 
 # -- the ForkingPickler entry points while registered -------------------------------
@@ -152,7 +159,7 @@ _forking_table: list[tuple[dict, dict, DispatchTable]] = []
 
 
 def _forking_dispatch_table() -> DispatchTable:
-    extra = ForkingPickler._extra_reducers
+    extra = _EXTRA_REDUCERS
     if _forking_table:
         base, extras, table = _forking_table[0]
         if base == copyreg.dispatch_table and extras == extra:
@@ -235,15 +242,15 @@ def register(*, strategy: str | None = None, cloudpickle: bool | None = None) ->
         import torch.multiprocessing  # noqa: F401  torch's reducers first, so we record them
 
         for cls, reduce in _table().items():
-            _saved_reducers[cls] = ForkingPickler._extra_reducers.get(cls, _MISSING)
+            _saved_reducers[cls] = _EXTRA_REDUCERS.get(cls, _MISSING)
             ForkingPickler.register(cls, reduce)
         _saved_attrs["dumps"] = ForkingPickler.__dict__["dumps"]
         _saved_attrs["loads"] = ForkingPickler.__dict__["loads"]
         _saved_attrs["share_memory_"] = torch.UntypedStorage.__dict__["share_memory_"]
         ForkingPickler.dumps = classmethod(_forking_dumps)  # type: ignore[method-assign,assignment]
-        ForkingPickler.loads = staticmethod(_forking_loads)  # type: ignore[method-assign,assignment]
+        ForkingPickler.loads = staticmethod(_forking_loads)
         torch.UntypedStorage.share_memory_ = _share_memory_  # type: ignore[method-assign]
-        multiprocessing.current_process()._config[_CONFIG_KEY] = _Inherit()
+        _process_config()[_CONFIG_KEY] = _Inherit()
         # The program starts here, so forked children join it rather than each
         # becoming the root of its own (whose broker, and the messages it holds,
         # would go when that child exits: SPEC 7).
@@ -268,9 +275,9 @@ def unregister() -> None:
             _restore_reducer(cls, previous)
         _saved_reducers.clear()
         ForkingPickler.dumps = _saved_attrs.pop("dumps")  # type: ignore[method-assign]
-        ForkingPickler.loads = _saved_attrs.pop("loads")  # type: ignore[method-assign]
+        ForkingPickler.loads = _saved_attrs.pop("loads")
         torch.UntypedStorage.share_memory_ = _saved_attrs.pop("share_memory_")  # type: ignore[method-assign]
-        multiprocessing.current_process()._config.pop(_CONFIG_KEY, None)
+        _process_config().pop(_CONFIG_KEY, None)
         _registered = False
         _use_cloudpickle = False
     broker.close_all()
@@ -311,7 +318,7 @@ def _cloudpickle_table(pickler: Any) -> DispatchTable:
 
 
 class _CloudPickler(cloudpickle.Pickler):
-    dispatch_table = property(_cloudpickle_table)  # type: ignore[assignment]
+    dispatch_table = property(_cloudpickle_table)
 
 
 def dumps(obj: Any, protocol: int | None = None) -> bytes:

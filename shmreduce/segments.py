@@ -97,7 +97,7 @@ def move_to_file(storage: torch.UntypedStorage, program: str) -> Segment:
     finally:
         os.close(fd)
     try:
-        shared = _torch.map_file(path, shared=True, nbytes=nbytes)
+        shared = _torch.map_file(path, nbytes)
     except RuntimeError as exc:
         os.unlink(path)
         raise SharingError(f"mapping {path} failed: {exc}") from exc
@@ -146,6 +146,6 @@ def map_file(segment: Segment) -> torch.UntypedStorage:
     if st.st_uid != os.getuid() or st.st_size < segment.nbytes:
         raise SharingError(f"shared-memory file {path} does not match its handle (owner or size): forged message?")
     try:
-        return _torch.map_file(path, shared=True, nbytes=segment.nbytes)
+        return _torch.map_file(path, segment.nbytes)
     except RuntimeError as exc:
         raise SharingError(f"mapping {path} failed: {exc}") from exc

@@ -38,7 +38,7 @@ def test_map_file_keeps_no_descriptor(tmp_path):
     path = tmp_path / "seg"
     path.write_bytes(bytes(range(16)))
     before = len(os.listdir("/proc/self/fd"))
-    storage = _torch.map_file(str(path), shared=True, nbytes=16)
+    storage = _torch.map_file(str(path), 16)
     assert len(os.listdir("/proc/self/fd")) == before
     assert storage.is_shared() and bytes(storage.tolist()) == bytes(range(16))
     assert _torch.storage_fd(storage) == -1

@@ -419,7 +419,7 @@ def lock_is_free(directory: str) -> bool:
 
 def sweep_stale(base: str, keep: str | None = None) -> list[str]:
     """Remove this user's program directories under *base* whose broker is dead."""
-    removed = []
+    removed: list[str] = []
     uid = os.getuid()
     try:
         entries = os.listdir(base)
