@@ -72,10 +72,8 @@ def test_dataloader_workers_share_through_shmreduce(strategy, kind, pin):
     gc.collect()
 
 
-def test_dataloader_spawn_workers_run_registered():
-    # One strategy only (spawned workers are slow to start); both run with fork above.
-    with shmreduce.registered(strategy="file_system"):
-        _spawn_loader()
+def test_dataloader_spawn_workers_run_registered(strategy):
+    _spawn_loader()
 
 
 def _spawn_loader():

@@ -83,10 +83,8 @@ def actor(rank: int, weights_q, traj_q) -> None:
         })
 
 
-@pytest.mark.parametrize("method", ["fork", pytest.param("spawn", id="spawn")])
+@pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_actor_learner_fixed_steps(strategy, method):
-    if method == "spawn" and strategy == "file_descriptor":
-        pytest.skip("spawn runs once, under file_system, to keep the suite short")
     ctx = mp.get_context(method)
     traj_q = ctx.Queue()
     weights_qs = [ctx.Queue() for _ in range(N_ACTORS)]
