@@ -12,6 +12,8 @@ whatever a failed or partial load left over.
 
 from __future__ import annotations
 
+import hashlib
+import multiprocessing
 import os
 import threading
 from collections import OrderedDict
@@ -37,7 +39,27 @@ class SegmentRef(NamedTuple):
     message: bytes  # deposit key
     name: str  # segment identity (see cache.Segment)
     nbytes: int
-    slot: int  # fd: index of the descriptor in the deposit; fs: -1
+    # fd: index of the descriptor in the deposit. fs: the handle's tag, a keyed hash
+    # of (message, name) under the program's authkey (see fs_tag): nothing asks the
+    # broker before a file is mapped, so the receiver checks the tag instead.
+    slot: int
+
+
+def fs_tag(message: bytes, name: str) -> int:
+    """The tag of a file_system handle: refuses forged or mixed-up keys and names."""
+    digest = hashlib.blake2b(message + name.encode(), key=_tag_key(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+_tag_keys: dict[bytes, bytes] = {}
+
+
+def _tag_key() -> bytes:
+    authkey = bytes(multiprocessing.current_process().authkey)
+    key = _tag_keys.get(authkey)
+    if key is None:
+        key = _tag_keys[authkey] = hashlib.blake2b(authkey, digest_size=32, person=b"shmreduce-fs").digest()
+    return key
 
 
 _counters = {
@@ -82,7 +104,8 @@ class _Outgoing:
             _counters["storages_reused"] += 1
         if segment.kind == "fs":
             self.inflight.setdefault(segment.program, {})[segment.name] = None
-            return SegmentRef("fs", segment.program, self.key, segment.name, segment.nbytes, -1)
+            tag = fs_tag(self.key, segment.name)
+            return SegmentRef("fs", segment.program, self.key, segment.name, segment.nbytes, tag)
         slot = self.slots.get(segment.name)
         if slot is None:
             slot = self.slots[segment.name] = len(self.fds)
@@ -305,6 +328,11 @@ def receive(ref: tuple) -> torch.UntypedStorage:
                     raise stale_message(f"cannot receive segment {name}")
                 storage = segments.map_fd(fd, segment)
             else:
+                if not isinstance(name, str) or slot != fs_tag(message, name):
+                    raise SharingError(
+                        f"refusing file_system handle {name!r}: its tag does not match its message "
+                        "(forged or corrupted handle, or another program's)"
+                    )
                 storage = segments.map_file(segment)
             _counters["storages_received"] += 1
             _counters["bytes_received"] += nbytes
