@@ -204,6 +204,16 @@ def _share_memory_(self: torch.UntypedStorage, *args: Any, **kwargs: Any) -> tor
     return _saved_attrs["share_memory_"](self, *args, **kwargs)
 
 
+def _new_shared(cls: type, size: int, *, device: Any = "cpu") -> torch.UntypedStorage:
+    # torch's classmethod behind TypedStorage._new_shared, which DataLoader workers'
+    # collate uses for each batch: under file_system it would go through libshm
+    # (torch_shm_manager), under file_descriptor through /dev/shm; either way the
+    # batch would then be copied again into a shmreduce segment to be sent.
+    if torch.device(device).type == "cpu":
+        return transfer.new_shared(size)
+    return cls(size, device=device)
+
+
 # -- children ----------------------------------------------------------------------
 
 
@@ -250,6 +260,8 @@ def register(*, strategy: str | None = None, cloudpickle: bool | None = None) ->
         ForkingPickler.dumps = classmethod(_forking_dumps)  # type: ignore[method-assign,assignment]
         ForkingPickler.loads = staticmethod(_forking_loads)
         torch.UntypedStorage.share_memory_ = _share_memory_  # type: ignore[method-assign]
+        _saved_attrs["_new_shared"] = torch.UntypedStorage.__dict__.get("_new_shared", _MISSING)
+        torch.UntypedStorage._new_shared = classmethod(_new_shared)  # type: ignore[assignment,method-assign]
         _process_config()[_CONFIG_KEY] = _Inherit()
         # The program starts here, so forked children join it rather than each
         # becoming the root of its own (whose broker, and the messages it holds,
@@ -276,6 +288,11 @@ def unregister() -> None:
         _saved_reducers.clear()
         ForkingPickler.dumps = _saved_attrs.pop("dumps")  # type: ignore[method-assign]
         ForkingPickler.loads = _saved_attrs.pop("loads")
+        previous = _saved_attrs.pop("_new_shared")
+        if previous is _MISSING:
+            del torch.UntypedStorage._new_shared
+        else:
+            torch.UntypedStorage._new_shared = previous  # type: ignore[method-assign]
         torch.UntypedStorage.share_memory_ = _saved_attrs.pop("share_memory_")  # type: ignore[method-assign]
         _process_config().pop(_CONFIG_KEY, None)
         _registered = False

@@ -105,6 +105,47 @@ def move_to_file(storage: torch.UntypedStorage, program: str) -> Segment:
     return Segment("fs", program, name, nbytes)
 
 
+def new_memfd(nbytes: int) -> tuple[Segment, torch.UntypedStorage]:
+    """A new zero-filled storage of *nbytes* in a memfd (torch's ``_new_shared``)."""
+    try:
+        fd = os.memfd_create("shmreduce", os.MFD_CLOEXEC)
+    except OSError as exc:
+        raise _os_error(exc, "memfd_create") from exc
+    try:
+        os.ftruncate(fd, nbytes)
+        return Segment("fd", "", _fd_name(fd), nbytes), _torch.new_shared_fd(fd, nbytes)
+    except OSError as exc:
+        raise _os_error(exc, "sizing a memfd") from exc
+    except RuntimeError as exc:
+        raise SharingError(f"mapping a {nbytes}-byte memfd failed: {exc}") from exc
+    finally:
+        os.close(fd)
+
+
+def new_file(nbytes: int, program: str) -> tuple[Segment, torch.UntypedStorage]:
+    """A new zero-filled storage of *nbytes* in a file of *program*, its space reserved."""
+    name = SEG_PREFIX + secrets.token_hex(12)
+    path = os.path.join(program, name)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise _os_error(exc, f"creating {path}") from exc
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        os.unlink(path)
+        if exc.errno in (errno.ENOSPC, errno.EFBIG):
+            raise out_of_shm(program, nbytes, exc.strerror or str(exc)) from exc
+        raise _os_error(exc, f"reserving {path}") from exc
+    finally:
+        os.close(fd)
+    try:
+        return Segment("fs", program, name, nbytes), _torch.map_file(path, nbytes)
+    except RuntimeError as exc:
+        os.unlink(path)
+        raise SharingError(f"mapping {path} failed: {exc}") from exc
+
+
 def adopt_fd(storage: torch.UntypedStorage) -> Segment | None:
     """The segment of a storage torch already put in fd-backed shared memory, if any."""
     try:

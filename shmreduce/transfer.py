@@ -123,10 +123,7 @@ class _Outgoing:
         segment = segments.adopt_fd(storage) if storage.is_shared() else None
         if segment is None:
             if get_sharing_strategy() == "file_system":
-                prog = program.current()
-                if not os.path.isdir(prog.directory):
-                    # The broker makes the directory; gone means that broker died.
-                    broker.client_for(prog.directory, prog.root_pid).connect(fresh=True)
+                prog = _live_program()
                 segment = segments.move_to_file(storage, prog.directory)
                 self.holds.setdefault(prog.directory, []).append(segment.name)
             else:
@@ -210,6 +207,42 @@ def share_in_place(storage: torch.UntypedStorage) -> None:
             out.owned.append(fd)  # the storage keeps its own
     finally:
         out.flush(deliver=False)
+
+
+def new_shared(nbytes: int) -> torch.UntypedStorage:
+    """A new zero-filled storage in a shmreduce segment of the current strategy.
+
+    What torch's ``UntypedStorage._new_shared`` does with its own shared memory; a
+    DataLoader worker's collate allocates each batch with it, so the batch is then
+    sent without another copy. A new ``file_system`` file is held by this process.
+    """
+    if nbytes <= 0:
+        return torch.UntypedStorage(0)
+    out = _Outgoing()
+    try:
+        if get_sharing_strategy() == "file_system":
+            prog = _live_program()
+            segment, storage = segments.new_file(nbytes, prog.directory)
+            out.holds.setdefault(prog.directory, []).append(segment.name)
+        else:
+            segment, storage = segments.new_memfd(nbytes)
+        _counters["storages_shared"] += 1
+        _counters["bytes_shared"] += nbytes
+        released = cache.remember(storage, segment)
+        if released:
+            _release(released)
+    finally:
+        out.flush(deliver=False)
+    return storage
+
+
+def _live_program() -> program.Program:
+    """This program, its directory made (again) if its broker died."""
+    prog = program.current()
+    if not os.path.isdir(prog.directory):
+        # The broker makes the directory; gone means that broker died.
+        broker.client_for(prog.directory, prog.root_pid).connect(fresh=True)
+    return prog
 
 
 def _release(released: dict[str, list[str]]) -> None:

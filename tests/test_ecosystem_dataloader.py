@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import warnings
 
 import pytest
@@ -94,3 +95,31 @@ def test_unregistered_dataloader_does_not_use_shmreduce():
     assert shmreduce.stats()["messages_received"] == before["messages_received"]
     del loader
     gc.collect()
+
+
+def _torch_shm_files():
+    return {f for f in os.listdir("/dev/shm") if f.startswith("torch_")}
+
+
+def test_worker_collate_allocates_batches_in_shmreduce_segments(strategy):
+    # default_collate in a worker allocates each batch with UntypedStorage._new_shared:
+    # while registered that is a shmreduce segment, so the batch is sent as it is
+    # (no torch_shm_manager or /dev/shm/torch_* files, no second copy).
+    from shmreduce.cache import cache
+
+    before_files = _torch_shm_files()
+    loader = DataLoader(MapDS(), batch_size=6, num_workers=2, multiprocessing_context="fork", timeout=30)
+    batches = list(loader)
+    assert batches and _torch_shm_files() <= before_files
+    kind = {"file_descriptor": "fd", "file_system": "fs"}[strategy]
+    tensors = [v for batch in batches for v in batch.values() if isinstance(v, torch.Tensor)]
+    assert len(tensors) >= len(batches)
+    for t in tensors:
+        segment = cache.segment_of(t.untyped_storage())
+        assert segment is not None and segment.kind == kind
+    # in this process too: a new shared storage is a shmreduce segment
+    storage = torch.UntypedStorage._new_shared(64)
+    assert storage.is_shared() and cache.segment_of(storage).kind == kind
+    del loader, batches, storage
+    gc.collect()
+

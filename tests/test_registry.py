@@ -16,7 +16,13 @@ from shmreduce import reductions
 
 
 def _snapshot():
-    return dict(ForkingPickler._extra_reducers), ForkingPickler.__dict__["dumps"], ForkingPickler.__dict__["loads"]
+    return (
+        dict(ForkingPickler._extra_reducers),
+        ForkingPickler.__dict__["dumps"],
+        ForkingPickler.__dict__["loads"],
+        torch.UntypedStorage.__dict__.get("share_memory_"),
+        torch.UntypedStorage.__dict__.get("_new_shared"),
+    )
 
 
 def test_import_changes_nothing_and_does_not_import_torch():
