@@ -16,6 +16,7 @@ import ctypes
 import errno
 import os
 import secrets
+from typing import Callable
 
 import torch
 
@@ -53,20 +54,15 @@ def _write_all(fd: int, storage: torch.UntypedStorage, nbytes: int) -> None:
             done += os.pwrite(fd, view[done:], done)
 
 
-def move_to_memfd(storage: torch.UntypedStorage) -> tuple[Segment, int]:
-    """Move *storage* into a new memfd in place; return its segment and the memfd.
-
-    The caller owns (and closes) the returned descriptor; the storage keeps its own.
-    """
-    nbytes = storage.nbytes()
+def _memfd(nbytes: int, fill: Callable[[int], object]) -> tuple[Segment, int, torch.UntypedStorage]:
+    """A memfd of *nbytes* filled by ``fill(fd)``, and its mapping; the caller owns the fd."""
     try:
         fd = os.memfd_create("shmreduce", os.MFD_CLOEXEC)
     except OSError as exc:
         raise _os_error(exc, "memfd_create") from exc
     try:
-        _write_all(fd, storage, nbytes)
-        name = _fd_name(fd)
-        shared = _torch.new_shared_fd(fd, nbytes)
+        fill(fd)
+        return Segment("fd", "", _fd_name(fd), nbytes), fd, _torch.new_shared_fd(fd, nbytes)
     except OSError as exc:
         os.close(fd)
         if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
@@ -75,12 +71,10 @@ def move_to_memfd(storage: torch.UntypedStorage) -> tuple[Segment, int]:
     except RuntimeError as exc:
         os.close(fd)
         raise SharingError(f"mapping a {nbytes}-byte memfd failed: {exc}") from exc
-    _torch.swap_memory(storage, shared)
-    return Segment("fd", "", name, nbytes), fd
 
 
-def move_to_file(storage: torch.UntypedStorage, program: str) -> Segment:
-    nbytes = storage.nbytes()
+def _file(program: str, nbytes: int, fill: Callable[[int], object]) -> tuple[Segment, torch.UntypedStorage]:
+    """A new file of *program*, mode 0600, filled by ``fill(fd)``, and its mapping."""
     name = SEG_PREFIX + secrets.token_hex(12)
     path = os.path.join(program, name)
     try:
@@ -88,55 +82,12 @@ def move_to_file(storage: torch.UntypedStorage, program: str) -> Segment:
     except OSError as exc:
         raise _os_error(exc, f"creating {path}") from exc
     try:
-        _write_all(fd, storage, nbytes)
+        fill(fd)
     except OSError as exc:
         os.unlink(path)
         if exc.errno in (errno.ENOSPC, errno.EFBIG):
             raise out_of_shm(program, nbytes, exc.strerror or str(exc)) from exc
-        raise _os_error(exc, f"writing {path}") from exc
-    finally:
-        os.close(fd)
-    try:
-        shared = _torch.map_file(path, nbytes)
-    except RuntimeError as exc:
-        os.unlink(path)
-        raise SharingError(f"mapping {path} failed: {exc}") from exc
-    _torch.swap_memory(storage, shared)
-    return Segment("fs", program, name, nbytes)
-
-
-def new_memfd(nbytes: int) -> tuple[Segment, torch.UntypedStorage]:
-    """A new zero-filled storage of *nbytes* in a memfd (torch's ``_new_shared``)."""
-    try:
-        fd = os.memfd_create("shmreduce", os.MFD_CLOEXEC)
-    except OSError as exc:
-        raise _os_error(exc, "memfd_create") from exc
-    try:
-        os.ftruncate(fd, nbytes)
-        return Segment("fd", "", _fd_name(fd), nbytes), _torch.new_shared_fd(fd, nbytes)
-    except OSError as exc:
-        raise _os_error(exc, "sizing a memfd") from exc
-    except RuntimeError as exc:
-        raise SharingError(f"mapping a {nbytes}-byte memfd failed: {exc}") from exc
-    finally:
-        os.close(fd)
-
-
-def new_file(nbytes: int, program: str) -> tuple[Segment, torch.UntypedStorage]:
-    """A new zero-filled storage of *nbytes* in a file of *program*, its space reserved."""
-    name = SEG_PREFIX + secrets.token_hex(12)
-    path = os.path.join(program, name)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    except OSError as exc:
-        raise _os_error(exc, f"creating {path}") from exc
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError as exc:
-        os.unlink(path)
-        if exc.errno in (errno.ENOSPC, errno.EFBIG):
-            raise out_of_shm(program, nbytes, exc.strerror or str(exc)) from exc
-        raise _os_error(exc, f"reserving {path}") from exc
+        raise _os_error(exc, f"filling {path}") from exc
     finally:
         os.close(fd)
     try:
@@ -144,6 +95,37 @@ def new_file(nbytes: int, program: str) -> tuple[Segment, torch.UntypedStorage]:
     except RuntimeError as exc:
         os.unlink(path)
         raise SharingError(f"mapping {path} failed: {exc}") from exc
+
+
+def move_to_memfd(storage: torch.UntypedStorage) -> tuple[Segment, int]:
+    """Move *storage* into a new memfd in place; return its segment and the memfd.
+
+    The caller owns (and closes) the returned descriptor; the storage keeps its own.
+    """
+    nbytes = storage.nbytes()
+    segment, fd, shared = _memfd(nbytes, lambda fd: _write_all(fd, storage, nbytes))
+    _torch.swap_memory(storage, shared)
+    return segment, fd
+
+
+def move_to_file(storage: torch.UntypedStorage, program: str) -> Segment:
+    """Move *storage* into a new file of *program* in place."""
+    nbytes = storage.nbytes()
+    segment, shared = _file(program, nbytes, lambda fd: _write_all(fd, storage, nbytes))
+    _torch.swap_memory(storage, shared)
+    return segment
+
+
+def new_memfd(nbytes: int) -> tuple[Segment, torch.UntypedStorage]:
+    """A new zero-filled storage of *nbytes* in a memfd (torch's ``_new_shared``)."""
+    segment, fd, storage = _memfd(nbytes, lambda fd: os.ftruncate(fd, nbytes))
+    os.close(fd)
+    return segment, storage
+
+
+def new_file(nbytes: int, program: str) -> tuple[Segment, torch.UntypedStorage]:
+    """A new zero-filled storage of *nbytes* in a file of *program*, its space reserved."""
+    return _file(program, nbytes, lambda fd: os.posix_fallocate(fd, 0, nbytes))
 
 
 def adopt_fd(storage: torch.UntypedStorage) -> Segment | None:
