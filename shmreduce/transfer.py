@@ -237,11 +237,13 @@ def new_shared(nbytes: int) -> torch.UntypedStorage:
 
 
 def _live_program() -> program.Program:
-    """This program, its directory made (again) if its broker died."""
+    """This program, with a live connection to its broker, before files are made in
+    its directory: a connected client keeps the broker (and so the directory) alive,
+    where an idle broker might otherwise exit, and remove it, in between."""
     prog = program.current()
-    if not os.path.isdir(prog.directory):
-        # The broker makes the directory; gone means that broker died.
-        broker.client_for(prog.directory, prog.root_pid).connect(fresh=True)
+    client = broker.client_for(prog.directory, prog.root_pid)
+    # Gone directory: that broker died; a fresh connection starts one that makes it.
+    client.connect(fresh=not os.path.isdir(prog.directory))
     return prog
 
 

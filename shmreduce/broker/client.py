@@ -18,6 +18,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from typing import Callable, Iterable
 
 from shmreduce.broker import protocol as P
@@ -98,7 +99,14 @@ class BrokerClient:
         if len(path.encode()) >= 108:
             raise SharingError(f"socket path too long for AF_UNIX: {path}; set SHMREDUCE_SHM_DIR to a shorter directory")
         last: Exception | None = None
-        for attempt in range(3):
+        deadline = time.monotonic() + START_TIMEOUT
+        for attempt in range(100):
+            if attempt >= 2:
+                # A broker that is exiting still holds the directory's lock, so the
+                # launcher leaves it be: wait for it to go, briefly.
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(min(0.2, 0.005 * 2**attempt))
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
             _kernel_timeouts(sock)
             try:

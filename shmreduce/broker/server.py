@@ -396,8 +396,17 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_program_dir(directory: str) -> None:
-    """Remove a program directory: segment files, socket, lock, the directory."""
-    shutil.rmtree(directory, ignore_errors=True)
+    """Remove a program directory: segment files, socket, lock, the directory.
+
+    It is first renamed away, atomically, so that a broker starting meanwhile for the
+    same program makes a fresh directory and never loses files to this removal.
+    """
+    tomb = f"{directory}.gone-{os.getpid()}"
+    try:
+        os.rename(directory, tomb)
+    except OSError:
+        tomb = directory
+    shutil.rmtree(tomb, ignore_errors=True)
 
 
 def lock_is_free(directory: str) -> bool:
