@@ -160,6 +160,7 @@ def map_file(segment: Segment) -> torch.UntypedStorage:
     if not is_segment_name(segment.name):
         raise SharingError(f"refusing segment name {segment.name!r}: not a shmreduce segment (forged message?)")
     path = os.path.join(segment.program, segment.name)
+    # Checked first, not left to torch: from_file creates a missing file (zeros).
     try:
         st = os.stat(path, follow_symlinks=False)
     except FileNotFoundError:

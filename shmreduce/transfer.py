@@ -40,15 +40,15 @@ class SegmentRef(NamedTuple):
     name: str  # segment identity (see cache.Segment)
     nbytes: int
     # fd: index of the descriptor in the deposit. fs: the handle's tag, a keyed hash
-    # of (message, name) under the program's authkey (see fs_tag): nothing asks the
-    # broker before a file is mapped, so the receiver checks the tag instead.
+    # of (message, name, nbytes) under the program's authkey (see fs_tag): nothing
+    # asks the broker before a file is mapped, so the receiver checks the tag instead.
     slot: int
 
 
-def fs_tag(message: bytes, name: str) -> int:
-    """The tag of a file_system handle: refuses forged or mixed-up keys and names."""
-    digest = hashlib.blake2b(message + name.encode(), key=_tag_key(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+def fs_tag(message: bytes, name: str, nbytes: int) -> int:
+    """The tag of a file_system handle: refuses forged or mixed-up keys, names, sizes."""
+    data = b"%s%s/%d" % (message, name.encode(), nbytes)
+    return int.from_bytes(hashlib.blake2b(data, key=_tag_key(), digest_size=8).digest(), "little")
 
 
 _tag_keys: dict[bytes, bytes] = {}
@@ -104,7 +104,7 @@ class _Outgoing:
             _counters["storages_reused"] += 1
         if segment.kind == "fs":
             self.inflight.setdefault(segment.program, {})[segment.name] = None
-            tag = fs_tag(self.key, segment.name)
+            tag = fs_tag(self.key, segment.name, segment.nbytes)
             return SegmentRef("fs", segment.program, self.key, segment.name, segment.nbytes, tag)
         slot = self.slots.get(segment.name)
         if slot is None:
@@ -314,12 +314,12 @@ def _incoming(directory: str, message: bytes, kind: str) -> _Incoming:
         raise SharingError(f"not a shmreduce segment handle: {directory!r}, {message!r} (forged message?)")
     if not os.path.basename(directory).startswith(DIR_PREFIX) or len(message) != KEY_LEN:
         raise SharingError(f"refusing handle for {directory!r}: not a shmreduce program directory (forged message?)")
-    if not os.path.isdir(directory):
+    client = broker.client_for(directory, os.getpid())
+    if not client.connected() and not os.path.isdir(directory):
         # Its broker is gone (the janitor removed the directory): never start a new
         # broker for a directory named by a pickle, which could be anywhere.
         raise stale_message(f"cannot receive from {directory!r}: no such program directory")
     entry = _Incoming()
-    client = broker.client_for(directory, os.getpid())
     if kind == "fd":
         entry.fill(client.fetch(message))
     else:
@@ -363,10 +363,10 @@ def receive(ref: tuple) -> torch.UntypedStorage:
                     raise stale_message(f"cannot receive segment {name}")
                 storage = segments.map_fd(fd, segment)
             else:
-                if not isinstance(name, str) or slot != fs_tag(message, name):
+                if not isinstance(name, str) or not isinstance(nbytes, int) or slot != fs_tag(message, name, nbytes):
                     raise SharingError(
-                        f"refusing file_system handle {name!r}: its tag does not match its message "
-                        "(forged or corrupted handle, or another program's)"
+                        f"refusing file_system handle {name!r}: its tag does not match its handle "
+                        "(forged or corrupted message, or another program's)"
                     )
                 storage = segments.map_file(segment)
             _counters["storages_received"] += 1

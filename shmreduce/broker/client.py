@@ -160,6 +160,9 @@ class BrokerClient:
             self.sock = self.post = None
             self.token = os.urandom(P.TOKEN_LEN)  # a new identity for the next connections
 
+    def connected(self) -> bool:
+        return self.sock is not None or self.post is not None
+
     def sockets(self) -> list[socket.socket]:
         return [s for s in (self.sock, self.post) if s is not None]
 
