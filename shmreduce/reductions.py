@@ -2,8 +2,9 @@
 
 A reducer returns ``(rebuild, args)`` as for ``copyreg``; tensors and storages inside
 *args* are pickled again through the same table, so sparse and nested tensors share
-their CPU parts. Rebuild functions are importable by name and take small named
-structures. Devices: CPU is shared through ``transfer``; CUDA tensors go through
+their CPU parts. Rebuild functions are importable by name and take small
+structures: named tuples, except a strided tensor's (ref, meta), which travel as plain
+tuples on the hot path (see below). Devices: CPU is shared through ``transfer``; CUDA tensors go through
 torch's own CUDA IPC reducer; CUDA storages on their own are refused; meta tensors
 and storages rebuild as meta.
 """
