@@ -16,6 +16,8 @@ IS_LINUX = sys.platform.startswith("linux")
 HAVE_MEMFD = hasattr(os, "memfd_create")
 HAVE_SEQPACKET = hasattr(socket, "SOCK_SEQPACKET") and IS_LINUX
 HAVE_PEERCRED = hasattr(socket, "SO_PEERCRED")
+# /proc/self/fd/N names the very file a descriptor is open on, even once unlinked.
+HAVE_PROC_FD = os.path.isdir("/proc/self/fd")
 
 # Linux caps the descriptors carried by one SCM_RIGHTS message at SCM_MAX_FD (253).
 MAX_FDS_PER_RECORD = 250

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from shmreduce import _torch
+from shmreduce._platform import HAVE_PROC_FD
 from shmreduce.broker.protocol import SEG_PREFIX, is_segment_name
 from shmreduce.cache import Segment
 from shmreduce.errors import SharingError, out_of_shm, too_many_files
@@ -157,19 +158,29 @@ def map_fd(fd: int, segment: Segment) -> torch.UntypedStorage:
 
 
 def map_file(segment: Segment) -> torch.UntypedStorage:
+    """Map a file_system segment (its handle's tag already checked: transfer.fs_tag).
+
+    The file is opened here and torch maps it through /proc/self/fd: torch's
+    from_file *creates* a missing path, so mapping by name could turn a file unlinked
+    a moment ago into fresh zeros; the descriptor pins the file that was checked.
+    """
     if not is_segment_name(segment.name):
         raise SharingError(f"refusing segment name {segment.name!r}: not a shmreduce segment (forged message?)")
     path = os.path.join(segment.program, segment.name)
-    # Checked first, not left to torch: from_file creates a missing file (zeros).
     try:
-        st = os.stat(path, follow_symlinks=False)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
         raise SharingError(
             f"shared-memory file {path} is gone: its program exited or the message is stale; send it again"
         ) from None
-    if st.st_uid != os.getuid() or st.st_size < segment.nbytes:
-        raise SharingError(f"shared-memory file {path} does not match its handle (owner or size): forged message?")
+    except OSError as exc:
+        raise _os_error(exc, f"opening {path}") from exc
     try:
-        return _torch.map_file(path, segment.nbytes)
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or st.st_size < segment.nbytes:
+            raise SharingError(f"shared-memory file {path} does not match its handle (owner or size): forged message?")
+        return _torch.map_file(f"/proc/self/fd/{fd}" if HAVE_PROC_FD else path, segment.nbytes)
     except RuntimeError as exc:
         raise SharingError(f"mapping {path} failed: {exc}") from exc
+    finally:
+        os.close(fd)

@@ -220,3 +220,18 @@ def test_broker_gone_is_sharing_error(registered_fd):
     assert time.monotonic() - t0 < 10
     _assert_sharing_error(result)
     _next_message_works()
+
+
+def test_missing_file_is_gone_and_never_created():
+    # torch's from_file would create a missing path full of zeros: map_file must not
+    # let it (a file released a moment ago is an error, never silent zeros).
+    from shmreduce import segments
+    from shmreduce.cache import Segment
+
+    with shmreduce.registered(strategy="file_system"):
+        shmreduce.loads(shmreduce.dumps(torch.ones(4)))  # the program directory exists
+        directory = program.current().directory
+        name = "seg-" + "ab" * 12
+        with pytest.raises(shmreduce.SharingError, match="gone"):
+            segments.map_file(Segment("fs", directory, name, 16))
+        assert not os.path.exists(os.path.join(directory, name))

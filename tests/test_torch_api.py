@@ -51,3 +51,18 @@ def test_weak_storage_tracks_the_storage_impl():
     assert weak.get()._cdata == t.untyped_storage()._cdata
     del t
     assert weak.expired() and weak.get() is None
+
+
+def test_map_file_through_proc_fd_maps_the_open_file_even_unlinked(tmp_path):
+    # segments.map_file relies on this: the descriptor pins the file it checked, so a
+    # file unlinked meanwhile still maps its bytes, and from_file creates nothing.
+    path = tmp_path / "seg"
+    path.write_bytes(bytes(range(16)))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.unlink(path)
+        storage = _torch.map_file(f"/proc/self/fd/{fd}", 16)
+    finally:
+        os.close(fd)
+    assert storage.is_shared() and list(storage) == list(range(16))
+    assert not path.exists()
