@@ -185,9 +185,13 @@ class Broker:
             self.idle_since = time.monotonic()
 
     def _serve(self, conn: _Conn) -> int:
-        """Handle every record *conn* has queued; return how many (-1: conn dropped)."""
+        """Handle every record *conn* has queued; return how many (-1: conn dropped).
+
+        A request connection has at most one record queued (its client waits for each
+        reply), so it is read once: level-triggered epoll reports anything more.
+        """
         count = 0
-        while True:
+        while not count or conn.post:
             try:
                 record = P.recv_record(conn.sock)
             except BlockingIOError:
@@ -200,6 +204,7 @@ class Broker:
             if not self._handle(conn, *record):
                 return -1
             count += 1
+        return count
 
     def _drain_posts(self) -> None:
         """Read every post connection now: a barrier for what clients sent before."""
