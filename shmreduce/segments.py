@@ -32,11 +32,6 @@ def _fd_identity(fd: int) -> tuple[str, int]:
     return f"{st.st_dev}:{st.st_ino}", st.st_size
 
 
-def _fd_name(fd: int) -> str:
-    st = os.fstat(fd)
-    return f"{st.st_dev}:{st.st_ino}"
-
-
 def _os_error(exc: OSError, what: str) -> SharingError:
     if exc.errno in (errno.EMFILE, errno.ENFILE):
         return too_many_files(what)
@@ -63,7 +58,7 @@ def _memfd(nbytes: int, fill: Callable[[int], object]) -> tuple[Segment, int, to
         raise _os_error(exc, "memfd_create") from exc
     try:
         fill(fd)
-        return Segment("fd", "", _fd_name(fd), nbytes), fd, _torch.new_shared_fd(fd, nbytes)
+        return Segment("fd", "", _fd_identity(fd)[0], nbytes), fd, _torch.new_shared_fd(fd, nbytes)
     except OSError as exc:
         os.close(fd)
         if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):

@@ -119,21 +119,26 @@ class _Outgoing:
 
     def _new_segment(self, storage: torch.UntypedStorage) -> tuple[Segment, int]:
         """The segment of a storage the cache does not know, and its memfd if we made one."""
-        fd = -1
         segment = segments.adopt_fd(storage) if storage.is_shared() else None
-        if segment is None:
-            if get_sharing_strategy() == "file_system":
-                prog = _live_program()
-                segment = segments.move_to_file(storage, prog.directory)
-                self.holds.setdefault(prog.directory, []).append(segment.name)
-            else:
-                segment, fd = segments.move_to_memfd(storage)
-            _counters["storages_shared"] += 1
-            _counters["bytes_shared"] += segment.nbytes
-        released = cache.remember(storage, segment)
-        if released:
-            _release(released)
+        if segment is not None:
+            _remember(storage, segment)
+            return segment, -1
+        fd = -1
+        if get_sharing_strategy() == "file_system":
+            segment = segments.move_to_file(storage, _live_program().directory)
+        else:
+            segment, fd = segments.move_to_memfd(storage)
+        self._created(storage, segment)
         return segment, fd
+
+    def _created(self, storage: torch.UntypedStorage, segment: Segment) -> None:
+        """Account for a segment this process just made for *storage*: a new fs file
+        is held by this process (sent with the deposit, or as a hold)."""
+        if segment.kind == "fs":
+            self.holds.setdefault(segment.program, []).append(segment.name)
+        _counters["storages_shared"] += 1
+        _counters["bytes_shared"] += segment.nbytes
+        _remember(storage, segment)
 
     def flush(self, deliver: bool = True) -> None:
         """Send the deposit (or, if not *deliver*, only the holds of new fs files)."""
@@ -221,16 +226,10 @@ def new_shared(nbytes: int) -> torch.UntypedStorage:
     out = _Outgoing()
     try:
         if get_sharing_strategy() == "file_system":
-            prog = _live_program()
-            segment, storage = segments.new_file(nbytes, prog.directory)
-            out.holds.setdefault(prog.directory, []).append(segment.name)
+            segment, storage = segments.new_file(nbytes, _live_program().directory)
         else:
             segment, storage = segments.new_memfd(nbytes)
-        _counters["storages_shared"] += 1
-        _counters["bytes_shared"] += nbytes
-        released = cache.remember(storage, segment)
-        if released:
-            _release(released)
+        out._created(storage, segment)
     finally:
         out.flush(deliver=False)
     return storage
@@ -245,6 +244,13 @@ def _live_program() -> program.Program:
     # Gone directory: that broker died; a fresh connection starts one that makes it.
     client.connect(fresh=not os.path.isdir(prog.directory))
     return prog
+
+
+def _remember(storage: torch.UntypedStorage, segment: Segment) -> None:
+    """Record the pair in the cache; release the fs names a purge it ran freed."""
+    released = cache.remember(storage, segment)
+    if released:
+        _release(released)
 
 
 def _release(released: dict[str, list[str]]) -> None:
@@ -371,9 +377,7 @@ def receive(ref: tuple) -> torch.UntypedStorage:
                 storage = segments.map_file(segment)
             _counters["storages_received"] += 1
             _counters["bytes_received"] += nbytes
-            released = cache.remember(storage, segment)
-            if released:
-                _release(released)
+            _remember(storage, segment)
         return storage
     finally:
         if fd is not None:

@@ -248,13 +248,10 @@ class Broker:
                     self._deposit(key, fds, inflight)
                     fds = []
             elif op == P.CLAIM:
-                msg = self.messages.get(key)
-                if msg is None:
-                    self.early_claims[key] = (time.monotonic() + EARLY_CLAIM_TTL, client)
+                if key in self.messages:
+                    self._claim(client, key)
                 else:
-                    self._give_names(client, msg)
-                    if not msg.fds:
-                        del self.messages[key]
+                    self.early_claims[key] = (time.monotonic() + EARLY_CLAIM_TTL, client)
             elif op == P.FETCH:
                 if key not in self.messages:
                     self._drain_posts()  # its deposit may still be queued on a post connection
@@ -288,12 +285,16 @@ class Broker:
         msg.names.extend(inflight)
         early = self.early_claims.pop(key, None) if self.early_claims else None
         if early is not None:
-            self._give_names(early[1], msg)
-            if not msg.fds:
-                del self.messages[key]
-                return
-        if self.parked:
+            self._claim(early[1], key)
+        if self.parked and key in self.messages:
             self._answer_parked(key)
+
+    def _claim(self, client: _Client, key: bytes) -> None:
+        """The message's names become *client*'s; a message left without fds is done."""
+        msg = self.messages[key]
+        self._give_names(client, msg)
+        if not msg.fds:
+            del self.messages[key]
 
     def _reply_fetch(self, conn: _Conn, key: bytes) -> None:
         msg = self.messages.pop(key)
