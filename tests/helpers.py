@@ -5,7 +5,8 @@ from __future__ import annotations
 import gc
 import os
 import time
-from typing import Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import shmreduce
 from shmreduce import program
@@ -105,3 +106,34 @@ def run_in_child(fn, *args, timeout: float = 20.0):
             p.join()
         a.close()
         b.close()
+
+
+def _echo_pipe(conn) -> None:
+    while (obj := conn.recv()) is not None:
+        conn.send(obj)
+
+
+@contextmanager
+def pipe_echo(ctx, timeout: float = 30.0) -> Iterator[Callable[[Any], Any]]:
+    """A child of *ctx* that sends back whatever it receives over a Pipe.
+
+    Yields ``send(obj) -> obj as received back``; joins the child on exit.
+    """
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_echo_pipe, args=(child,))
+    proc.start()
+    child.close()
+
+    def send(obj: Any) -> Any:
+        parent.send(obj)
+        assert parent.poll(timeout), "echo child did not answer"
+        return parent.recv()
+
+    try:
+        yield send
+    finally:
+        parent.send(None)
+        proc.join(timeout)
+        parent.close()
+    assert proc.exitcode == 0
+

@@ -64,23 +64,33 @@ def _limited_receiver(conn, hard_limit, results):
     results.put(outcomes)
 
 
-@pytest.mark.timeout(120)
-def test_descriptor_limit_is_a_clear_error_then_recovers(registered_fd):
+def _send_to_limited_receiver(messages):
+    """Send *messages* to a fork child whose descriptor limit is 128; its outcomes and exit code."""
     ctx = mp.get_context("fork")
     a, b = ctx.Pipe()
     results = ctx.Queue()
     p = ctx.Process(target=_limited_receiver, args=(b, 128, results))
     p.start()
     b.close()
-    for _ in range(6):  # 240 descriptors wanted > the limit of 128
-        a.send([torch.full((16,), float(i)) for i in range(40)])  # 40 new storages a message
-    a.send("drop")
-    a.send([torch.full((8,), float(i)) for i in range(20)])
+    for message in messages:
+        a.send(message)
     a.send(None)
     outcomes = results.get(timeout=60)
     p.join(TIMEOUT)
     a.close()
-    assert p.exitcode == 0
+    return outcomes, p.exitcode
+
+
+def _forty_storages():
+    return [torch.full((16,), float(i)) for i in range(40)]  # 40 new storages a message
+
+
+@pytest.mark.timeout(120)
+def test_descriptor_limit_is_a_clear_error_then_recovers(registered_fd):
+    # 240 descriptors wanted > the limit of 128; then drop what is held, and send again
+    messages = [_forty_storages() for _ in range(6)] + ["drop", [torch.full((8,), float(i)) for i in range(20)]]
+    outcomes, exitcode = _send_to_limited_receiver(messages)
+    assert exitcode == 0
     kinds = [o[0] for o in outcomes]
     assert "SharingError" in kinds, outcomes
     for o in outcomes:
@@ -96,18 +106,7 @@ def test_descriptor_limit_is_a_clear_error_then_recovers(registered_fd):
 
 def test_file_system_strategy_is_not_bound_by_descriptor_limit():
     with shmreduce.registered(strategy="file_system"):
-        ctx = mp.get_context("fork")
-        a, b = ctx.Pipe()
-        results = ctx.Queue()
-        p = ctx.Process(target=_limited_receiver, args=(b, 128, results))
-        p.start()
-        b.close()
-        for _ in range(6):
-            a.send([torch.full((16,), float(i)) for i in range(40)])
-        a.send(None)
-        outcomes = results.get(timeout=60)
-        p.join(TIMEOUT)
-        a.close()
+        outcomes, _ = _send_to_limited_receiver([_forty_storages() for _ in range(6)])
         assert outcomes == [("ok", 40, True)] * 6
 
 

@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 
 import shmreduce
 
+from helpers import pipe_echo
+
 CTX = mp.get_context("fork")
 
 
@@ -108,11 +110,6 @@ def test_in_process_round_trip_is_bit_exact(strategy_name, t):
             assert out.is_shared()
 
 
-def _echo_pipe(conn):
-    while (obj := conn.recv()) is not None:
-        conn.send(obj)
-
-
 def _echo_queue(inq, outq):
     while (obj := inq.get(timeout=60)) is not None:
         outq.put(obj)
@@ -123,29 +120,19 @@ def echo_child(request):
     """A persistent echo child per strategy, over a Pipe and over a Queue."""
     previous = shmreduce.get_sharing_strategy()
     shmreduce.register(strategy=request.param)
-    parent, child = CTX.Pipe()
     inq, outq = CTX.Queue(), CTX.Queue()
-    procs = [CTX.Process(target=_echo_pipe, args=(child,)), CTX.Process(target=_echo_queue, args=(inq, outq))]
-    for proc in procs:
-        proc.start()
-    child.close()
-
-    def via_pipe(obj):
-        parent.send(obj)
-        assert parent.poll(30), "echo child did not answer"
-        return parent.recv()
+    proc = CTX.Process(target=_echo_queue, args=(inq, outq))
+    proc.start()
 
     def via_queue(obj):
         inq.put(obj)
         return outq.get(timeout=30)
 
-    yield request.param, via_pipe, via_queue
-    parent.send(None)
+    with pipe_echo(CTX) as via_pipe:
+        yield request.param, via_pipe, via_queue
     inq.put(None)
-    for proc in procs:
-        proc.join(30)
-        assert proc.exitcode == 0
-    parent.close()
+    proc.join(30)
+    assert proc.exitcode == 0
     for q in (inq, outq):
         q.close()
         q.join_thread()

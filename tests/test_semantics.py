@@ -10,6 +10,8 @@ import torch
 import shmreduce
 from shmreduce import SharingError
 
+from helpers import pipe_echo
+
 CTX = mp.get_context("fork")
 
 
@@ -55,31 +57,10 @@ def test_views_in_one_message_and_in_separate_messages_share_one_storage(strateg
         assert a.storage_offset() == b.storage_offset() and torch.equal(a, b)
 
 
-def _echo(conn):
-    while True:
-        obj = conn.recv()
-        if obj is None:
-            return
-        conn.send(obj)
-
-
 @pytest.fixture
 def echo(strategy):
-    parent, child = CTX.Pipe()
-    proc = CTX.Process(target=_echo, args=(child,))
-    proc.start()
-    child.close()
-
-    def send(obj):
-        parent.send(obj)
-        assert parent.poll(30), "echo child did not answer"
-        return parent.recv()
-
-    yield send
-    parent.send(None)
-    proc.join(30)
-    parent.close()
-    assert proc.exitcode == 0
+    with pipe_echo(CTX) as send:
+        yield send
 
 
 def test_share_memory_moves_into_a_shmreduce_segment_then_sends_without_copy(echo, strategy):
