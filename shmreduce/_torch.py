@@ -16,6 +16,7 @@ UntypedStorage = torch.UntypedStorage
 new_shared_fd: Callable[[int, int], torch.UntypedStorage] = UntypedStorage._new_shared_fd_cpu  # type: ignore[attr-defined]
 _new_with_weak_ptr = UntypedStorage._new_with_weak_ptr
 _expired = UntypedStorage._expired
+_free_weak_ref: Callable[[int], None] = UntypedStorage._free_weak_ref
 
 
 def map_file(path: str, nbytes: int) -> torch.UntypedStorage:
@@ -44,12 +45,10 @@ class WeakStorage:
     Python's weakref would report storages dead while still in use.
     """
 
-    __slots__ = ("cdata", "_free")
+    __slots__ = ("cdata",)
 
     def __init__(self, storage: torch.UntypedStorage) -> None:
-        self.cdata = storage._weak_ref()
-        # Bound now: the torch module may be torn down before us at shutdown.
-        self._free = UntypedStorage._free_weak_ref
+        self.cdata: int = storage._weak_ref()  # type: ignore[assignment]  # stubs say storage; it is an int
 
     def expired(self) -> bool:
         return bool(_expired(self.cdata))
@@ -59,5 +58,6 @@ class WeakStorage:
             return None
         return _new_with_weak_ptr(self.cdata)
 
-    def __del__(self) -> None:
-        self._free(self.cdata)
+    # Bound at definition: the torch module may be torn down before us at shutdown.
+    def __del__(self, _free: Callable[[int], None] = _free_weak_ref) -> None:
+        _free(self.cdata)

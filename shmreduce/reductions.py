@@ -35,6 +35,7 @@ _SPARSE_COMPRESSED = {
 # tuples 0.3 and 0.3, on the per-tensor hot path. transfer.SegmentRef names the
 # ref's fields in code; receive() checks the shape of what arrives.
 Meta = tuple
+_Tensor = torch.Tensor
 
 
 def _refuse_non_leaf(tensor: torch.Tensor) -> None:
@@ -49,8 +50,8 @@ def _refuse_non_leaf(tensor: torch.Tensor) -> None:
 def _meta(tensor: torch.Tensor) -> Meta:
     cls = type(tensor)
     extra = None
-    if cls is not torch.Tensor or tensor.requires_grad:
-        state = tensor.__dict__ if cls is not torch.Tensor and tensor.__dict__ else None
+    if cls is not _Tensor or tensor.requires_grad:
+        state = tensor.__dict__ if cls is not _Tensor and tensor.__dict__ else None
         extra = (cls, tensor.requires_grad, dict(state) if state else None)
     return (tensor.dtype, tuple(tensor.size()), tuple(tensor.stride()), tensor.storage_offset(), extra)
 
@@ -71,22 +72,26 @@ def _finish(t: torch.Tensor, extra: tuple | None) -> torch.Tensor:
 # -- tensors -----------------------------------------------------------------------
 
 
+_STRIDED = torch.strided
+
+
 def reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple]:
-    _refuse_non_leaf(tensor)
-    if tensor._backward_hooks:
-        torch.utils.hooks.warn_if_has_hooks(tensor)
+    if tensor.requires_grad:
+        _refuse_non_leaf(tensor)
+        if tensor._backward_hooks:
+            torch.utils.hooks.warn_if_has_hooks(tensor)
     layout = tensor.layout
-    if layout is torch.sparse_coo:
-        return reduce_sparse_coo(tensor)
-    if layout in _SPARSE_COMPRESSED:
-        return reduce_sparse_compressed(tensor)
+    if layout is not _STRIDED:
+        if layout is torch.sparse_coo:
+            return reduce_sparse_coo(tensor)
+        if layout in _SPARSE_COMPRESSED:
+            return reduce_sparse_compressed(tensor)
     if tensor.is_nested:
         return reduce_nested(tensor)
-    device = tensor.device.type
-    if device == "cpu":
+    if tensor.is_cpu:
         storage = tensor.untyped_storage()
-        ref = tuple(transfer.share(storage)) if storage.nbytes() else None
-        return rebuild_tensor, (ref, _meta(tensor))
+        return rebuild_tensor, (transfer.share(storage) if storage.nbytes() else None, _meta(tensor))
+    device = tensor.device.type
     if device == "cuda":
         from torch.multiprocessing.reductions import reduce_tensor as torch_reduce_tensor
 
@@ -199,8 +204,7 @@ def reduce_storage(storage: torch.UntypedStorage) -> tuple[Any, tuple]:
         return rebuild_meta_storage, (storage.nbytes(),)
     if device != "cpu":
         raise SharingError(f"cannot share a storage on device {storage.device}: move it to CPU first")
-    ref = tuple(transfer.share(storage)) if storage.nbytes() else None
-    return rebuild_storage, (ref,)
+    return rebuild_storage, (transfer.share(storage) if storage.nbytes() else None,)
 
 
 def rebuild_storage(ref: tuple | None) -> torch.UntypedStorage:

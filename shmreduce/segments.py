@@ -16,8 +16,6 @@ import ctypes
 import errno
 import os
 import secrets
-from typing import Callable
-
 import torch
 
 from shmreduce import _torch
@@ -38,11 +36,20 @@ def _os_error(exc: OSError, what: str) -> SharingError:
     return SharingError(f"{what} failed: {exc}")
 
 
-def _write_all(fd: int, storage: torch.UntypedStorage, nbytes: int) -> None:
-    # Through the descriptor, not through a fresh mapping: the kernel copies into the
-    # new pages directly, sparing one page fault per page (half the cost of a small
-    # storage here), and a full memory limit is an error now rather than a SIGBUS.
-    data = (ctypes.c_char * nbytes).from_address(storage.data_ptr())
+_CHAR = ctypes.c_char
+
+
+def _fill(fd: int, nbytes: int, source: torch.UntypedStorage | None) -> None:
+    """Write *source*'s bytes into a new segment, or reserve *nbytes* of zeros if None.
+
+    Through the descriptor, not through a fresh mapping: the kernel copies into the
+    new pages directly, sparing one page fault per page (half the cost of a small
+    storage here), and a full memory limit is an error now rather than a SIGBUS.
+    """
+    if source is None:
+        os.posix_fallocate(fd, 0, nbytes)
+        return
+    data = (_CHAR * nbytes).from_address(source.data_ptr())
     done = os.pwrite(fd, data, 0)
     if done < nbytes:  # a single write stops at 2 GiB
         view = memoryview(data).cast("B")
@@ -50,15 +57,16 @@ def _write_all(fd: int, storage: torch.UntypedStorage, nbytes: int) -> None:
             done += os.pwrite(fd, view[done:], done)
 
 
-def _memfd(nbytes: int, fill: Callable[[int], object]) -> tuple[Segment, int, torch.UntypedStorage]:
-    """A memfd of *nbytes* filled by ``fill(fd)``, and its mapping; the caller owns the fd."""
+def _memfd(nbytes: int, source: torch.UntypedStorage | None) -> tuple[Segment, int, torch.UntypedStorage]:
+    """A new memfd holding *source*'s bytes (or zeros), and its mapping; the caller owns the fd."""
     try:
         fd = os.memfd_create("shmreduce", os.MFD_CLOEXEC)
     except OSError as exc:
         raise _os_error(exc, "memfd_create") from exc
     try:
-        fill(fd)
-        return Segment("fd", "", _fd_identity(fd)[0], nbytes), fd, _torch.new_shared_fd(fd, nbytes)
+        _fill(fd, nbytes, source)
+        st = os.fstat(fd)
+        shared = _torch.new_shared_fd(fd, nbytes)
     except OSError as exc:
         os.close(fd)
         if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
@@ -67,10 +75,11 @@ def _memfd(nbytes: int, fill: Callable[[int], object]) -> tuple[Segment, int, to
     except RuntimeError as exc:
         os.close(fd)
         raise SharingError(f"mapping a {nbytes}-byte memfd failed: {exc}") from exc
+    return Segment("fd", "", f"{st.st_dev}:{st.st_ino}", nbytes), fd, shared
 
 
-def _file(program: str, nbytes: int, fill: Callable[[int], object]) -> tuple[Segment, torch.UntypedStorage]:
-    """A new file of *program*, mode 0600, filled by ``fill(fd)``, and its mapping."""
+def _file(program: str, nbytes: int, source: torch.UntypedStorage | None) -> tuple[Segment, torch.UntypedStorage]:
+    """A new file of *program*, mode 0600, holding *source*'s bytes (or zeros), and its mapping."""
     name = SEG_PREFIX + secrets.token_hex(12)
     path = os.path.join(program, name)
     try:
@@ -78,7 +87,7 @@ def _file(program: str, nbytes: int, fill: Callable[[int], object]) -> tuple[Seg
     except OSError as exc:
         raise _os_error(exc, f"creating {path}") from exc
     try:
-        fill(fd)
+        _fill(fd, nbytes, source)
     except OSError as exc:
         os.unlink(path)
         if exc.errno in (errno.ENOSPC, errno.EFBIG):
@@ -98,30 +107,28 @@ def move_to_memfd(storage: torch.UntypedStorage) -> tuple[Segment, int]:
 
     The caller owns (and closes) the returned descriptor; the storage keeps its own.
     """
-    nbytes = storage.nbytes()
-    segment, fd, shared = _memfd(nbytes, lambda fd: _write_all(fd, storage, nbytes))
+    segment, fd, shared = _memfd(storage.nbytes(), storage)
     _torch.swap_memory(storage, shared)
     return segment, fd
 
 
 def move_to_file(storage: torch.UntypedStorage, program: str) -> Segment:
     """Move *storage* into a new file of *program* in place."""
-    nbytes = storage.nbytes()
-    segment, shared = _file(program, nbytes, lambda fd: _write_all(fd, storage, nbytes))
+    segment, shared = _file(program, storage.nbytes(), storage)
     _torch.swap_memory(storage, shared)
     return segment
 
 
 def new_memfd(nbytes: int) -> tuple[Segment, torch.UntypedStorage]:
     """A new zero-filled storage of *nbytes* in a memfd (torch's ``_new_shared``)."""
-    segment, fd, storage = _memfd(nbytes, lambda fd: os.ftruncate(fd, nbytes))
+    segment, fd, storage = _memfd(nbytes, None)
     os.close(fd)
     return segment, storage
 
 
 def new_file(nbytes: int, program: str) -> tuple[Segment, torch.UntypedStorage]:
     """A new zero-filled storage of *nbytes* in a file of *program*, its space reserved."""
-    return _file(program, nbytes, lambda fd: os.posix_fallocate(fd, 0, nbytes))
+    return _file(program, nbytes, None)
 
 
 def adopt_fd(storage: torch.UntypedStorage) -> Segment | None:

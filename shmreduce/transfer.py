@@ -1,6 +1,6 @@
 """One pickled message = one deposit at the broker and one fetch by its receiver.
 
-``share(storage)`` (sender) returns the ``SegmentRef`` a pickle carries;
+``share(storage)`` (sender) returns the ``SegmentRef`` a pickle carries, as a plain tuple;
 ``receive(ref)`` (receiver) turns it back into a storage. Inside a ``sending()``
 scope (opened by ``registry``'s ``ForkingPickler.dumps`` and by ``shmreduce.dumps``)
 every storage of the message joins one deposit, sent when the scope closes; outside
@@ -32,7 +32,8 @@ MAX_PENDING = 64  # fetched messages whose refs have not all been rebuilt yet
 
 
 class SegmentRef(NamedTuple):
-    """What a pickle carries for one shared storage."""
+    """What a pickle carries for one shared storage: names the fields of the plain
+    tuple ``share`` returns (plain tuples pickle and load in C, on the hot path)."""
 
     kind: str  # "fd" | "fs"
     program: str  # broker directory the message was deposited with
@@ -83,7 +84,7 @@ def counters() -> dict[str, int]:
 class _Outgoing:
     """The deposit a message is building, per broker it touches."""
 
-    __slots__ = ("key", "program", "fds", "owned", "slots", "keep", "holds", "inflight")
+    __slots__ = ("key", "program", "fds", "owned", "slots", "keep", "holds", "inflight", "files")
 
     def __init__(self) -> None:
         self.key = os.urandom(KEY_LEN)
@@ -94,28 +95,30 @@ class _Outgoing:
         self.keep: list[torch.UntypedStorage] = []  # keeps borrowed descriptors valid until the deposit
         self.holds: dict[str, list[str]] = {}  # new fs files, by program: held by this process
         self.inflight: dict[str, dict[str, None]] = {}  # fs names the receiver will hold
+        self.files = ""  # the program directory new fs files go to, once its broker is live
 
-    def add(self, storage: torch.UntypedStorage) -> SegmentRef:
+    def add(self, storage: torch.UntypedStorage) -> tuple:
+        """The storage's ref (a ``SegmentRef`` as a plain tuple) in this message."""
         segment = cache.segment_of(storage)
         fd = -1
         if segment is None:
             segment, fd = self._new_segment(storage)
         else:
             _counters["storages_reused"] += 1
-        if segment.kind == "fs":
-            self.inflight.setdefault(segment.program, {})[segment.name] = None
-            tag = fs_tag(self.key, segment.name, segment.nbytes)
-            return SegmentRef("fs", segment.program, self.key, segment.name, segment.nbytes, tag)
-        slot = self.slots.get(segment.name)
+        kind, directory, name, nbytes = segment
+        if kind == "fs":
+            self.inflight.setdefault(directory, {})[name] = None
+            return ("fs", directory, self.key, name, nbytes, fs_tag(self.key, name, nbytes))
+        slot = self.slots.get(name)
         if slot is None:
-            slot = self.slots[segment.name] = len(self.fds)
+            slot = self.slots[name] = len(self.fds)
             if fd < 0:
                 fd = _torch.storage_fd(storage)  # the storage's own descriptor
                 self.keep.append(storage)
             else:
                 self.owned.append(fd)
             self.fds.append(fd)
-        return SegmentRef("fd", self.program, self.key, segment.name, segment.nbytes, slot)
+        return ("fd", self.program, self.key, name, nbytes, slot)
 
     def _new_segment(self, storage: torch.UntypedStorage) -> tuple[Segment, int]:
         """The segment of a storage the cache does not know, and its memfd if we made one."""
@@ -125,11 +128,16 @@ class _Outgoing:
             return segment, -1
         fd = -1
         if get_sharing_strategy() == "file_system":
-            segment = segments.move_to_file(storage, _live_program().directory)
+            segment = segments.move_to_file(storage, self._files())
         else:
             segment, fd = segments.move_to_memfd(storage)
         self._created(storage, segment)
         return segment, fd
+
+    def _files(self) -> str:
+        if not self.files:
+            self.files = _live_program().directory
+        return self.files
 
     def _created(self, storage: torch.UntypedStorage, segment: Segment) -> None:
         """Account for a segment this process just made for *storage*: a new fs file
@@ -188,8 +196,9 @@ class sending:
             out.flush(deliver=exc_type is None)
 
 
-def share(storage: torch.UntypedStorage) -> SegmentRef:
-    """Move *storage* into shared memory (once) and add it to the current message."""
+def share(storage: torch.UntypedStorage) -> tuple:
+    """Move *storage* into shared memory (once) and add it to the current message;
+    return its ``SegmentRef`` as a plain tuple."""
     out = getattr(_local, "out", None)
     if out is not None:
         return out.add(storage)
@@ -226,7 +235,7 @@ def new_shared(nbytes: int) -> torch.UntypedStorage:
     out = _Outgoing()
     try:
         if get_sharing_strategy() == "file_system":
-            segment, storage = segments.new_file(nbytes, _live_program().directory)
+            segment, storage = segments.new_file(nbytes, out._files())
         else:
             segment, storage = segments.new_memfd(nbytes)
         out._created(storage, segment)

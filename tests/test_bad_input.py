@@ -48,7 +48,7 @@ def _rebuild_sum(ref):
 def _shared_ref(t):
     """A real handle for t's storage, deposited as its own message."""
     with transfer.sending():
-        ref = transfer.share(t.untyped_storage())
+        ref = transfer.SegmentRef(*transfer.share(t.untyped_storage()))
     return ref
 
 
