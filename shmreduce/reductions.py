@@ -78,8 +78,8 @@ _STRIDED = torch.strided
 def reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple]:
     if tensor.requires_grad:
         _refuse_non_leaf(tensor)
-        if tensor._backward_hooks:
-            torch.utils.hooks.warn_if_has_hooks(tensor)
+    if tensor._backward_hooks:
+        torch.utils.hooks.warn_if_has_hooks(tensor)
     layout = tensor.layout
     if layout is not _STRIDED:
         if layout is torch.sparse_coo:

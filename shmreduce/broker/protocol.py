@@ -16,8 +16,8 @@ Transport
     *post* (role ``o``) for the fire-and-forget records D, C, H, R, and *request*
     (role ``q``) for F and P, which get replies. The broker answers requests at once
     but reads post connections in batches: a post connection is armed one-shot, and
-    after it fires the broker lets records queue for POST_WINDOW before reading them
-    all. Waking a process costs the waker ~20 us of CPU here, as much as sharing a
+    after it fires the broker reads it every POST_WINDOW, arming it again only after
+    POST_QUIET without records. Waking a process costs the waker ~20 us of CPU here, as much as sharing a
     small storage, so a deposit or claim must not cost one. A fetch or ping first
     reads every post connection if it needs to (a barrier: what any client posted
     before is seen). A forked child opens its own connections.
@@ -89,6 +89,7 @@ TOKEN_LEN = 16
 ROLE_REQUEST = b"q"
 ROLE_POST = b"o"
 POST_WINDOW = 0.002  # seconds the broker lets post records queue up before reading them
+POST_QUIET = 0.05  # seconds a post connection must stay quiet before a record wakes the broker again
 
 DEPOSIT = b"D"
 CLAIM = b"C"

@@ -42,13 +42,14 @@ class _Client:
 
 
 class _Conn:
-    __slots__ = ("sock", "fd", "client", "post")
+    __slots__ = ("sock", "fd", "client", "post", "last_post")
 
     def __init__(self, sock: socket.socket, client: _Client, post: bool) -> None:
         self.sock = sock
         self.fd = sock.fileno()
         self.client = client
         self.post = post
+        self.last_post = 0.0  # when a record was last read from this post connection
 
 
 class _Message:
@@ -76,8 +77,12 @@ class Broker:
         self.parked: list[tuple[float, _Conn, bytes]] = []
         self.early_claims: dict[bytes, tuple[float, _Client]] = {}
         # Post connections are armed one-shot: the first record after a quiet spell
-        # wakes the broker; then the connection "cools" for POST_WINDOW, and what
-        # arrives meanwhile is read in one batch at the end of the window.
+        # wakes the broker; then the connection "cools": it is read in one batch at
+        # the end of every POST_WINDOW, and armed again only once it has stayed
+        # quiet for POST_QUIET. A busy sender's records then never wake the broker,
+        # which matters because such a wake puts the broker on the sender's CPU
+        # (a sync wakeup): behind a sender that computes, it would answer the next
+        # fetch only at the sender's next preemption, milliseconds later.
         self.cooling: set[int] = set()
         self.cool_until: float | None = None
         self.draining = False
@@ -218,12 +223,13 @@ class Broker:
             self.draining = False
 
     def _cool(self, conn: _Conn, now: float) -> None:
+        conn.last_post = now
         self.cooling.add(conn.fd)
         if self.cool_until is None:
             self.cool_until = now + P.POST_WINDOW
 
     def _end_window(self, now: float) -> None:
-        """Read the cooling connections; re-arm those that stayed quiet."""
+        """Read the cooling connections; re-arm those quiet for POST_QUIET."""
         self.cool_until = None
         for fd in list(self.cooling):
             conn = self.conns.get(fd)
@@ -231,7 +237,9 @@ class Broker:
                 self.cooling.discard(fd)
                 continue
             got = self._serve(conn)
-            if got == 0:
+            if got > 0:
+                conn.last_post = now
+            elif got == 0 and now - conn.last_post >= P.POST_QUIET:
                 self.cooling.discard(fd)
                 self.poller.modify(fd, _POST_EVENTS)
         if self.cooling:
