@@ -48,19 +48,22 @@ class SegmentRef(NamedTuple):
 
 def fs_tag(message: bytes, name: str, nbytes: int) -> int:
     """The tag of a file_system handle: refuses forged or mixed-up keys, names, sizes."""
-    data = b"%s%s/%d" % (message, name.encode(), nbytes)
-    return int.from_bytes(hashlib.blake2b(data, key=_tag_key(), digest_size=8).digest(), "little")
+    h = _tagger().copy()
+    h.update(b"%s%s/%d" % (message, name.encode(), nbytes))
+    return int.from_bytes(h.digest(), "little")
 
 
-_tag_keys: dict[bytes, bytes] = {}
+_taggers: dict[bytes, "hashlib.blake2b"] = {}
 
 
-def _tag_key() -> bytes:
-    authkey = bytes(multiprocessing.current_process().authkey)
-    key = _tag_keys.get(authkey)
-    if key is None:
-        key = _tag_keys[authkey] = hashlib.blake2b(authkey, digest_size=32, person=b"shmreduce-fs").digest()
-    return key
+def _tagger() -> "hashlib.blake2b":
+    """A keyed blake2b, key already absorbed, for this process's authkey (copied per tag)."""
+    authkey = multiprocessing.current_process().authkey  # an AuthenticationString: hashable bytes
+    tagger = _taggers.get(authkey)
+    if tagger is None:
+        key = hashlib.blake2b(bytes(authkey), digest_size=32, person=b"shmreduce-fs").digest()
+        tagger = _taggers[bytes(authkey)] = hashlib.blake2b(key=key, digest_size=8)
+    return tagger
 
 
 _counters = {
