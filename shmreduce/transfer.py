@@ -13,6 +13,7 @@ whatever a failed or partial load left over.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import multiprocessing
 import os
 import threading
@@ -84,13 +85,23 @@ def counters() -> dict[str, int]:
 # -- sending -----------------------------------------------------------------------
 
 
+# Message keys: a random per-process prefix and a counter. Unique without a
+# getrandom() call per message; the prefix is drawn again in a forked child.
+_key_prefix = os.urandom(KEY_LEN - 8)
+_key_count = itertools.count()
+
+
+def _new_key() -> bytes:
+    return _key_prefix + next(_key_count).to_bytes(8, "little")
+
+
 class _Outgoing:
     """The deposit a message is building, per broker it touches."""
 
     __slots__ = ("key", "program", "fds", "owned", "slots", "keep", "holds", "inflight", "files")
 
     def __init__(self) -> None:
-        self.key = os.urandom(KEY_LEN)
+        self.key = _new_key()
         self.program = program.current().directory
         self.fds: list[int] = []  # the deposit's descriptors, by slot
         self.owned: list[int] = []  # those of them we opened: closed after the deposit
@@ -154,22 +165,19 @@ class _Outgoing:
     def flush(self, deliver: bool = True) -> None:
         """Send the deposit (or, if not *deliver*, only the holds of new fs files)."""
         try:
-            own = program.current()
-            if deliver:
-                targets = set(self.holds) | set(self.inflight)
-                if self.fds:
-                    targets.add(own.directory)
-            else:
-                targets = set(self.holds)
+            root = program.current().root_pid
+            if not deliver:
+                for directory, holds in self.holds.items():
+                    broker.client_for(directory, root).hold(holds)
+                return
+            targets = self.holds.keys() | self.inflight.keys()
+            if self.fds:
+                targets.add(self.program)
             for directory in targets:
-                client = broker.client_for(directory, own.root_pid)
+                fds = self.fds if directory == self.program else []
                 holds = self.holds.get(directory, [])
-                if not deliver:
-                    client.hold(holds)
-                    continue
-                fds = self.fds if directory == own.directory else []
-                client.deposit(self.key, fds, holds, list(self.inflight.get(directory, ())))
-            if deliver and (self.fds or self.inflight):
+                broker.client_for(directory, root).deposit(self.key, fds, holds, list(self.inflight.get(directory, ())))
+            if self.fds or self.inflight:
                 _counters["messages_sent"] += 1
         finally:
             for fd in self.owned:
@@ -181,32 +189,39 @@ class _Outgoing:
 _local = threading.local()
 
 
+_OPEN = object()  # _local.out of a sending scope that has no storage yet
+
+
 class sending:
     """``with sending():`` groups every storage pickled inside into one deposit, sent
     when the scope closes (nested scopes join the outer one). If the block raises,
-    nothing is delivered; new fs files are still held by this process."""
+    nothing is delivered; new fs files are still held by this process. A scope that
+    shared nothing (most of multiprocessing's own messages) costs no deposit."""
 
     __slots__ = ("outer",)
 
     def __enter__(self) -> None:
         self.outer = getattr(_local, "out", None) is not None
         if not self.outer:
-            _local.out = _Outgoing()
+            _local.out = _OPEN
 
     def __exit__(self, exc_type: type | None, *_: object) -> None:
         if not self.outer:
             out, _local.out = _local.out, None
-            out.flush(deliver=exc_type is None)
+            if out is not _OPEN:
+                out.flush(deliver=exc_type is None)
 
 
 def share(storage: torch.UntypedStorage) -> tuple:
     """Move *storage* into shared memory (once) and add it to the current message;
     return its ``SegmentRef`` as a plain tuple."""
     out = getattr(_local, "out", None)
-    if out is not None:
-        return out.add(storage)
-    with sending():
-        return _local.out.add(storage)
+    if out is None:
+        with sending():
+            return share(storage)
+    if out is _OPEN:
+        out = _local.out = _Outgoing()
+    return out.add(storage)
 
 
 def share_in_place(storage: torch.UntypedStorage) -> None:
@@ -419,7 +434,8 @@ def pending_count() -> int:
 
 
 def _after_fork_in_child() -> None:
-    global _pending_lock
+    global _pending_lock, _key_prefix
+    _key_prefix = os.urandom(KEY_LEN - 8)
     _pending_lock = threading.Lock()
     for entry in _pending.values():
         entry.close()
