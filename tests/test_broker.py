@@ -80,3 +80,27 @@ def test_sharing_while_the_idle_broker_exits(strategy):
         time.sleep(grace * (0.8 + 0.04 * i))
         out = shmreduce.loads(shmreduce.dumps(torch.full((256,), float(i))))
         assert out.sum().item() == 256.0 * i
+
+
+def test_message_keys_differ_between_a_process_and_its_forked_child():
+    # Keys are a per-process prefix and a counter: a forked child draws a new prefix,
+    # or its messages would collide with its parent's at their shared broker.
+    from shmreduce import transfer
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(w, transfer._new_key())
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        child_key = os.read(r, 64)
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    parent_key = transfer._new_key()
+    assert len(child_key) == len(parent_key) == 16
+    assert child_key[:8] != parent_key[:8]
+    assert transfer._new_key() != parent_key
