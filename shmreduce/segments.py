@@ -16,6 +16,7 @@ import ctypes
 import errno
 import os
 import secrets
+
 import torch
 
 from shmreduce import _torch

@@ -17,10 +17,12 @@ Transport
     (role ``q``) for F and P, which get replies. The broker answers requests at once
     but reads post connections in batches: a post connection is armed one-shot, and
     after it fires the broker reads it every POST_WINDOW, arming it again only after
-    POST_QUIET without records. Waking a process costs the waker ~20 us of CPU here, as much as sharing a
-    small storage, so a deposit or claim must not cost one. A fetch or ping first
-    reads every post connection if it needs to (a barrier: what any client posted
-    before is seen). A forked child opens its own connections.
+    POST_QUIET without records. Waking a process costs the waker ~20 us of CPU here,
+    as much as sharing a small storage, so a deposit or claim must not cost one; and
+    a wake from a sender that computes next would queue the broker behind it on the
+    sender's CPU. A fetch or ping first reads every post connection if it needs to
+    (a barrier: what any client posted before is seen). A forked child opens its own
+    connections.
 
 Handshake (once per connection; the broker also checks SO_PEERCRED uid == its own)
     broker -> client   MAGIC + nonce_b (32 bytes)
