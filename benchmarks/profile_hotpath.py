@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import multiprocessing as mp
 import pstats
 import statistics
@@ -30,7 +29,7 @@ import torch.multiprocessing  # noqa: F401
 import shmreduce
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import KIB, RESULTS, dict_small, join_all, one_small  # noqa: E402
+from bench import RESULTS, dict_small, join_all, one_small  # noqa: E402
 
 CTX = mp.get_context("fork")
 MAKERS = {"1": one_small, "2": dict_small}

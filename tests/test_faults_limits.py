@@ -13,7 +13,6 @@ import gc
 import json
 import multiprocessing as mp
 import os
-import queue as queue_mod
 import resource
 import shutil
 import subprocess
@@ -25,7 +24,6 @@ import pytest
 import torch
 
 import shmreduce
-from helpers import wait_for
 
 SOAK = os.environ.get("SHMREDUCE_SOAK") == "1"
 TIMEOUT = 20.0

@@ -117,7 +117,7 @@ def test_other_user_cannot_connect_or_open(strategy):
         try:
             shmreduce.loads(data)
             out["loads"] = "loaded"
-        except shmreduce.SharingError as exc:
+        except shmreduce.SharingError:
             out["loads"] = "SharingError"
         except Exception as exc:  # noqa: BLE001
             out["loads"] = type(exc).__name__
