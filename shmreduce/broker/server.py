@@ -217,8 +217,14 @@ class Broker:
             return
         self.draining = True
         try:
+            now = time.monotonic()
             for conn in [c for c in self.conns.values() if c.post]:
-                self._serve(conn)
+                if self._serve(conn) > 0:
+                    # An active sender: its connection cools (disarmed) like one that
+                    # woke the broker, so that its next records do not wake it.
+                    if conn.fd not in self.cooling:
+                        self.poller.modify(conn.fd, 0)
+                    self._cool(conn, now)
         finally:
             self.draining = False
 
