@@ -104,3 +104,85 @@ def test_message_keys_differ_between_a_process_and_its_forked_child():
     assert len(child_key) == len(parent_key) == 16
     assert child_key[:8] != parent_key[:8]
     assert transfer._new_key() != parent_key
+
+
+def _produce(conn, count):
+    for i in range(count):
+        conn.send(torch.full((4,), float(i)))
+    conn.recv()  # stay connected until the test is done
+
+
+def _pending_from_a_child(count):
+    """A forked sender's *count* messages as raw bytes, every deposit read by the broker."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_produce, args=(theirs, count), daemon=True)
+    proc.start()
+    datas = [ours.recv_bytes() for _ in range(count)] if ours.poll(20) else []
+    _client().ping()  # barrier: every deposit is at the broker
+    return proc, ours, datas
+
+
+def _load(data):
+    from multiprocessing.reduction import ForkingPickler
+
+    return ForkingPickler.loads(data)
+
+
+def test_a_receiver_of_one_sender_gets_its_next_messages_as_offers(registered_fd):
+    from shmreduce.broker import protocol as P
+
+    proc, conn, datas = _pending_from_a_child(10)
+    try:
+        before = shmreduce.stats()
+        out = [_load(d) for d in datas]
+        after = shmreduce.stats()
+        assert [t[0].item() for t in out] == [float(i) for i in range(10)]
+        # OFFER_STREAK fetches, then the next messages came with the last reply.
+        assert after["round_trips"] - before["round_trips"] == P.OFFER_STREAK
+        assert after["offers_taken"] - before["offers_taken"] == 10 - P.OFFER_STREAK
+        assert not _client().offers
+        assert _client().ping()["messages"] == 0  # every take reached the broker
+    finally:
+        conn.send("done")
+        proc.join(10)
+
+
+def _load_values(datas, conn):
+    conn.send([_load(d)[0].item() for d in datas])
+
+
+def test_an_offered_message_another_process_receives_is_still_delivered(registered_fd):
+    import multiprocessing as mp
+
+    proc, conn, datas = _pending_from_a_child(6)
+    try:
+        assert [_load(d)[0].item() for d in datas[:2]] == [0.0, 1.0]
+        client = _client()
+        offered = {key: fds for key, (_when, fds) in client.offers.items()}
+        assert len(offered) == 4  # messages 2-5 came as offers with the second reply
+        # Another process receives them: the broker still has them, and delivers.
+        ctx = mp.get_context("fork")
+        ours, theirs = ctx.Pipe()
+        other = ctx.Process(target=_load_values, args=(datas[2:], theirs), daemon=True)
+        other.start()
+        assert ours.poll(20) and ours.recv() == [2.0, 3.0, 4.0, 5.0]
+        other.join(10)
+        assert client.ping()["messages"] == 0
+        # The unused offers are closed once they expire.
+        import time
+
+        inodes = {(st.st_dev, st.st_ino) for fds in offered.values() for st in map(os.fstat, fds)}
+        client._expire_offers(time.monotonic() + broker_client.OFFER_TTL)
+        assert not client.offers
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                st = os.stat(f"/proc/self/fd/{name}")
+                assert (st.st_dev, st.st_ino) not in inodes, "an expired offer is still open"
+            except FileNotFoundError:
+                pass  # the descriptor listdir itself used
+    finally:
+        conn.send("done")
+        proc.join(10)

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import OrderedDict
 from typing import Callable, Iterable
 
 from shmreduce.broker import protocol as P
@@ -26,6 +27,8 @@ from shmreduce.errors import SharingError, broker_gone, stale_message, too_many_
 
 IO_TIMEOUT = float(os.environ.get("SHMREDUCE_IO_TIMEOUT", "10"))
 START_TIMEOUT = 30.0
+OFFERS_KEPT = 64  # offered messages a client keeps for its next receives
+OFFER_TTL = 5.0  # seconds an offer is kept unused before its descriptors are closed
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Called with (client) after every (re)connection; the storage cache uses it to hold
@@ -91,6 +94,9 @@ class BrokerClient:
         self.token = os.urandom(P.TOKEN_LEN)
         self.broker_pid = 0
         self.round_trips = 0
+        self.offers_taken = 0
+        # Offered messages (see protocol.py): key -> (when, descriptors), oldest first.
+        self.offers: OrderedDict[bytes, tuple[float, list[int]]] = OrderedDict()
 
     # -- connection ------------------------------------------------------------
 
@@ -214,10 +220,18 @@ class BrokerClient:
     def fetch(self, key: bytes) -> list[int] | None:
         """The descriptors deposited under *key*, or None if the broker has no such message.
 
+        An offered copy is used first (no round trip; the broker is told with a take).
         The caller owns the returned descriptors. All or nothing: on failure every
         descriptor received so far is closed.
         """
         with self.lock:
+            if self.offers:
+                self._expire_offers(time.monotonic())
+            offered = self.offers.pop(key, None)
+            if offered is not None:
+                self.offers_taken += 1
+                self._send(P.TAKE, key, b"")
+                return offered[1]
             sock = self._socket()
             fds: list[int] = []
             try:
@@ -239,11 +253,11 @@ class BrokerClient:
                     fds.extend(got)
                     if op != P.FETCHED or rkey != key:
                         raise P.ProtocolError(f"unexpected reply {op!r}")
-                    status, total = P.decode_fetched(body)
+                    status, total, offers = P.decode_fetched(body)
                     if status == P.STATUS_UNKNOWN:
                         return None
                     if len(fds) >= total:
-                        return fds
+                        return self._keep_offers(fds, offers)
             except OSError as exc:
                 for fd in fds:
                     os.close(fd)
@@ -257,6 +271,38 @@ class BrokerClient:
                 for fd in fds:
                     os.close(fd)
                 raise self._broken(exc) from exc
+
+    def _keep_offers(self, fds: list[int], offers: list[tuple[bytes, int]]) -> list[int]:
+        """Split a reply's descriptors: the message's (returned), then each offer's (kept)."""
+        if not offers:
+            return fds
+        end = len(fds) - sum(count for _key, count in offers)
+        if end < 0:
+            raise P.ProtocolError("fetch reply offers more descriptors than it carries")
+        mine, start = fds[:end], end
+        now = time.monotonic()
+        for key, count in offers:
+            self.offers[key] = (now, fds[start : start + count])
+            start += count
+        self._expire_offers(now)
+        return mine
+
+    def _expire_offers(self, now: float) -> None:
+        """Close offers never used (another process received those messages)."""
+        while self.offers:
+            key, (when, fds) = next(iter(self.offers.items()))
+            if len(self.offers) <= OFFERS_KEPT and now - when < OFFER_TTL:
+                break
+            del self.offers[key]
+            for fd in fds:
+                os.close(fd)
+
+    def drop_offers(self) -> None:
+        with self.lock:
+            for _when, fds in self.offers.values():
+                for fd in fds:
+                    os.close(fd)
+            self.offers.clear()
 
     def ping(self) -> dict:
         """The broker's counters; also a barrier for this connection's earlier sends."""
@@ -299,9 +345,13 @@ def close_all() -> None:
 
 
 def _after_fork_in_child() -> None:
-    # The inherited sockets are the parent's connections: never write on them.
+    # The inherited sockets are the parent's connections: never write on them. Its
+    # offers are its own to take: the child closes its copies.
     global _clients_lock
     for client in _clients.values():
+        for _when, fds in client.offers.values():
+            for fd in fds:
+                os.close(fd)
         for sock in client.sockets():
             try:
                 os.close(sock.detach())

@@ -44,11 +44,20 @@ Records after the handshake: ``op (1 byte) + key (16 bytes) + body``
                  the message holds them until then). A claim read before its deposit
                  is remembered for EARLY_CLAIM_TTL. No reply.
     F  fetch     key = message key. The broker removes the message and replies with
-                 one or more ``f`` records: body = status (u8) + total fds (u32);
-                 the message's descriptors ride on them, at most 250 a record. The
-                 message's in-flight names become held by the fetching client.
-                 status 0 = ok, 1 = unknown key. A fetch for a key not yet deposited
-                 waits up to FETCH_WAIT seconds for it.
+                 one or more ``f`` records: body = status (u8) + total fds (u32)
+                 + offers (u16) + per offer: key (16 bytes) + fds (u32); the
+                 descriptors ride on them, at most 250 a record: the message's
+                 first, then each offer's. The message's in-flight names become
+                 held by the fetching client. status 0 = ok, 1 = unknown key. A
+                 fetch for a key not yet deposited waits up to FETCH_WAIT seconds.
+                 *Offers*: copies of other pending descriptor-only messages from the
+                 same sender, when this client fetched that sender's last
+                 OFFER_STREAK messages (one record in all, at most OFFER_MAX of
+                 them): the client will likely receive them next and then needs no
+                 round trip. The broker keeps its own copies until a take (T) or
+                 a fetch of the key by anyone.
+    T  take      key = message key. This client used its offered copy: the broker
+                 drops the message. No reply.
     H  hold      body = names; this client holds each name once. No reply.
     R  release   body = names this client no longer holds. No reply.
     P  ping      reply ``p`` with body = JSON of the broker's counters.
@@ -71,6 +80,7 @@ import os
 import re
 import socket
 import struct
+from typing import Sequence
 
 SOCKET_NAME = "broker.sock"
 LOCK_NAME = "broker.lock"
@@ -95,6 +105,7 @@ POST_QUIET = 0.05  # seconds a post connection must stay quiet before a record w
 
 DEPOSIT = b"D"
 CLAIM = b"C"
+TAKE = b"T"
 FETCH = b"F"
 FETCHED = b"f"
 HOLD = b"H"
@@ -104,7 +115,10 @@ PONG = b"p"
 
 STATUS_OK = 0
 STATUS_UNKNOWN = 1
-_FETCH_HEAD = struct.Struct("!BI")
+_FETCH_HEAD = struct.Struct("!BIH")
+_OFFER = struct.Struct(f"!{KEY_LEN}sI")
+OFFER_STREAK = 2  # a sender's messages fetched in a row by one client before it gets offers
+OFFER_MAX = 8  # offered messages per fetch reply
 _PID = struct.Struct("!I")
 NO_KEY = bytes(KEY_LEN)
 
@@ -144,12 +158,18 @@ def decode_deposit(body: bytes) -> tuple[list[str], list[str]]:
     return decode_names(holds), decode_names(inflight)
 
 
-def encode_fetched(status: int, total: int) -> bytes:
-    return _FETCH_HEAD.pack(status, total)
+def encode_fetched(status: int, total: int, offers: Sequence[tuple[bytes, int]] = ()) -> bytes:
+    return _FETCH_HEAD.pack(status, total, len(offers)) + b"".join(_OFFER.pack(k, n) for k, n in offers)
 
 
-def decode_fetched(body: bytes) -> tuple[int, int]:
-    return _FETCH_HEAD.unpack(body[: _FETCH_HEAD.size])
+def decode_fetched(body: bytes) -> tuple[int, int, list[tuple[bytes, int]]]:
+    """(status, total fds, offers as (key, fds)); raises ProtocolError if malformed."""
+    try:
+        status, total, count = _FETCH_HEAD.unpack_from(body)
+        offers = [_OFFER.unpack_from(body, _FETCH_HEAD.size + i * _OFFER.size) for i in range(count)]
+    except struct.error as exc:
+        raise ProtocolError(f"bad fetch reply: {exc}") from None
+    return status, total, offers
 
 
 # -- records -----------------------------------------------------------------------

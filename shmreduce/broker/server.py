@@ -53,11 +53,13 @@ class _Conn:
 
 
 class _Message:
-    __slots__ = ("fds", "names")
+    __slots__ = ("fds", "names", "sender", "offered")
 
-    def __init__(self) -> None:
+    def __init__(self, sender: bytes) -> None:
         self.fds: list[int] = []
         self.names: list[str] = []
+        self.sender = sender  # the depositing client's token
+        self.offered = False  # a copy of its fds went to a client as an offer
 
 
 _POST_EVENTS = select.EPOLLIN | select.EPOLLONESHOT
@@ -73,6 +75,11 @@ class Broker:
         self.conns: dict[int, _Conn] = {}
         self.clients: dict[bytes, _Client] = {}
         self.messages: dict[bytes, _Message] = {}
+        # Per sender token: its undelivered messages in deposit order, and which
+        # client fetched its last messages (token, how many in a row): see offers
+        # in protocol.py.
+        self.pending: dict[bytes, dict[bytes, None]] = {}
+        self.streaks: dict[bytes, tuple[bytes, int]] = {}
         self.refs: dict[str, int] = {}
         self.parked: list[tuple[float, _Conn, bytes]] = []
         self.early_claims: dict[bytes, tuple[float, _Client]] = {}
@@ -185,6 +192,7 @@ class Broker:
         client.conns -= 1
         if not client.conns:
             self.clients.pop(client.token, None)
+            self.streaks.pop(client.token, None)
             self._release(client, list(client.holds))
         if not self.conns:
             self.idle_since = time.monotonic()
@@ -259,16 +267,26 @@ class Broker:
                 holds, inflight = P.decode_deposit(body)
                 self._hold(client, holds)
                 if fds or inflight:
-                    self._deposit(key, fds, inflight)
+                    self._deposit(client, key, fds, inflight)
                     fds = []
             elif op == P.CLAIM:
                 if key in self.messages:
                     self._claim(client, key)
                 else:
                     self.early_claims[key] = (time.monotonic() + EARLY_CLAIM_TTL, client)
+            elif op == P.TAKE:
+                msg = self.messages.get(key)
+                if msg is not None and msg.offered:
+                    self._remove(key)
+                    self._give_names(client, msg)
+                    for fd in msg.fds:
+                        os.close(fd)
             elif op == P.FETCH:
-                if key not in self.messages:
-                    self._drain_posts()  # its deposit may still be queued on a post connection
+                msg = self.messages.get(key)
+                if msg is None or msg.offered:
+                    # Its deposit (or the take of an offered copy) may still be
+                    # queued on a post connection.
+                    self._drain_posts()
                 if key in self.messages:
                     self._reply_fetch(conn, key)
                 else:
@@ -289,10 +307,11 @@ class Broker:
             self._drop(conn)
             return False
 
-    def _deposit(self, key: bytes, fds: list[int], inflight: list[str]) -> None:
+    def _deposit(self, client: _Client, key: bytes, fds: list[int], inflight: list[str]) -> None:
         msg = self.messages.get(key)
         if msg is None:
-            msg = self.messages[key] = _Message()
+            msg = self.messages[key] = _Message(client.token)
+            self.pending.setdefault(client.token, {})[key] = None
         msg.fds.extend(fds)
         for name in inflight:
             self._incref(name)
@@ -308,16 +327,48 @@ class Broker:
         msg = self.messages[key]
         self._give_names(client, msg)
         if not msg.fds:
-            del self.messages[key]
+            self._remove(key)
+
+    def _remove(self, key: bytes) -> _Message:
+        msg = self.messages.pop(key)
+        keys = self.pending.get(msg.sender)
+        if keys is not None:
+            keys.pop(key, None)
+            if not keys:
+                del self.pending[msg.sender]
+        return msg
+
+    def _offers(self, client: _Client, msg: _Message) -> list[tuple[bytes, _Message]]:
+        """Other messages of *msg*'s sender to offer *client* with its reply."""
+        fetcher, streak = self.streaks.get(msg.sender, (b"", 0))
+        streak = streak + 1 if fetcher == client.token else 1
+        self.streaks[msg.sender] = (client.token, streak)
+        room = P.MAX_FDS - len(msg.fds)
+        if streak < P.OFFER_STREAK or room <= 0:
+            return []
+        offers = []
+        for key in self.pending.get(msg.sender, ()):
+            other = self.messages[key]
+            # Whole descriptor-only messages (a single record: < MAX_FDS), once each.
+            if other.offered or other.names or not other.fds or len(other.fds) > room:
+                continue
+            other.offered = True
+            offers.append((key, other))
+            room -= len(other.fds)
+            if len(offers) == P.OFFER_MAX:
+                break
+        return offers
 
     def _reply_fetch(self, conn: _Conn, key: bytes) -> None:
-        msg = self.messages.pop(key)
+        msg = self._remove(key)
         try:
             # The names become this client's before anything can fail, so that a
             # client dying mid-reply releases them through _drop.
             self._give_names(conn.client, msg)
-            head = P.encode_fetched(P.STATUS_OK, len(msg.fds))
-            chunks = [msg.fds[i : i + P.MAX_FDS] for i in range(0, len(msg.fds), P.MAX_FDS)] or [[]]
+            offers = self._offers(conn.client, msg)
+            fds = msg.fds + [fd for _key, other in offers for fd in other.fds]
+            head = P.encode_fetched(P.STATUS_OK, len(fds), [(k, len(other.fds)) for k, other in offers])
+            chunks = [fds[i : i + P.MAX_FDS] for i in range(0, len(fds), P.MAX_FDS)] or [[]]
             for chunk in chunks:
                 P.send_record(conn.sock, P.FETCHED, key, head, chunk)
         finally:
