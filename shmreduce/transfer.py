@@ -98,12 +98,13 @@ def _new_key() -> bytes:
 class _Outgoing:
     """The deposit a message is building, per broker it touches."""
 
-    __slots__ = ("key", "program", "fds", "owned", "slots", "keep", "holds", "inflight", "files")
+    __slots__ = ("key", "program", "fds", "nbytes", "owned", "slots", "keep", "holds", "inflight", "files")
 
     def __init__(self) -> None:
         self.key = _new_key()
         self.program = program.current().directory
         self.fds: list[int] = []  # the deposit's descriptors, by slot
+        self.nbytes = 0  # the memory behind them
         self.owned: list[int] = []  # those of them we opened: closed after the deposit
         self.slots: dict[str, int] = {}
         self.keep: list[torch.UntypedStorage] = []  # keeps borrowed descriptors valid until the deposit
@@ -126,6 +127,7 @@ class _Outgoing:
         slot = self.slots.get(name)
         if slot is None:
             slot = self.slots[name] = len(self.fds)
+            self.nbytes += nbytes
             if fd < 0:
                 fd = _torch.storage_fd(storage)  # the storage's own descriptor
                 self.keep.append(storage)
@@ -176,7 +178,8 @@ class _Outgoing:
             for directory in targets:
                 fds = self.fds if directory == self.program else []
                 holds = self.holds.get(directory, [])
-                broker.client_for(directory, root).deposit(self.key, fds, holds, list(self.inflight.get(directory, ())))
+                nbytes = self.nbytes if fds else 0
+                broker.client_for(directory, root).deposit(self.key, fds, holds, list(self.inflight.get(directory, ())), nbytes)
             if self.fds or self.inflight:
                 _counters["messages_sent"] += 1
         finally:

@@ -106,19 +106,19 @@ def test_message_keys_differ_between_a_process_and_its_forked_child():
     assert transfer._new_key() != parent_key
 
 
-def _produce(conn, count):
+def _produce(conn, count, numel):
     for i in range(count):
-        conn.send(torch.full((4,), float(i)))
+        conn.send(torch.full((numel,), float(i)))
     conn.recv()  # stay connected until the test is done
 
 
-def _pending_from_a_child(count):
+def _pending_from_a_child(count, numel=4):
     """A forked sender's *count* messages as raw bytes, every deposit read by the broker."""
     import multiprocessing as mp
 
     ctx = mp.get_context("fork")
     ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_produce, args=(theirs, count), daemon=True)
+    proc = ctx.Process(target=_produce, args=(theirs, count, numel), daemon=True)
     proc.start()
     datas = [ours.recv_bytes() for _ in range(count)] if ours.poll(20) else []
     _client().ping()  # barrier: every deposit is at the broker
@@ -183,6 +183,21 @@ def test_an_offered_message_another_process_receives_is_still_delivered(register
                 assert (st.st_dev, st.st_ino) not in inodes, "an expired offer is still open"
             except FileNotFoundError:
                 pass  # the descriptor listdir itself used
+    finally:
+        conn.send("done")
+        proc.join(10)
+
+
+def test_large_messages_are_never_offered(registered_fd):
+    from shmreduce.broker import protocol as P
+
+    proc, conn, datas = _pending_from_a_child(5, numel=P.OFFER_BYTES // 4 + 1)
+    try:
+        before = shmreduce.stats()
+        assert [_load(d)[0].item() for d in datas] == [float(i) for i in range(5)]
+        after = shmreduce.stats()
+        assert after["round_trips"] - before["round_trips"] == 5
+        assert after["offers_taken"] == before["offers_taken"] and not _client().offers
     finally:
         conn.send("done")
         proc.join(10)

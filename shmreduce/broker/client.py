@@ -193,11 +193,11 @@ class BrokerClient:
                 except OSError as exc:
                     raise self._broken(exc) from exc
 
-    def deposit(self, key: bytes, fds: list[int], holds: list[str], inflight: list[str]) -> None:
-        """Leave *fds* and the in-flight *names* under *key* for one receiver."""
+    def deposit(self, key: bytes, fds: list[int], holds: list[str], inflight: list[str], nbytes: int = 0) -> None:
+        """Leave *fds* (*nbytes* of memory) and the in-flight *names* under *key* for one receiver."""
         for start in range(0, max(len(fds), 1), P.MAX_FDS):
             chunk = fds[start : start + P.MAX_FDS]
-            body = P.encode_deposit(holds, inflight) if start == 0 else b"|"
+            body = P.encode_deposit(holds, inflight, nbytes) if start == 0 else b"||0"
             self._send(P.DEPOSIT, key, body, chunk)
 
     def claim(self, key: bytes) -> None:

@@ -33,8 +33,10 @@ Handshake (once per connection; the broker also checks SO_PEERCRED uid == its ow
     connection on a wrong digest.
 
 Records after the handshake: ``op (1 byte) + key (16 bytes) + body``
-    D  deposit   key = message key. body = holds "|" inflight, each a "\\n"-joined
-                 list of segment file names. Descriptors attached are appended to
+    D  deposit   key = message key. body = holds "|" inflight "|" nbytes: two
+                 "\\n"-joined lists of segment file names, and the bytes of the
+                 descriptors attached (ASCII decimal; offers only go for small
+                 messages). Descriptors attached are appended to
                  the message's fd list (a message with more than 250 fds is sent as
                  several D records with the same key). Names in *inflight* get one
                  reference owned by the message; names in *holds* get one reference
@@ -50,8 +52,8 @@ Records after the handshake: ``op (1 byte) + key (16 bytes) + body``
                  first, then each offer's. The message's in-flight names become
                  held by the fetching client. status 0 = ok, 1 = unknown key. A
                  fetch for a key not yet deposited waits up to FETCH_WAIT seconds.
-                 *Offers*: copies of other pending descriptor-only messages from the
-                 same sender, when this client fetched that sender's last
+                 *Offers*: copies of other pending descriptor-only messages of at
+                 most OFFER_BYTES from the same sender, when this client fetched its last
                  OFFER_STREAK messages (one record in all, at most OFFER_MAX of
                  them): the client will likely receive them next and then needs no
                  round trip. The broker keeps its own copies until a take (T) or
@@ -119,6 +121,7 @@ _FETCH_HEAD = struct.Struct("!BIH")
 _OFFER = struct.Struct(f"!{KEY_LEN}sI")
 OFFER_STREAK = 2  # a sender's messages fetched in a row by one client before it gets offers
 OFFER_MAX = 8  # offered messages per fetch reply
+OFFER_BYTES = 1 << 20  # larger messages are never offered: a round trip is small next to them
 _PID = struct.Struct("!I")
 NO_KEY = bytes(KEY_LEN)
 
@@ -147,15 +150,15 @@ def decode_names(blob: bytes) -> list[str]:
     return blob.decode("ascii").split("\n")
 
 
-def encode_deposit(holds, inflight) -> bytes:
-    return encode_names(holds) + b"|" + encode_names(inflight)
+def encode_deposit(holds, inflight, nbytes: int = 0) -> bytes:
+    return b"%s|%s|%d" % (encode_names(holds), encode_names(inflight), nbytes)
 
 
-def decode_deposit(body: bytes) -> tuple[list[str], list[str]]:
-    holds, sep, inflight = body.partition(b"|")
-    if not sep:
-        raise ProtocolError("deposit body without separator")
-    return decode_names(holds), decode_names(inflight)
+def decode_deposit(body: bytes) -> tuple[list[str], list[str], int]:
+    parts = body.split(b"|")
+    if len(parts) != 3 or not parts[2].isdigit():
+        raise ProtocolError("malformed deposit body")
+    return decode_names(parts[0]), decode_names(parts[1]), int(parts[2])
 
 
 def encode_fetched(status: int, total: int, offers: Sequence[tuple[bytes, int]] = ()) -> bytes:

@@ -53,11 +53,12 @@ class _Conn:
 
 
 class _Message:
-    __slots__ = ("fds", "names", "sender", "offered")
+    __slots__ = ("fds", "names", "sender", "offered", "nbytes")
 
     def __init__(self, sender: bytes) -> None:
         self.fds: list[int] = []
         self.names: list[str] = []
+        self.nbytes = 0  # memory behind its fds, as its sender declared it
         self.sender = sender  # the depositing client's token
         self.offered = False  # a copy of its fds went to a client as an offer
 
@@ -264,10 +265,10 @@ class Broker:
         client = conn.client
         try:
             if op == P.DEPOSIT:
-                holds, inflight = P.decode_deposit(body)
+                holds, inflight, nbytes = P.decode_deposit(body)
                 self._hold(client, holds)
                 if fds or inflight:
-                    self._deposit(client, key, fds, inflight)
+                    self._deposit(client, key, fds, inflight, nbytes)
                     fds = []
             elif op == P.CLAIM:
                 if key in self.messages:
@@ -307,12 +308,13 @@ class Broker:
             self._drop(conn)
             return False
 
-    def _deposit(self, client: _Client, key: bytes, fds: list[int], inflight: list[str]) -> None:
+    def _deposit(self, client: _Client, key: bytes, fds: list[int], inflight: list[str], nbytes: int) -> None:
         msg = self.messages.get(key)
         if msg is None:
             msg = self.messages[key] = _Message(client.token)
             self.pending.setdefault(client.token, {})[key] = None
         msg.fds.extend(fds)
+        msg.nbytes += nbytes
         for name in inflight:
             self._incref(name)
         msg.names.extend(inflight)
@@ -349,8 +351,8 @@ class Broker:
         offers = []
         for key in self.pending.get(msg.sender, ()):
             other = self.messages[key]
-            # Whole descriptor-only messages (a single record: < MAX_FDS), once each.
-            if other.offered or other.names or not other.fds or len(other.fds) > room:
+            # Whole, small, descriptor-only messages (a single record: < MAX_FDS), once each.
+            if other.offered or other.names or not other.fds or len(other.fds) > room or other.nbytes > P.OFFER_BYTES:
                 continue
             other.offered = True
             offers.append((key, other))
