@@ -201,3 +201,21 @@ def test_large_messages_are_never_offered(registered_fd):
     finally:
         conn.send("done")
         proc.join(10)
+
+
+def test_an_offered_message_loads_after_its_broker_died(registered_fd):
+    import signal
+
+    proc, conn, datas = _pending_from_a_child(4)
+    try:
+        assert [_load(d)[0].item() for d in datas[:2]] == [0.0, 1.0]
+        client = _client()
+        assert len(client.offers) == 2  # messages 2 and 3 came with the second reply
+        pid = client.broker_pid
+        os.kill(pid, signal.SIGKILL)
+        assert wait_for(lambda: pid not in broker_pids(), 10)
+        # The offered copies hold the memory: no broker is needed to receive them.
+        assert [_load(d)[0].item() for d in datas[2:]] == [2.0, 3.0]
+    finally:
+        conn.send("done")
+        proc.join(10)

@@ -230,7 +230,10 @@ class BrokerClient:
             offered = self.offers.pop(key, None)
             if offered is not None:
                 self.offers_taken += 1
-                self._send(P.TAKE, key, b"")
+                try:
+                    self._send(P.TAKE, key, b"")
+                except SharingError:
+                    pass  # that broker is gone, and its copy with it: ours still holds the memory
                 return offered[1]
             sock = self._socket()
             fds: list[int] = []
@@ -339,7 +342,9 @@ def existing_clients() -> list[BrokerClient]:
 
 
 def close_all() -> None:
+    """Close every connection and unused offer of this process (the clients are dropped)."""
     for client in list(_clients.values()):
+        client.drop_offers()
         client.close()
     _clients.clear()
 
@@ -349,7 +354,7 @@ def _after_fork_in_child() -> None:
     # offers are its own to take: the child closes its copies.
     global _clients_lock
     for client in _clients.values():
-        for _when, fds in client.offers.values():
+        for _when, fds in client.offers.values():  # no lock: another thread may have held it
             for fd in fds:
                 os.close(fd)
         for sock in client.sockets():
