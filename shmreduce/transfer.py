@@ -98,11 +98,12 @@ def _new_key() -> bytes:
 class _Outgoing:
     """The deposit a message is building, per broker it touches."""
 
-    __slots__ = ("key", "program", "fds", "nbytes", "owned", "slots", "keep", "holds", "inflight", "files")
+    __slots__ = ("key", "program", "root", "fds", "nbytes", "owned", "slots", "keep", "holds", "inflight", "files")
 
     def __init__(self) -> None:
         self.key = _new_key()
-        self.program = program.current().directory
+        prog = program.current()
+        self.program, self.root = prog.directory, prog.root_pid
         self.fds: list[int] = []  # the deposit's descriptors, by slot
         self.nbytes = 0  # the memory behind them
         self.owned: list[int] = []  # those of them we opened: closed after the deposit
@@ -167,10 +168,9 @@ class _Outgoing:
     def flush(self, deliver: bool = True) -> None:
         """Send the deposit (or, if not *deliver*, only the holds of new fs files)."""
         try:
-            root = program.current().root_pid
             if not deliver:
                 for directory, holds in self.holds.items():
-                    broker.client_for(directory, root).hold(holds)
+                    broker.client_for(directory, self.root).hold(holds)
                 return
             targets = self.holds.keys() | self.inflight.keys()
             if self.fds:
@@ -178,8 +178,9 @@ class _Outgoing:
             for directory in targets:
                 fds = self.fds if directory == self.program else []
                 holds = self.holds.get(directory, [])
+                inflight = list(self.inflight.get(directory, ()))
                 nbytes = self.nbytes if fds else 0
-                broker.client_for(directory, root).deposit(self.key, fds, holds, list(self.inflight.get(directory, ())), nbytes)
+                broker.client_for(directory, self.root).deposit(self.key, fds, holds, inflight, nbytes)
             if self.fds or self.inflight:
                 _counters["messages_sent"] += 1
         finally:

@@ -197,7 +197,7 @@ class BrokerClient:
         """Leave *fds* (*nbytes* of memory) and the in-flight *names* under *key* for one receiver."""
         for start in range(0, max(len(fds), 1), P.MAX_FDS):
             chunk = fds[start : start + P.MAX_FDS]
-            body = P.encode_deposit(holds, inflight, nbytes) if start == 0 else b"||0"
+            body = P.encode_deposit(holds, inflight, nbytes) if start == 0 else P.encode_deposit((), ())
             self._send(P.DEPOSIT, key, body, chunk)
 
     def claim(self, key: bytes) -> None:
@@ -302,10 +302,14 @@ class BrokerClient:
 
     def drop_offers(self) -> None:
         with self.lock:
-            for _when, fds in self.offers.values():
-                for fd in fds:
-                    os.close(fd)
-            self.offers.clear()
+            self._close_offers()
+
+    def _close_offers(self) -> None:
+        """Close every unused offer; no lock (the fork handler calls it too)."""
+        for _when, fds in self.offers.values():
+            for fd in fds:
+                os.close(fd)
+        self.offers.clear()
 
     def ping(self) -> dict:
         """The broker's counters; also a barrier for this connection's earlier sends."""
@@ -354,9 +358,7 @@ def _after_fork_in_child() -> None:
     # offers are its own to take: the child closes its copies.
     global _clients_lock
     for client in _clients.values():
-        for _when, fds in client.offers.values():  # no lock: another thread may have held it
-            for fd in fds:
-                os.close(fd)
+        client._close_offers()  # no lock: another thread may have held it at fork
         for sock in client.sockets():
             try:
                 os.close(sock.detach())

@@ -53,9 +53,9 @@ Records after the handshake: ``op (1 byte) + key (16 bytes) + body``
                  held by the fetching client. status 0 = ok, 1 = unknown key. A
                  fetch for a key not yet deposited waits up to FETCH_WAIT seconds.
                  *Offers*: copies of other pending descriptor-only messages of at
-                 most OFFER_BYTES from the same sender, when this client fetched its last
-                 OFFER_STREAK messages (one record in all, at most OFFER_MAX of
-                 them): the client will likely receive them next and then needs no
+                 most OFFER_BYTES from the same sender, when this client fetched
+                 its last OFFER_STREAK messages (one record in all, at most
+                 OFFER_MAX of them): the client will likely receive them next and then needs no
                  round trip. The broker keeps its own copies until a take (T) or
                  a fetch of the key by anyone.
     T  take      key = message key. This client used its offered copy: the broker
@@ -88,7 +88,6 @@ SOCKET_NAME = "broker.sock"
 LOCK_NAME = "broker.lock"
 DIR_PREFIX = "shmreduce-"
 SEG_PREFIX = "seg-"
-SEG_NAME_LEN = len(SEG_PREFIX) + 24
 
 MAGIC = b"SHMREDUCE1"
 NONCE_LEN = 32

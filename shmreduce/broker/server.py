@@ -341,7 +341,8 @@ class Broker:
         return msg
 
     def _offers(self, client: _Client, msg: _Message) -> list[tuple[bytes, _Message]]:
-        """Other messages of *msg*'s sender to offer *client* with its reply."""
+        """Other messages of *msg*'s sender to offer *client* with its reply (this
+        fetch also counts toward the client's streak for that sender)."""
         fetcher, streak = self.streaks.get(msg.sender, (b"", 0))
         streak = streak + 1 if fetcher == client.token else 1
         self.streaks[msg.sender] = (client.token, streak)
@@ -352,7 +353,9 @@ class Broker:
         for key in self.pending.get(msg.sender, ()):
             other = self.messages[key]
             # Whole, small, descriptor-only messages (a single record: < MAX_FDS), once each.
-            if other.offered or other.names or not other.fds or len(other.fds) > room or other.nbytes > P.OFFER_BYTES:
+            if other.offered or other.names or not other.fds:
+                continue
+            if len(other.fds) > room or other.nbytes > P.OFFER_BYTES:
                 continue
             other.offered = True
             offers.append((key, other))
