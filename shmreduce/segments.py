@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import itertools
 import os
-import secrets
 
 import torch
 
@@ -24,6 +24,29 @@ from shmreduce._platform import HAVE_PROC_FD
 from shmreduce.broker.protocol import SEG_PREFIX, is_segment_name
 from shmreduce.cache import Segment
 from shmreduce.errors import SharingError, out_of_shm, too_many_files
+
+
+class ProgramDirectoryGone(SharingError):
+    """The program directory a new file was to go to is gone (its broker died)."""
+
+
+# File names: a random per-process prefix and a counter (as transfer's message keys),
+# unique without a getrandom() call per file; O_EXCL refuses any clash. The prefix is
+# drawn again in a forked child.
+_name_prefix = os.urandom(6).hex()
+_name_count = itertools.count()
+
+
+def _new_name() -> str:
+    return f"{SEG_PREFIX}{_name_prefix}{next(_name_count) & 0xFFFFFFFFFFFF:012x}"
+
+
+def _after_fork_in_child() -> None:
+    global _name_prefix
+    _name_prefix = os.urandom(6).hex()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _fd_identity(fd: int) -> tuple[str, int]:
@@ -81,10 +104,12 @@ def _memfd(nbytes: int, source: torch.UntypedStorage | None) -> tuple[Segment, i
 
 def _file(program: str, nbytes: int, source: torch.UntypedStorage | None) -> tuple[Segment, torch.UntypedStorage]:
     """A new file of *program*, mode 0600, holding *source*'s bytes (or zeros), and its mapping."""
-    name = SEG_PREFIX + secrets.token_hex(12)
-    path = os.path.join(program, name)
+    name = _new_name()
+    path = f"{program}/{name}"
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except FileNotFoundError:
+        raise ProgramDirectoryGone(f"program directory {program} is gone (its broker died)") from None
     except OSError as exc:
         raise _os_error(exc, f"creating {path}") from exc
     try:
@@ -169,7 +194,7 @@ def map_file(segment: Segment) -> torch.UntypedStorage:
     """
     if not is_segment_name(segment.name):
         raise SharingError(f"refusing segment name {segment.name!r}: not a shmreduce segment (forged message?)")
-    path = os.path.join(segment.program, segment.name)
+    path = f"{segment.program}/{segment.name}"
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:

@@ -18,7 +18,7 @@ import multiprocessing
 import os
 import threading
 from collections import OrderedDict
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple, TypeVar
 
 import torch
 
@@ -28,6 +28,8 @@ from shmreduce.broker.protocol import DIR_PREFIX, KEY_LEN
 from shmreduce.cache import Segment, cache
 from shmreduce.errors import SharingError, stale_message
 from shmreduce.strategy import get_sharing_strategy
+
+_T = TypeVar("_T")
 
 MAX_PENDING = 64  # fetched messages whose refs have not all been rebuilt yet
 
@@ -145,16 +147,26 @@ class _Outgoing:
             return segment, -1
         fd = -1
         if get_sharing_strategy() == "file_system":
-            segment = segments.move_to_file(storage, self._files())
+            segment = self._in_file(segments.move_to_file, storage)
         else:
             segment, fd = segments.move_to_memfd(storage)
         self._created(storage, segment)
         return segment, fd
 
-    def _files(self) -> str:
+    def _in_file(self, make: Callable[[Any, str], _T], arg: Any) -> _T:
+        """``make(arg, directory)``: a new file in the program directory, its broker live.
+
+        A connected client keeps its broker, and so the directory, alive; if that
+        broker died meanwhile, its directory may be gone: connect afresh (a new broker
+        makes it) and try once more.
+        """
         if not self.files:
             self.files = _live_program().directory
-        return self.files
+        try:
+            return make(arg, self.files)
+        except segments.ProgramDirectoryGone:
+            self.files = _live_program(fresh=True).directory
+            return make(arg, self.files)
 
     def _created(self, storage: torch.UntypedStorage, segment: Segment) -> None:
         """Account for a segment this process just made for *storage*: a new fs file
@@ -257,7 +269,7 @@ def new_shared(nbytes: int) -> torch.UntypedStorage:
     out = _Outgoing()
     try:
         if get_sharing_strategy() == "file_system":
-            segment, storage = segments.new_file(nbytes, out._files())
+            segment, storage = out._in_file(segments.new_file, nbytes)
         else:
             segment, storage = segments.new_memfd(nbytes)
         out._created(storage, segment)
@@ -266,14 +278,16 @@ def new_shared(nbytes: int) -> torch.UntypedStorage:
     return storage
 
 
-def _live_program() -> program.Program:
+def _live_program(fresh: bool = False) -> program.Program:
     """This program, with a live connection to its broker, before files are made in
     its directory: a connected client keeps the broker (and so the directory) alive,
-    where an idle broker might otherwise exit, and remove it, in between."""
+    where an idle broker might otherwise exit, and remove it, in between. *fresh*:
+    the directory is gone, so its broker died; a new connection starts one that
+    makes it."""
     prog = program.current()
     client = broker.client_for(prog.directory, prog.root_pid)
-    # Gone directory: that broker died; a fresh connection starts one that makes it.
-    client.connect(fresh=not os.path.isdir(prog.directory))
+    if fresh or not client.connected():
+        client.connect(fresh=fresh or not os.path.isdir(prog.directory))
     return prog
 
 

@@ -82,28 +82,59 @@ def test_sharing_while_the_idle_broker_exits(strategy):
         assert out.sum().item() == 256.0 * i
 
 
-def test_message_keys_differ_between_a_process_and_its_forked_child():
-    # Keys are a per-process prefix and a counter: a forked child draws a new prefix,
-    # or its messages would collide with its parent's at their shared broker.
-    from shmreduce import transfer
+def test_message_keys_and_file_names_differ_between_a_process_and_its_forked_child():
+    # Keys and file_system names are a per-process prefix and a counter: a forked
+    # child draws a new prefix, or its messages would collide with its parent's at
+    # their shared broker, and its files with its parent's in their directory.
+    from shmreduce import segments, transfer
+    from shmreduce.broker.protocol import is_segment_name
 
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
-            os.write(w, transfer._new_key())
+            os.write(w, transfer._new_key() + segments._new_name().encode())
         finally:
             os._exit(0)
     os.close(w)
     try:
-        child_key = os.read(r, 64)
+        child = os.read(r, 128)
     finally:
         os.close(r)
         os.waitpid(pid, 0)
-    parent_key = transfer._new_key()
+    child_key, child_name = child[:16], child[16:].decode()
+    parent_key, parent_name = transfer._new_key(), segments._new_name()
     assert len(child_key) == len(parent_key) == 16
     assert child_key[:8] != parent_key[:8]
     assert transfer._new_key() != parent_key
+    assert is_segment_name(child_name) and is_segment_name(parent_name)
+    assert child_name[:16] != parent_name[:16]
+    assert segments._new_name() != parent_name
+
+
+def test_file_system_sharing_after_the_broker_died_and_its_directory_went(monkeypatch):
+    # A connected client skips the directory check on the hot path: when its broker
+    # was killed and its janitor removed the directory, the failed file creation
+    # connects afresh, a new broker makes the directory, and the message goes through.
+    import signal
+
+    with shmreduce.registered(strategy="file_system"):
+        assert shmreduce.loads(shmreduce.dumps(torch.ones(2))).sum().item() == 2
+        client = _client()
+        pid, directory = client.broker_pid, program.current().directory
+        os.kill(pid, signal.SIGKILL)
+        assert wait_for(lambda: not os.path.exists(directory), 10)  # the janitor's work
+        assert client.connected()  # it cannot know yet
+        from shmreduce import transfer
+
+        calls = []
+        live = transfer._live_program
+        monkeypatch.setattr(transfer, "_live_program", lambda fresh=False: calls.append(fresh) or live(fresh))
+        t = torch.arange(10.0)
+        out = shmreduce.loads(shmreduce.dumps(t))
+        assert torch.equal(out, t) and _client().broker_pid not in (None, pid)
+        assert calls == [False, True]  # the first try found the directory gone
+        assert os.path.isdir(directory)
 
 
 def _produce(conn, count, numel):
