@@ -568,9 +568,12 @@ def ratio(value: float, base: float, higher_is_better: bool) -> float:
     return value / base if higher_is_better else base / value
 
 
-def evaluate_goals(summary: dict) -> list[dict]:
+def evaluate_goals(summary: dict, only: set[str] | None = None) -> list[dict]:
+    """Each goal's verdict; goals of scenarios left out by ``--only`` are left out too."""
     goals = []
     for key, impl, test, text in GOALS:
+        if only is not None and key not in only:
+            continue
         row = summary.get(key, {}).get(impl)
         ok = bool(row) and row["median"] == row["median"] and test(row)
         goals.append({"scenario": key, "impl": impl, "goal": text, "pass": ok,
@@ -689,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     raw = run_rounds(rounds, budget, only)
     summary = summarize(raw)
-    goals = evaluate_goals(summary)
+    goals = evaluate_goals(summary, only)
     table, holding = markdown_table(summary, goals), holding_table(summary)
     print("\n" + table + "\n\n" + holding + "\n")
     for g in goals:
