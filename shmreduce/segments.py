@@ -1,13 +1,12 @@
-"""Shared-memory segments: create them, move a storage into one in place, map them.
+"""file_system segments (create them, move a storage into one in place, map them),
+and the adoption of storages torch already shared by descriptor.
 
-Two kinds (see ``cache.Segment``): anonymous memfds for ``file_descriptor`` (not
-limited by the size of /dev/shm) and named files, mode 0600, in the program
-directory for ``file_system``. A storage moves in by writing its bytes through the
-new segment's descriptor, then swapping its memory for a mapping of the segment:
-every page is allocated by that write, so a full mount or memory limit is a
+A file_system segment is a named file, mode 0600, in the program directory (the
+file_descriptor kind, memfd slabs, is ``slabs``). A storage moves in by writing its
+bytes through the new file's descriptor, then swapping its memory for a mapping of
+the file: every page is allocated by that write, so a full mount is a
 ``SharingError`` now rather than a SIGBUS later. Descriptors opened here are closed
-here, except the memfd ``move_to_memfd`` returns to its caller; torch's storages
-keep their own.
+here; torch's storages keep their own.
 """
 
 from __future__ import annotations
@@ -81,27 +80,6 @@ def _fill(fd: int, nbytes: int, source: torch.UntypedStorage | None) -> None:
             done += os.pwrite(fd, view[done:], done)
 
 
-def _memfd(nbytes: int, source: torch.UntypedStorage | None) -> tuple[Segment, int, torch.UntypedStorage]:
-    """A new memfd holding *source*'s bytes (or zeros), and its mapping; the caller owns the fd."""
-    try:
-        fd = os.memfd_create("shmreduce", os.MFD_CLOEXEC)
-    except OSError as exc:
-        raise _os_error(exc, "memfd_create") from exc
-    try:
-        _fill(fd, nbytes, source)
-        st = os.fstat(fd)
-        shared = _torch.new_shared_fd(fd, nbytes)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-            raise SharingError(f"out of memory for a {nbytes}-byte shared segment: {exc.strerror}") from exc
-        raise _os_error(exc, "filling a memfd") from exc
-    except RuntimeError as exc:
-        os.close(fd)
-        raise SharingError(f"mapping a {nbytes}-byte memfd failed: {exc}") from exc
-    return Segment("fd", "", f"{st.st_dev}:{st.st_ino}", nbytes), fd, shared
-
-
 def _file(program: str, nbytes: int, source: torch.UntypedStorage | None) -> tuple[Segment, torch.UntypedStorage]:
     """A new file of *program*, mode 0600, holding *source*'s bytes (or zeros), and its mapping."""
     name = _new_name()
@@ -128,28 +106,11 @@ def _file(program: str, nbytes: int, source: torch.UntypedStorage | None) -> tup
         raise SharingError(f"mapping {path} failed: {exc}") from exc
 
 
-def move_to_memfd(storage: torch.UntypedStorage) -> tuple[Segment, int]:
-    """Move *storage* into a new memfd in place; return its segment and the memfd.
-
-    The caller owns (and closes) the returned descriptor; the storage keeps its own.
-    """
-    segment, fd, shared = _memfd(storage.nbytes(), storage)
-    _torch.swap_memory(storage, shared)
-    return segment, fd
-
-
 def move_to_file(storage: torch.UntypedStorage, program: str) -> Segment:
     """Move *storage* into a new file of *program* in place."""
     segment, shared = _file(program, storage.nbytes(), storage)
     _torch.swap_memory(storage, shared)
     return segment
-
-
-def new_memfd(nbytes: int) -> tuple[Segment, torch.UntypedStorage]:
-    """A new zero-filled storage of *nbytes* in a memfd (torch's ``_new_shared``)."""
-    segment, fd, storage = _memfd(nbytes, None)
-    os.close(fd)
-    return segment, storage
 
 
 def new_file(nbytes: int, program: str) -> tuple[Segment, torch.UntypedStorage]:
@@ -166,23 +127,7 @@ def adopt_fd(storage: torch.UntypedStorage) -> Segment | None:
     if fd < 0:
         return None
     name, _ = _fd_identity(fd)
-    return Segment("fd", "", name, storage.nbytes())
-
-
-def map_fd(fd: int, segment: Segment) -> torch.UntypedStorage:
-    """Map a received memfd; *fd* stays the caller's (torch keeps a dup)."""
-    name, size = _fd_identity(fd)
-    if name != segment.name or size < segment.nbytes:
-        raise SharingError(
-            f"received descriptor does not match its handle (expected {segment.name} of "
-            f"{segment.nbytes} bytes, got {name} of {size}): forged or corrupted message"
-        )
-    try:
-        return _torch.new_shared_fd(fd, segment.nbytes)
-    except RuntimeError as exc:
-        if "Too many open files" in str(exc):
-            raise too_many_files("mapping a received segment") from exc
-        raise SharingError(f"mapping a received segment failed: {exc}") from exc
+    return Segment("fd", "", f"{name}/0", storage.nbytes())
 
 
 def map_file(segment: Segment) -> torch.UntypedStorage:

@@ -22,7 +22,7 @@ from typing import Any, Callable, NamedTuple, TypeVar
 
 import torch
 
-from shmreduce import _torch, program, segments
+from shmreduce import _torch, program, segments, slabs
 from shmreduce.broker import client as broker
 from shmreduce.broker.protocol import DIR_PREFIX, KEY_LEN
 from shmreduce.cache import Segment, cache
@@ -100,17 +100,18 @@ def _new_key() -> bytes:
 class _Outgoing:
     """The deposit a message is building, per broker it touches."""
 
-    __slots__ = ("key", "program", "root", "fds", "nbytes", "owned", "slots", "keep", "holds", "inflight", "files")
+    __slots__ = ("key", "program", "root", "fds", "nbytes", "slots", "buffers", "keep", "slab", "holds", "inflight", "files")
 
     def __init__(self) -> None:
         self.key = _new_key()
         prog = program.current()
         self.program, self.root = prog.directory, prog.root_pid
-        self.fds: list[int] = []  # the deposit's descriptors, by slot
-        self.nbytes = 0  # the memory behind them
-        self.owned: list[int] = []  # those of them we opened: closed after the deposit
-        self.slots: dict[str, int] = {}
-        self.keep: list[torch.UntypedStorage] = []  # keeps borrowed descriptors valid until the deposit
+        self.fds: list[int] = []  # the deposit's descriptors (one per slab), by slot
+        self.nbytes = 0  # the memory behind the storages torch shared among them
+        self.slots: dict[str, int] = {}  # slab identity -> slot
+        self.buffers: list[Any] = []  # the slabs among them (their mappings own the fds)
+        self.keep: list[torch.UntypedStorage] = []  # keeps torch's descriptors valid until the deposit
+        self.slab: slabs.Writer | None = None  # this message's slab for small storages
         self.holds: dict[str, list[str]] = {}  # new fs files, by program: held by this process
         self.inflight: dict[str, dict[str, None]] = {}  # fs names the receiver will hold
         self.files = ""  # the program directory new fs files go to, once its broker is live
@@ -118,40 +119,53 @@ class _Outgoing:
     def add(self, storage: torch.UntypedStorage) -> tuple:
         """The storage's ref (a ``SegmentRef`` as a plain tuple) in this message."""
         segment = cache.segment_of(storage)
-        fd = -1
         if segment is None:
-            segment, fd = self._new_segment(storage)
+            segment = self._new_segment(storage)
         else:
             _counters["storages_reused"] += 1
         kind, directory, name, nbytes = segment
         if kind == "fs":
             self.inflight.setdefault(directory, {})[name] = None
             return ("fs", directory, self.key, name, nbytes, fs_tag(self.key, name, nbytes))
-        slot = self.slots.get(name)
+        ident = name.rpartition("/")[0]
+        slot = self.slots.get(ident)
         if slot is None:
-            slot = self.slots[name] = len(self.fds)
-            self.nbytes += nbytes
-            if fd < 0:
-                fd = _torch.storage_fd(storage)  # the storage's own descriptor
-                self.keep.append(storage)
-            else:
-                self.owned.append(fd)
-            self.fds.append(fd)
+            slot = self._slot(ident, storage)
         return ("fd", self.program, self.key, name, nbytes, slot)
 
-    def _new_segment(self, storage: torch.UntypedStorage) -> tuple[Segment, int]:
-        """The segment of a storage the cache does not know, and its memfd if we made one."""
+    def _slot(self, ident: str, storage: torch.UntypedStorage) -> int:
+        """Add the descriptor of slab *ident* (or of a storage torch shared) to the deposit."""
+        buffer = slabs.lookup(ident)
+        if buffer is not None:
+            fd = slabs.descriptor(buffer)
+            self.buffers.append(buffer)
+        else:
+            fd = _torch.storage_fd(storage)  # a storage torch shared keeps its own descriptor
+            self.nbytes += storage.nbytes()
+            self.keep.append(storage)
+        slot = self.slots[ident] = len(self.fds)
+        self.fds.append(fd)
+        return slot
+
+    def _new_segment(self, storage: torch.UntypedStorage) -> Segment:
+        """The segment of a storage the cache does not know (moved into one if need be)."""
         segment = segments.adopt_fd(storage) if storage.is_shared() else None
         if segment is not None:
             _remember(storage, segment)
-            return segment, -1
-        fd = -1
+            return segment
         if get_sharing_strategy() == "file_system":
             segment = self._in_file(segments.move_to_file, storage)
         else:
-            segment, fd = segments.move_to_memfd(storage)
+            nbytes = storage.nbytes()
+            slab = self.slab
+            if nbytes > slabs.SLAB_ITEM_MAX:
+                slab = slabs.Writer(nbytes)  # a slab of its own
+            elif slab is None or not slab.fits(nbytes):
+                slab = self.slab = slabs.Writer(slabs.SLAB_WINDOW)
+            offset = slab.move(storage)
+            segment = Segment("fd", "", f"{slab.ident}/{offset}", nbytes)
         self._created(storage, segment)
-        return segment, fd
+        return segment
 
     def _in_file(self, make: Callable[[Any, str], _T], arg: Any) -> _T:
         """``make(arg, directory)``: a new file in the program directory, its broker live.
@@ -191,15 +205,14 @@ class _Outgoing:
                 fds = self.fds if directory == self.program else []
                 holds = self.holds.get(directory, [])
                 inflight = list(self.inflight.get(directory, ()))
-                nbytes = self.nbytes if fds else 0
+                nbytes = self.nbytes + sum(map(slabs.size, self.buffers)) if fds else 0
                 broker.client_for(directory, self.root).deposit(self.key, fds, holds, inflight, nbytes)
             if self.fds or self.inflight:
                 _counters["messages_sent"] += 1
         finally:
-            for fd in self.owned:
-                os.close(fd)
-            self.owned.clear()
             self.keep.clear()
+            self.buffers.clear()
+            self.slab = None
 
 
 _local = threading.local()
@@ -250,9 +263,7 @@ def share_in_place(storage: torch.UntypedStorage) -> None:
         return
     out = _Outgoing()
     try:
-        _segment, fd = out._new_segment(storage)
-        if fd >= 0:
-            out.owned.append(fd)  # the storage keeps its own
+        out._new_segment(storage)
     finally:
         out.flush(deliver=False)
 
@@ -271,7 +282,9 @@ def new_shared(nbytes: int) -> torch.UntypedStorage:
         if get_sharing_strategy() == "file_system":
             segment, storage = out._in_file(segments.new_file, nbytes)
         else:
-            segment, storage = segments.new_memfd(nbytes)
+            slab = slabs.Writer(nbytes)
+            offset, storage = slab.new(nbytes)
+            segment = Segment("fd", "", f"{slab.ident}/{offset}", nbytes)
         out._created(storage, segment)
     finally:
         out.flush(deliver=False)
@@ -312,11 +325,11 @@ def _release(released: dict[str, list[str]]) -> None:
 class _Incoming:
     """A message this process has started to receive, and its descriptors once fetched."""
 
-    __slots__ = ("fds", "left", "fetched", "unknown")
+    __slots__ = ("fds", "idents", "fetched", "unknown")
 
     def __init__(self) -> None:
-        self.fds: list[int | None] = []
-        self.left = 0
+        self.fds: list[int | None] = []  # by slot, until mapped or known here already
+        self.idents: dict[int, str] = {}  # slot -> slab identity, once its fd is used
         self.fetched = False  # fd refs need the deposit's descriptors: one round trip
         self.unknown = False  # the broker had no such message
 
@@ -324,23 +337,56 @@ class _Incoming:
         self.fetched = True
         self.unknown = fds is None
         self.fds = list(fds or ())
-        self.left = len(self.fds)
 
-    def take(self, slot: int) -> int | None:
+    def slab(self, slot: int, ident: str) -> Any:
+        """This process's mapping of the slab in *slot*, which must be *ident*.
+
+        The first ref to a slot maps its descriptor (the mapping owns it), or closes it
+        if this process maps that slab already; later refs find the mapping by
+        identity. The entry holds no mapping: the storages made from it do.
+        """
         if not isinstance(slot, int) or not 0 <= slot < len(self.fds):
-            return None
+            raise stale_message(f"cannot receive segment {ident}")
+        known = self.idents.get(slot)
+        if known is not None:
+            if known != ident:
+                raise _not_in_slot(ident, slot)
+            buffer = slabs.lookup(ident)
+            if buffer is None:  # every storage of it died during the load
+                raise stale_message(f"cannot receive segment {ident}")
+            return buffer
         fd = self.fds[slot]
-        if fd is not None:
-            self.fds[slot] = None
-            self.left -= 1
-        return fd
+        if fd is None:
+            raise stale_message(f"cannot receive segment {ident}")
+        buffer = slabs.lookup(ident)
+        if buffer is None:
+            buffer = slabs.receive(fd, ident)  # checks the identity; owns fd from now on
+        elif slabs.identity(fd) != ident:
+            raise _not_in_slot(ident, slot)
+        else:
+            os.close(fd)
+        self.fds[slot] = None
+        self.idents[slot] = ident
+        return buffer
+
+    def known(self, slot: int, ident: str) -> None:
+        """A ref of *slot* this process maps already: its descriptor is not needed."""
+        if isinstance(slot, int) and 0 <= slot < len(self.fds) and slot not in self.idents:
+            fd = self.fds[slot]
+            if fd is not None:
+                os.close(fd)
+                self.fds[slot] = None
+                self.idents[slot] = ident
 
     def close(self) -> None:
         for i, fd in enumerate(self.fds):
             if fd is not None:
                 os.close(fd)
                 self.fds[i] = None
-        self.left = 0
+
+
+def _not_in_slot(ident: str, slot: int) -> SharingError:
+    return SharingError(f"segment {ident} is not in slot {slot} of its message: forged or corrupted message")
 
 
 _pending: "OrderedDict[tuple[str, bytes], _Incoming]" = OrderedDict()
@@ -405,28 +451,36 @@ def receive(ref: tuple) -> torch.UntypedStorage:
         raise SharingError(f"not a shmreduce segment handle: {ref!r}")
     entry = _incoming(directory, message, kind)
     segment = Segment(kind, "" if kind == "fd" else directory, name, nbytes)
-    fd = entry.take(slot) if kind == "fd" else None
-    try:
-        storage = cache.storage_of(segment)
-        if storage is None:
-            if kind == "fd":
-                if fd is None:
-                    raise stale_message(f"cannot receive segment {name}")
-                storage = segments.map_fd(fd, segment)
-            else:
-                if not isinstance(name, str) or not isinstance(nbytes, int) or slot != fs_tag(message, name, nbytes):
-                    raise SharingError(
-                        f"refusing file_system handle {name!r}: its tag does not match its handle "
-                        "(forged or corrupted message, or another program's)"
-                    )
-                storage = segments.map_file(segment)
-            _counters["storages_received"] += 1
-            _counters["bytes_received"] += nbytes
-            _remember(storage, segment)
+    storage = cache.storage_of(segment)
+    if storage is not None:
+        if kind == "fd":
+            entry.known(slot, name.rpartition("/")[0])
         return storage
-    finally:
-        if fd is not None:
-            os.close(fd)
+    if kind == "fd":
+        storage = _map_slab_item(entry, name, nbytes, slot)
+    else:
+        if not isinstance(name, str) or not isinstance(nbytes, int) or slot != fs_tag(message, name, nbytes):
+            raise SharingError(
+                f"refusing file_system handle {name!r}: its tag does not match its handle "
+                "(forged or corrupted message, or another program's)"
+            )
+        storage = segments.map_file(segment)
+    _counters["storages_received"] += 1
+    _counters["bytes_received"] += nbytes
+    _remember(storage, segment)
+    return storage
+
+
+def _map_slab_item(entry: _Incoming, name: str, nbytes: int, slot: int) -> torch.UntypedStorage:
+    """The storage named "dev:ino/offset" in the slab of *slot* of a fetched message."""
+    ident, _, offset = name.rpartition("/") if isinstance(name, str) else ("", "", "")
+    if not ident or not offset.isdigit() or not isinstance(nbytes, int) or nbytes <= 0:
+        raise SharingError(f"not a shmreduce segment handle: {name!r} of {nbytes!r} bytes (forged message?)")
+    buffer = entry.slab(slot, ident)
+    start = int(offset)
+    if start + nbytes > slabs.size(buffer):
+        raise SharingError(f"segment {name} of {nbytes} bytes does not match its handle (beyond its slab): forged or corrupted message")
+    return slabs.view(buffer, start, nbytes)
 
 
 class receiving:

@@ -105,7 +105,9 @@ def test_wrong_fd_slot_or_identity_refused(registered_fd):
     ref = _shared_ref(torch.ones(16))
     _assert_sharing_error(run_in_child(_rebuild_sum, ref._replace(slot=5)), "cannot receive")
     ref = _shared_ref(torch.ones(16))
-    _assert_sharing_error(run_in_child(_rebuild_sum, ref._replace(name="1:2")), "does not match its handle")
+    _assert_sharing_error(run_in_child(_rebuild_sum, ref._replace(name="1:2/0")), "does not match its handle")
+    ref = _shared_ref(torch.ones(16))
+    _assert_sharing_error(run_in_child(_rebuild_sum, ref._replace(name="1:2")), "not a shmreduce segment handle")
     _next_message_works()
 
 

@@ -80,7 +80,11 @@ def _send_to_limited_receiver(messages):
 
 
 def _forty_storages():
-    return [torch.full((16,), float(i)) for i in range(40)]  # 40 new storages a message
+    # 40 new storages a message, each above SLAB_ITEM_MAX: a slab, so a descriptor, each
+    # (small storages share one slab a message, and would never reach the limit)
+    from shmreduce.slabs import SLAB_ITEM_MAX
+
+    return [torch.full((SLAB_ITEM_MAX // 4 + 16,), float(i)) for i in range(40)]
 
 
 @pytest.mark.timeout(120)

@@ -216,3 +216,52 @@ def test_sender_may_exit_right_after_put(strategy, method):
         msg = q.get(timeout=30)
         assert msg["t"].sum().item() == sum(range(1000))
         assert msg["v"].tolist() == [float(i) for i in range(10, 20)]
+
+
+def _memfds():
+    import os
+
+    return sum(1 for fd in os.listdir("/proc/self/fd") if "memfd:shmreduce" in _readlink(fd))
+
+
+def _readlink(fd):
+    import os
+
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
+def _load_64_and_count_memfds(data):
+    from shmreduce.cache import cache
+
+    cache._by_segment.clear()  # a fork child: receive as a process that never saw them
+    cache._by_cdata.clear()
+    from shmreduce import slabs
+
+    slabs._slabs.clear()
+    before = _memfds()
+    msg = pickle.loads(data)
+    intact = all(torch.equal(msg[i], torch.full((256,), float(i))) for i in range(64))
+    storages = {msg[i].untyped_storage()._cdata for i in range(64)}
+    return _memfds() - before, intact, len(storages), all(msg[i].is_shared() for i in range(64))
+
+
+def test_small_storages_of_a_message_travel_in_one_slab(registered_fd):
+    # 64 small storages: one memfd, one descriptor in the deposit, one mapping in the
+    # receiver, yet 64 distinct storages on both sides, each shared.
+    from helpers import run_in_child
+
+    msg = {i: torch.full((256,), float(i)) for i in range(64)}
+    before = _memfds()
+    data = ForkingPickler.dumps(msg)
+    assert _memfds() - before == 1
+    assert len({t.untyped_storage()._cdata for t in msg.values()}) == 64
+    assert all(t.is_shared() for t in msg.values())
+    assert run_in_child(_load_64_and_count_memfds, bytes(data)) == ("ok", (1, True, 64, True))
+    del msg
+    import gc
+
+    gc.collect()  # the first message of a process starts the broker, whose frames linger in a cycle
+    assert _memfds() == before  # the slab went with its last storage

@@ -1,0 +1,201 @@
+"""file_descriptor segments: slabs, memfds that hold one or more storages at offsets.
+
+The small storages of a message (up to ``SLAB_ITEM_MAX`` bytes each) are packed into
+one slab: one memfd, one mapping, one descriptor in the deposit, whatever their
+number; a larger storage gets a slab of its own. Each storage is a ``torch.frombuffer``
+view of its slice of the slab's mapping, so the mapping and its descriptor stay
+while any storage in the slab lives and go with the last one. A process maps a slab
+once (a registry by memfd identity, "dev:ino"), whether it made it or received it.
+
+A storage's segment name is "dev:ino/offset". Its memory is written through the
+descriptor (``pwrite``), which allocates the pages now: a full memory limit is a
+``SharingError`` here rather than a SIGBUS later.
+
+torch cannot tell a ``frombuffer`` view of shared memory from private memory, so
+with the first slab ``UntypedStorage.is_shared`` learns to ask the storage cache
+too (SPEC: a received CPU storage reports ``is_shared()``); it stays so for the
+life of the process, as slab storages may outlive any ``register()``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import weakref
+from typing import Any
+
+import torch
+
+from shmreduce import _torch
+from shmreduce.cache import cache
+from shmreduce.errors import SharingError, too_many_files
+
+SLAB_ALIGN = 64  # each storage starts on a cache line, as torch's CPU allocator aligns
+SLAB_ITEM_MAX = 64 << 10  # storages up to this size share their message's slab
+SLAB_WINDOW = 1 << 20  # the mapping of a shared slab: pages exist only once written
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_mmap = _libc.mmap
+_mmap.restype = ctypes.c_void_p
+_mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_munmap = _libc.munmap
+_munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_PROT = mmap.PROT_READ | mmap.PROT_WRITE
+
+# One ctypes array type for every slab's buffer, of a declared length far beyond any
+# slab: ctypes keeps an array type per length forever, so a type per slab size would
+# pile up. Only the slices torch.frombuffer takes (checked against the mapping) are used.
+_Buffer = ctypes.c_char * (1 << 40)
+_U8 = torch.uint8
+_frombuffer = torch.frombuffer
+
+
+class Mapping:
+    """A slab's descriptor and mapping in this process, freed together with this
+    object. Hung on the slab's buffer, which every storage in the slab keeps alive."""
+
+    __slots__ = ("fd", "addr", "size")
+
+    def __init__(self, fd: int, addr: int, size: int) -> None:
+        self.fd, self.addr, self.size = fd, addr, size
+
+    # Bound at definition: module globals may be gone at interpreter shutdown.
+    def __del__(self, _unmap: Any = _munmap, _close: Any = os.close) -> None:
+        _unmap(self.addr, self.size)
+        _close(self.fd)
+
+
+_slabs: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()  # ident -> buffer
+
+
+def lookup(ident: str) -> Any | None:
+    """This process's mapping (buffer) of the slab *ident*, if it has one."""
+    return _slabs.get(ident)
+
+
+def descriptor(buffer: Any) -> int:
+    return int(buffer.mapping.fd)
+
+
+def _map(fd: int, size: int, ident: str, extent: int) -> Any:
+    """Map *size* bytes of *fd*, of which *extent* hold data; the returned buffer owns
+    *fd* from now on."""
+    if not _torch_is_shared:
+        _extend_is_shared()
+    addr = _mmap(None, size, _PROT, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    buffer: Any = _Buffer.from_address(addr)
+    buffer.mapping = Mapping(fd, addr, size)
+    buffer.ident = ident
+    buffer.extent = extent  # the bytes a view may cover: never beyond the file's end
+    _slabs[ident] = buffer
+    return buffer
+
+
+def _error(exc: OSError, what: str, nbytes: int) -> SharingError:
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        return too_many_files(what)
+    if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+        return SharingError(f"out of memory for a {nbytes}-byte shared segment: {exc.strerror}")
+    return SharingError(f"{what} failed: {exc}")
+
+
+def view(buffer: Any, offset: int, nbytes: int) -> torch.UntypedStorage:
+    """The storage of *nbytes* at *offset* in a mapped slab."""
+    return _frombuffer(buffer, dtype=_U8, count=nbytes, offset=offset).untyped_storage()
+
+
+class Writer:
+    """A new slab being filled by the sender of one message."""
+
+    __slots__ = ("buffer", "fd", "ident", "used", "size")
+
+    def __init__(self, size: int) -> None:
+        try:
+            fd = os.memfd_create("shmreduce", os.MFD_CLOEXEC)
+        except OSError as exc:
+            raise _error(exc, "memfd_create", size) from exc
+        try:
+            st = os.fstat(fd)
+            self.ident = f"{st.st_dev}:{st.st_ino}"
+            self.buffer = _map(fd, size, self.ident, 0)
+        except OSError as exc:
+            os.close(fd)
+            raise _error(exc, "mapping a new memfd", size) from exc
+        self.fd, self.used, self.size = fd, 0, size
+
+    def fits(self, nbytes: int) -> bool:
+        return self.used + nbytes <= self.size
+
+    def _reserve(self, nbytes: int) -> int:
+        offset = self.used
+        self.used = (offset + nbytes + SLAB_ALIGN - 1) & -SLAB_ALIGN
+        return offset
+
+    def move(self, storage: torch.UntypedStorage) -> int:
+        """Move *storage* into this slab in place; return its offset."""
+        nbytes = storage.nbytes()
+        offset = self._reserve(nbytes)
+        data = (ctypes.c_char * nbytes).from_address(storage.data_ptr())
+        try:
+            done = os.pwrite(self.fd, data, offset)
+            if done < nbytes:  # a single write stops at 2 GiB
+                whole = memoryview(data).cast("B")
+                while done < nbytes:
+                    done += os.pwrite(self.fd, whole[done:], offset + done)
+        except OSError as exc:
+            raise _error(exc, "filling a memfd", nbytes) from exc
+        self.buffer.extent = offset + nbytes
+        _torch.swap_memory(storage, view(self.buffer, offset, nbytes))
+        return offset
+
+    def new(self, nbytes: int) -> tuple[int, torch.UntypedStorage]:
+        """A new zero-filled storage of *nbytes* in this slab, its pages reserved."""
+        offset = self._reserve(nbytes)
+        try:
+            os.posix_fallocate(self.fd, offset, nbytes)
+        except OSError as exc:
+            raise _error(exc, "reserving a memfd", nbytes) from exc
+        self.buffer.extent = offset + nbytes
+        return offset, view(self.buffer, offset, nbytes)
+
+
+def receive(fd: int, ident: str) -> Any:
+    """Map a received slab; check it is *ident*. The buffer owns *fd* from now on."""
+    st = os.fstat(fd)
+    if f"{st.st_dev}:{st.st_ino}" != ident:
+        raise SharingError(
+            f"received descriptor does not match its handle (expected {ident}, got "
+            f"{st.st_dev}:{st.st_ino}): forged or corrupted message"
+        )
+    try:
+        return _map(fd, max(st.st_size, 1), ident, st.st_size)
+    except OSError as exc:
+        raise _error(exc, "mapping a received segment", st.st_size) from exc
+
+
+def identity(fd: int) -> str:
+    st = os.fstat(fd)
+    return f"{st.st_dev}:{st.st_ino}"
+
+
+def size(buffer: Any) -> int:
+    """The bytes of the slab that hold data (views never go beyond)."""
+    return int(buffer.extent)
+
+
+_torch_is_shared: list[Any] = []
+
+
+def _is_shared(self: torch.UntypedStorage) -> bool:
+    return bool(_torch_is_shared[0](self)) or cache.segment_of(self) is not None
+
+
+def _extend_is_shared() -> None:
+    _torch_is_shared.append(torch.UntypedStorage.is_shared)
+    torch.UntypedStorage.is_shared = _is_shared  # type: ignore[method-assign,assignment]
