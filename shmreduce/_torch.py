@@ -12,8 +12,6 @@ import torch
 
 UntypedStorage = torch.UntypedStorage
 
-# (fd, nbytes) -> storage; dups fd. Private, so absent from torch's type stubs.
-new_shared_fd: Callable[[int, int], torch.UntypedStorage] = UntypedStorage._new_shared_fd_cpu  # type: ignore[attr-defined]
 _new_with_weak_ptr = UntypedStorage._new_with_weak_ptr
 _expired = UntypedStorage._expired
 _free_weak_ref: Callable[[int], None] = UntypedStorage._free_weak_ref

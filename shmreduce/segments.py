@@ -1,5 +1,6 @@
 """file_system segments (create them, move a storage into one in place, map them),
-and the adoption of storages torch already shared by descriptor.
+the adoption of storages torch already shared by descriptor, and the
+descriptor-level helpers both kinds use (``fill``, ``fd_identity``, ``os_error``).
 
 A file_system segment is a named file, mode 0600, in the program directory (the
 file_descriptor kind, memfd slabs, is ``slabs``). A storage moves in by writing its
@@ -48,12 +49,13 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _fd_identity(fd: int) -> tuple[str, int]:
+def fd_identity(fd: int) -> tuple[str, int]:
+    """The "dev:ino" identity of the file *fd* is open on, and its size."""
     st = os.fstat(fd)
     return f"{st.st_dev}:{st.st_ino}", st.st_size
 
 
-def _os_error(exc: OSError, what: str) -> SharingError:
+def os_error(exc: OSError, what: str) -> SharingError:
     if exc.errno in (errno.EMFILE, errno.ENFILE):
         return too_many_files(what)
     return SharingError(f"{what} failed: {exc}")
@@ -62,22 +64,23 @@ def _os_error(exc: OSError, what: str) -> SharingError:
 _CHAR = ctypes.c_char
 
 
-def _fill(fd: int, nbytes: int, source: torch.UntypedStorage | None) -> None:
-    """Write *source*'s bytes into a new segment, or reserve *nbytes* of zeros if None.
+def fill(fd: int, nbytes: int, source: torch.UntypedStorage | None, offset: int = 0) -> None:
+    """Write *source*'s bytes into a new segment at *offset*, or reserve *nbytes* of
+    zeros there if None.
 
     Through the descriptor, not through a fresh mapping: the kernel copies into the
     new pages directly, sparing one page fault per page (half the cost of a small
     storage here), and a full memory limit is an error now rather than a SIGBUS.
     """
     if source is None:
-        os.posix_fallocate(fd, 0, nbytes)
+        os.posix_fallocate(fd, offset, nbytes)
         return
     data = (_CHAR * nbytes).from_address(source.data_ptr())
-    done = os.pwrite(fd, data, 0)
+    done = os.pwrite(fd, data, offset)
     if done < nbytes:  # a single write stops at 2 GiB
         view = memoryview(data).cast("B")
         while done < nbytes:
-            done += os.pwrite(fd, view[done:], done)
+            done += os.pwrite(fd, view[done:], offset + done)
 
 
 def _file(program: str, nbytes: int, source: torch.UntypedStorage | None) -> tuple[Segment, torch.UntypedStorage]:
@@ -89,14 +92,14 @@ def _file(program: str, nbytes: int, source: torch.UntypedStorage | None) -> tup
     except FileNotFoundError:
         raise ProgramDirectoryGone(f"program directory {program} is gone (its broker died)") from None
     except OSError as exc:
-        raise _os_error(exc, f"creating {path}") from exc
+        raise os_error(exc, f"creating {path}") from exc
     try:
-        _fill(fd, nbytes, source)
+        fill(fd, nbytes, source)
     except OSError as exc:
         os.unlink(path)
         if exc.errno in (errno.ENOSPC, errno.EFBIG):
             raise out_of_shm(program, nbytes, exc.strerror or str(exc)) from exc
-        raise _os_error(exc, f"filling {path}") from exc
+        raise os_error(exc, f"filling {path}") from exc
     finally:
         os.close(fd)
     try:
@@ -126,7 +129,7 @@ def adopt_fd(storage: torch.UntypedStorage) -> Segment | None:
         return None
     if fd < 0:
         return None
-    name, _ = _fd_identity(fd)
+    name, _ = fd_identity(fd)
     return Segment("fd", "", f"{name}/0", storage.nbytes())
 
 
@@ -147,7 +150,7 @@ def map_file(segment: Segment) -> torch.UntypedStorage:
             f"shared-memory file {path} is gone: its program exited or the message is stale; send it again"
         ) from None
     except OSError as exc:
-        raise _os_error(exc, f"opening {path}") from exc
+        raise os_error(exc, f"opening {path}") from exc
     try:
         st = os.fstat(fd)
         if st.st_uid != os.getuid() or st.st_size < segment.nbytes:

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from shmreduce import _torch
+from shmreduce import _torch, segments
 from shmreduce.cache import cache
-from shmreduce.errors import SharingError, too_many_files
+from shmreduce.errors import SharingError
 
 SLAB_ALIGN = 64  # each storage starts on a cache line, as torch's CPU allocator aligns
 SLAB_ITEM_MAX = 64 << 10  # storages up to this size share their message's slab
@@ -98,11 +98,9 @@ def _map(fd: int, size: int, ident: str, extent: int) -> Any:
 
 
 def _error(exc: OSError, what: str, nbytes: int) -> SharingError:
-    if exc.errno in (errno.EMFILE, errno.ENFILE):
-        return too_many_files(what)
     if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
         return SharingError(f"out of memory for a {nbytes}-byte shared segment: {exc.strerror}")
-    return SharingError(f"{what} failed: {exc}")
+    return segments.os_error(exc, what)
 
 
 def view(buffer: Any, offset: int, nbytes: int) -> torch.UntypedStorage:
@@ -121,8 +119,7 @@ class Writer:
         except OSError as exc:
             raise _error(exc, "memfd_create", size) from exc
         try:
-            st = os.fstat(fd)
-            self.ident = f"{st.st_dev}:{st.st_ino}"
+            self.ident, _ = segments.fd_identity(fd)
             self.buffer = _map(fd, size, self.ident, 0)
         except OSError as exc:
             os.close(fd)
@@ -132,59 +129,42 @@ class Writer:
     def fits(self, nbytes: int) -> bool:
         return self.used + nbytes <= self.size
 
-    def _reserve(self, nbytes: int) -> int:
+    def _put(self, nbytes: int, source: torch.UntypedStorage | None) -> tuple[int, torch.UntypedStorage]:
+        """Write *source* (or reserve zeros) at the next free offset; that offset and its view."""
         offset = self.used
+        try:
+            segments.fill(self.fd, nbytes, source, offset)
+        except OSError as exc:
+            raise _error(exc, "filling a memfd", nbytes) from exc
         self.used = (offset + nbytes + SLAB_ALIGN - 1) & -SLAB_ALIGN
-        return offset
+        self.buffer.extent = offset + nbytes
+        return offset, view(self.buffer, offset, nbytes)
 
     def move(self, storage: torch.UntypedStorage) -> int:
         """Move *storage* into this slab in place; return its offset."""
-        nbytes = storage.nbytes()
-        offset = self._reserve(nbytes)
-        data = (ctypes.c_char * nbytes).from_address(storage.data_ptr())
-        try:
-            done = os.pwrite(self.fd, data, offset)
-            if done < nbytes:  # a single write stops at 2 GiB
-                whole = memoryview(data).cast("B")
-                while done < nbytes:
-                    done += os.pwrite(self.fd, whole[done:], offset + done)
-        except OSError as exc:
-            raise _error(exc, "filling a memfd", nbytes) from exc
-        self.buffer.extent = offset + nbytes
-        _torch.swap_memory(storage, view(self.buffer, offset, nbytes))
+        offset, shared = self._put(storage.nbytes(), storage)
+        _torch.swap_memory(storage, shared)
         return offset
 
     def new(self, nbytes: int) -> tuple[int, torch.UntypedStorage]:
         """A new zero-filled storage of *nbytes* in this slab, its pages reserved."""
-        offset = self._reserve(nbytes)
-        try:
-            os.posix_fallocate(self.fd, offset, nbytes)
-        except OSError as exc:
-            raise _error(exc, "reserving a memfd", nbytes) from exc
-        self.buffer.extent = offset + nbytes
-        return offset, view(self.buffer, offset, nbytes)
+        return self._put(nbytes, None)
 
 
 def receive(fd: int, ident: str) -> Any:
     """Map a received slab; check it is *ident*. The buffer owns *fd* from now on."""
-    st = os.fstat(fd)
-    if f"{st.st_dev}:{st.st_ino}" != ident:
+    got, nbytes = segments.fd_identity(fd)
+    if got != ident:
         raise SharingError(
-            f"received descriptor does not match its handle (expected {ident}, got "
-            f"{st.st_dev}:{st.st_ino}): forged or corrupted message"
+            f"received descriptor does not match its handle (expected {ident}, got {got}): forged or corrupted message"
         )
     try:
-        return _map(fd, max(st.st_size, 1), ident, st.st_size)
+        return _map(fd, max(nbytes, 1), ident, nbytes)
     except OSError as exc:
-        raise _error(exc, "mapping a received segment", st.st_size) from exc
+        raise _error(exc, "mapping a received segment", nbytes) from exc
 
 
-def identity(fd: int) -> str:
-    st = os.fstat(fd)
-    return f"{st.st_dev}:{st.st_ino}"
-
-
-def size(buffer: Any) -> int:
+def extent(buffer: Any) -> int:
     """The bytes of the slab that hold data (views never go beyond)."""
     return int(buffer.extent)
 

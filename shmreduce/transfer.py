@@ -205,7 +205,7 @@ class _Outgoing:
                 fds = self.fds if directory == self.program else []
                 holds = self.holds.get(directory, [])
                 inflight = list(self.inflight.get(directory, ()))
-                nbytes = self.nbytes + sum(map(slabs.size, self.buffers)) if fds else 0
+                nbytes = self.nbytes + sum(map(slabs.extent, self.buffers)) if fds else 0
                 broker.client_for(directory, self.root).deposit(self.key, fds, holds, inflight, nbytes)
             if self.fds or self.inflight:
                 _counters["messages_sent"] += 1
@@ -361,7 +361,7 @@ class _Incoming:
         buffer = slabs.lookup(ident)
         if buffer is None:
             buffer = slabs.receive(fd, ident)  # checks the identity; owns fd from now on
-        elif slabs.identity(fd) != ident:
+        elif segments.fd_identity(fd)[0] != ident:
             raise _not_in_slot(ident, slot)
         else:
             os.close(fd)
@@ -478,7 +478,7 @@ def _map_slab_item(entry: _Incoming, name: str, nbytes: int, slot: int) -> torch
         raise SharingError(f"not a shmreduce segment handle: {name!r} of {nbytes!r} bytes (forged message?)")
     buffer = entry.slab(slot, ident)
     start = int(offset)
-    if start + nbytes > slabs.size(buffer):
+    if start + nbytes > slabs.extent(buffer):
         raise SharingError(f"segment {name} of {nbytes} bytes does not match its handle (beyond its slab): forged or corrupted message")
     return slabs.view(buffer, start, nbytes)
 

@@ -219,18 +219,9 @@ def test_sender_may_exit_right_after_put(strategy, method):
 
 
 def _memfds():
-    import os
+    from helpers import open_fds
 
-    return sum(1 for fd in os.listdir("/proc/self/fd") if "memfd:shmreduce" in _readlink(fd))
-
-
-def _readlink(fd):
-    import os
-
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return ""
+    return sum(1 for fd in open_fds() if "memfd:shmreduce" in fd)
 
 
 def _load_64_and_count_memfds(data):

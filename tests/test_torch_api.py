@@ -9,11 +9,15 @@ import torch
 
 from shmreduce import _torch
 
+# A storage torch itself shared by descriptor (what segments.adopt_fd meets), and
+# a shared storage to swap memory with.
+_new_shared_fd = torch.UntypedStorage._new_shared_fd_cpu
+
 
 def test_new_shared_fd_dups_and_is_shared():
     fd = os.memfd_create("t", os.MFD_CLOEXEC)
     os.ftruncate(fd, 64)
-    storage = _torch.new_shared_fd(fd, 64)
+    storage = _new_shared_fd(fd, 64)
     os.close(fd)  # torch keeps its own duplicate
     assert storage.is_shared() and storage.nbytes() == 64
     own = _torch.storage_fd(storage)
@@ -25,7 +29,7 @@ def test_swap_memory_moves_memory_under_live_views():
     view = t[2:5]
     fd = os.memfd_create("t", os.MFD_CLOEXEC)
     os.ftruncate(fd, t.untyped_storage().nbytes())
-    shared = _torch.new_shared_fd(fd, t.untyped_storage().nbytes())
+    shared = _new_shared_fd(fd, t.untyped_storage().nbytes())
     os.close(fd)
     shared.copy_(t.untyped_storage())
     _torch.swap_memory(t.untyped_storage(), shared)

@@ -62,6 +62,11 @@ class _Message:
         self.sender = sender  # the depositing client's token
         self.offered = False  # a copy of its fds went to a client as an offer
 
+    def close(self) -> None:
+        """Close the broker's copies of its descriptors (given away or dropped)."""
+        for fd in self.fds:
+            os.close(fd)
+
 
 _POST_EVENTS = select.EPOLLIN | select.EPOLLONESHOT
 EARLY_CLAIM_TTL = 30.0  # seconds a claim that arrived before its deposit is remembered
@@ -280,8 +285,7 @@ class Broker:
                 if msg is not None and msg.offered:
                     self._remove(key)
                     self._give_names(client, msg)
-                    for fd in msg.fds:
-                        os.close(fd)
+                    msg.close()
             elif op == P.FETCH:
                 msg = self.messages.get(key)
                 if msg is None or msg.offered:
@@ -377,8 +381,7 @@ class Broker:
             for chunk in chunks:
                 P.send_record(conn.sock, P.FETCHED, key, head, chunk)
         finally:
-            for fd in msg.fds:
-                os.close(fd)
+            msg.close()
 
     def _reply_unknown(self, conn: _Conn, key: bytes) -> None:
         P.send_record(conn.sock, P.FETCHED, key, P.encode_fetched(P.STATUS_UNKNOWN, 0))
@@ -451,8 +454,7 @@ class Broker:
 
     def shutdown(self) -> None:
         for msg in self.messages.values():
-            for fd in msg.fds:
-                os.close(fd)
+            msg.close()
         self.messages.clear()
         for conn in list(self.conns.values()):
             conn.sock.close()
