@@ -174,10 +174,9 @@ class Nested(NamedTuple):
 
 
 def reduce_nested(tensor: torch.Tensor) -> tuple[Any, tuple]:
-    if tensor.layout is not torch.strided:
-        # Jagged nested tensors are Python subclasses whose own reduction pickles
-        # their values/offsets tensors: those still go through this table.
-        return tensor.__reduce_ex__(2)
+    # Only strided nested tensors get here: jagged ones are a Python subclass, which
+    # the table (exact classes) leaves to its own reduction; the values and offsets
+    # tensors that pickles still come through reduce_tensor.
     parts = Nested(
         tensor.values().detach(),
         tensor._nested_tensor_size(),

@@ -1,11 +1,13 @@
 """The reducer table and its installation into picklers.
 
-One table (torch's tensor/storage classes from ``reductions`` plus user types from
-``register_reducer``), resolved by MRO (nearest class wins), served to:
+One table: torch's tensor/storage classes from ``reductions`` (exact classes only)
+plus user types from ``register_reducer`` (resolved by MRO, nearest class wins),
+served to:
 
 * ``multiprocessing.reduction.ForkingPickler`` while registered: exact classes via
-  its public ``register``; subclasses, and the one-deposit-per-message scope, via a
-  ``dumps``/``loads`` pair installed on it (no public hook exists for either);
+  its public ``register``; subclasses of user types, and the one-deposit-per-message
+  scope, via a ``dumps``/``loads`` pair installed on it (no public hook exists for
+  either);
 * ``shmreduce.dumps`` / ``loads`` (cloudpickle), registered or not;
 * any user pickler, through ``dispatch_table()``.
 
@@ -68,17 +70,20 @@ def _table() -> dict[type, Reducer]:
 
 
 def lookup(cls: type) -> Reducer | None:
-    """The reducer for *cls*: the nearest class in its MRO with one (user before built-in)."""
+    """The reducer for *cls*: a user reducer for it, else a built-in one for exactly
+    *cls*, else the user reducer of the nearest class in its MRO.
+
+    Built-ins match exact classes only, as in torch's ForkingPickler table: a tensor
+    subclass pickles through its own ``__reduce_ex__``/``__getstate__`` (SPEC 11),
+    and the storages that pickles still reach ``reductions.reduce_storage``.
+    """
     try:
         return _resolved[cls]
     except KeyError:
         pass
-    found = None
-    builtins = _builtins()
-    for base in cls.__mro__:
-        found = _user.get(base) or builtins.get(base)
-        if found is not None:
-            break
+    found = _user.get(cls) or _builtins().get(cls)
+    if found is None:
+        found = next((_user[base] for base in cls.__mro__[1:] if base in _user), None)
     _resolved[cls] = found
     return found
 
