@@ -120,7 +120,7 @@ class _Outgoing:
         """The storage's ref (a ``SegmentRef`` as a plain tuple) in this message."""
         segment = cache.segment_of(storage)
         if segment is None:
-            segment = self._new_segment(storage)
+            segment = _move_once(storage, self._new_segment)
         else:
             _counters["storages_reused"] += 1
         kind, directory, name, nbytes = segment
@@ -253,6 +253,40 @@ def share(storage: torch.UntypedStorage) -> tuple:
     return out.add(storage)
 
 
+# A storage moves into shared memory once, whatever the number of threads pickling it
+# at the same time (one tensor put on several queues: each feeder thread pickles it),
+# and share_memory_() takes the same path. The check-then-move runs under a lock of
+# that storage: the copy into the segment releases the GIL, and another thread must
+# not copy from memory this one is swapping away (issue 11: EFAULT, wrong bytes, lost
+# writes). torch guards its own moves alike (torch/storage.py,
+# _share_memory_lock_protected).
+_moving: dict[int, list] = {}  # storage _cdata -> [lock, threads using it]
+_moving_guard = threading.Lock()
+
+
+def _move_once(storage: torch.UntypedStorage, move: Callable[[torch.UntypedStorage], Segment]) -> Segment:
+    """*storage*'s segment: ``move(storage)`` by the first thread to get here, the
+    segment it made for every thread that waited meanwhile."""
+    key = storage._cdata
+    with _moving_guard:
+        entry = _moving.get(key)
+        if entry is None:
+            entry = _moving[key] = [threading.Lock(), 0]
+        entry[1] += 1
+    try:
+        with entry[0]:
+            segment = cache.segment_of(storage)
+            if segment is not None:
+                _counters["storages_reused"] += 1
+                return segment
+            return move(storage)
+    finally:
+        with _moving_guard:
+            entry[1] -= 1
+            if not entry[1]:
+                del _moving[key]
+
+
 def share_in_place(storage: torch.UntypedStorage) -> None:
     """Move *storage* into a shared segment now, outside any message (``share_memory_``).
 
@@ -263,7 +297,7 @@ def share_in_place(storage: torch.UntypedStorage) -> None:
         return
     out = _Outgoing()
     try:
-        out._new_segment(storage)
+        _move_once(storage, out._new_segment)
     finally:
         out.flush(deliver=False)
 
@@ -506,9 +540,11 @@ def pending_count() -> int:
 
 
 def _after_fork_in_child() -> None:
-    global _pending_lock, _key_prefix
+    global _pending_lock, _key_prefix, _moving_guard
     _key_prefix = os.urandom(KEY_LEN - 8)
     _pending_lock = threading.Lock()
+    _moving_guard = threading.Lock()
+    _moving.clear()
     for entry in _pending.values():
         entry.close()
     _pending.clear()

@@ -1,0 +1,224 @@
+"""SPEC 10: one tensor pickled by several threads at once moves into shared memory
+exactly once; every receiver gets its bytes and aliases it (issue 11, items 1 and 13).
+
+`for q in queues: q.put(t)` makes each queue's feeder thread pickle `t` at the same
+time: the move into shared memory must be synchronised per storage, as torch does
+(`torch/storage.py`, `_share_memory_lock_protected`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+import shmreduce
+
+CTX = mp.get_context("fork")
+ROUNDS = 8
+NUMEL = 1 << 18  # 1 MiB of float32: pwrite of it releases the GIL long enough to race
+
+
+def _check_and_mark(inbox, outbox, index):
+    """Receive tensors; check each one's bytes, write -1 at *index*, report."""
+    torch.set_num_threads(1)
+    while True:
+        item = inbox.get(timeout=60)
+        if item is None:
+            return
+        tag, t = item
+        expected = torch.arange(NUMEL, dtype=torch.float32) + tag
+        ok = bool(torch.equal(t[4:], expected[4:]))  # t[:4]: the receivers' writes
+        t[index] = -1.0  # seen by the parent only if we alias its memory
+        outbox.put((tag, index, ok))
+
+
+def _run_rounds(queues, outbox, rounds):
+    seen = []
+    for tag in range(rounds):
+        t = torch.arange(NUMEL, dtype=torch.float32) + tag
+        for q in queues:
+            q.put((tag, t))  # every feeder thread pickles t at once
+        reports = [outbox.get(timeout=60) for _ in queues]
+        assert all(ok for _tag, _i, ok in reports), f"round {tag}: a receiver saw wrong bytes: {reports}"
+        seen.append(sum(1 for i in range(len(queues)) if t[i].item() == -1.0))
+    return seen
+
+
+def test_one_tensor_on_several_queues_moves_once_and_every_write_is_seen(strategy):
+    queues = [CTX.Queue() for _ in range(4)]
+    outbox = CTX.Queue()
+    procs = [CTX.Process(target=_check_and_mark, args=(q, outbox, i)) for i, q in enumerate(queues)]
+    for p in procs:
+        p.start()
+    try:
+        before = shmreduce.stats()
+        seen = _run_rounds(queues, outbox, ROUNDS)
+        after = shmreduce.stats()
+    finally:
+        for q in queues:
+            q.put(None)
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert seen == [len(queues)] * ROUNDS  # every child's in-place write reached us
+    assert after["storages_shared"] - before["storages_shared"] == ROUNDS  # moved once each
+    assert all(p.exitcode == 0 for p in procs)
+
+
+def test_share_memory_and_pickling_race_to_one_move(strategy):
+    # share_memory_() takes the same per-storage path as a pickling thread.
+    from multiprocessing.reduction import ForkingPickler
+
+    for _ in range(20):
+        t = torch.arange(NUMEL, dtype=torch.float32)
+        start = threading.Barrier(3)
+        datas: list = []
+
+        def pickle_it():
+            start.wait(5)
+            datas.append(bytes(ForkingPickler.dumps(t)))
+
+        def share_it():
+            start.wait(5)
+            t.share_memory_()
+
+        threads = [threading.Thread(target=f) for f in (pickle_it, pickle_it, share_it)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+        assert len(datas) == 2 and t.is_shared()
+        expected = torch.arange(NUMEL, dtype=torch.float32)
+        assert torch.equal(t, expected)
+        for data in datas:
+            out = ForkingPickler.loads(data)
+            assert out.untyped_storage()._cdata == t.untyped_storage()._cdata  # one storage
+
+
+def _first_share_in_threads(directory_env, count):
+    """In a fresh program (its own broker): *count* threads make their first share at once."""
+    os.environ["SHMREDUCE_SHM_DIR"] = directory_env
+    shmreduce.register(strategy="file_system")
+    start = threading.Barrier(count)
+    results: list = [None] * count
+
+    def one(i):
+        start.wait(5)
+        results[i] = shmreduce.dumps(torch.full((1024,), float(i)))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    return results
+
+
+def _load_all(datas):
+    return [float(shmreduce.loads(d).sum()) for d in datas]
+
+
+def test_first_shares_from_several_threads_at_once_keep_their_files(tmp_path):
+    # file_system start-up: threads that find no connection must not close each
+    # other's fresh connections (which drops their holds: the files go).
+    from helpers import run_in_child
+
+    base = os.environ["SHMREDUCE_SHM_DIR"]
+    for _ in range(6):
+
+        def make_and_load():
+            datas = _first_share_in_threads(base, 4)
+            time.sleep(0.3)  # let the broker read every record
+            values = _load_all(datas)
+            shmreduce.unregister()
+            from shmreduce.broker import client
+
+            client.close_all()
+            return values
+
+        status, values = run_in_child(make_and_load, timeout=60)
+        assert status == "ok", values
+        assert values == [1024.0 * i for i in range(4)]
+
+
+# -- the stress test ------------------------------------------------------------------
+
+
+STRESS_SECONDS = float(os.environ.get("SHMREDUCE_STRESS_SECONDS", "4"))
+
+
+HEADER = 4  # one counter per consumer: t[i] counts consumer i's receipts of t
+
+
+def _stress_consumer(inbox, outbox, index):
+    torch.set_num_threads(1)
+    received = 0
+    while True:
+        item = inbox.get(timeout=60)
+        if item is None:
+            outbox.put(("done", index, received))
+            return
+        for tag, t in item:
+            if not torch.equal(t[HEADER:], torch.full((t.numel() - HEADER,), float(tag))):
+                outbox.put(("bad", index, tag))
+            t[index] += 1.0  # in place, and only this process writes element *index*
+            received += 1
+
+
+def test_stress_threads_and_queues_with_overlapping_tensors(strategy):
+    """8 sender threads, 4 queues, overlapping sets of tensors: every byte checked,
+    every in-place write seen (exact counts), nothing left behind (the module's
+    leak check)."""
+    rng = random.Random(11)
+    sizes = [64, 1000, 64 << 10, 300 << 10]
+    pool = [torch.full((rng.choice(sizes) // 4,), float(tag)) for tag in range(24)]
+    for t in pool:
+        t[:HEADER] = 0.0
+    queues = [CTX.Queue(maxsize=16) for _ in range(HEADER)]
+    outbox = CTX.Queue()
+    procs = [CTX.Process(target=_stress_consumer, args=(q, outbox, i)) for i, q in enumerate(queues)]
+    for p in procs:
+        p.start()
+    sent = [[0] * len(queues) for _ in pool]
+    lock = threading.Lock()
+    deadline = time.monotonic() + STRESS_SECONDS
+
+    def sender(seed):
+        r = random.Random(seed)
+        while time.monotonic() < deadline:
+            tags = r.sample(range(len(pool)), 3)
+            index = r.randrange(len(queues))
+            with lock:  # counted before the put: a consumer may write back at once
+                for tag in tags:
+                    sent[tag][index] += 1
+            queues[index].put([(tag, pool[tag]) for tag in tags], timeout=30)
+
+    threads = [threading.Thread(target=sender, args=(s,)) for s in range(8)]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(STRESS_SECONDS + 60)
+        for q in queues:
+            q.put(None)
+        reports = [outbox.get(timeout=60) for _ in queues]
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert all(kind == "done" for kind, _i, _n in reports), reports
+    assert sum(n for _k, _i, n in reports) == sum(map(sum, sent))
+    for tag, t in enumerate(pool):
+        assert t[:HEADER].tolist() == [float(n) for n in sent[tag]], f"tensor {tag}: writes lost"
+        assert torch.equal(t[HEADER:], torch.full((t.numel() - HEADER,), float(tag)))
+    assert all(p.exitcode == 0 for p in procs)
