@@ -11,7 +11,8 @@ served to:
 * ``shmreduce.dumps`` / ``loads`` (cloudpickle), registered or not;
 * any user pickler, through ``dispatch_table()``.
 
-``register()`` records exactly what it replaces; ``unregister()`` puts it back.
+``register()`` installs, and ``unregister()`` removes, every patch on torch and
+multiprocessing through ``patches`` (the one module that sets them).
 Children: a marker in the process config (``current_process()._config``, which
 multiprocessing copies into every child it starts and pickles for spawn and
 forkserver) re-registers spawn/forkserver children, with the same program and
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import copyreg
 import io
-import multiprocessing
 import pickle
 import threading
 from contextlib import contextmanager
@@ -30,22 +30,12 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Iterator
 
 import cloudpickle
-import torch
 
-from shmreduce import _platform, program, reductions, transfer
+from shmreduce import _platform, patches, program, reductions, transfer
 from shmreduce import strategy as _strategy
 from shmreduce.broker import client as broker
 
 Reducer = Callable[[Any], tuple]
-# ForkingPickler.register's table (exact classes), and the process config that
-# multiprocessing hands to every child: both private, so absent from typeshed.
-_EXTRA_REDUCERS: dict[type, Any] = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
-
-
-def _process_config() -> dict[str, Any]:
-    return multiprocessing.current_process()._config  # type: ignore[attr-defined]
-_MISSING = object()
-_CONFIG_KEY = "shmreduce"
 
 _lock = threading.RLock()
 _builtin: dict[type, Reducer] = {}
@@ -53,8 +43,6 @@ _user: dict[type, Reducer] = {}
 _resolved: dict[type, Reducer | None] = {}
 _registered = False
 _use_cloudpickle = False
-_saved_reducers: dict[type, Any] = {}
-_saved_attrs: dict[str, Any] = {}
 
 
 def _builtins() -> dict[type, Reducer]:
@@ -117,8 +105,7 @@ def register_reducer(cls: type, reduce: Reducer) -> None:
         _user[cls] = reduce
         _changed()
         if _registered:
-            _saved_reducers.setdefault(cls, _EXTRA_REDUCERS.get(cls, _MISSING))
-            ForkingPickler.register(cls, reduce)
+            patches.set_reducer(cls, reduce)
 
 
 def unregister_reducer(cls: type) -> None:
@@ -131,9 +118,9 @@ def unregister_reducer(cls: type) -> None:
         if _registered:
             builtin = _builtins().get(cls)
             if builtin is not None:
-                ForkingPickler.register(cls, builtin)
+                patches.set_reducer(cls, builtin)
             else:
-                _restore_reducer(cls, _saved_reducers.pop(cls, _MISSING))
+                patches.restore_reducer(cls)
 
 
 def list_reducers() -> dict[type, Reducer]:
@@ -147,13 +134,6 @@ def _changed() -> None:
     _forking_table.clear()
 
 
-def _restore_reducer(cls: type, previous: Any) -> None:
-    if previous is _MISSING:
-        _EXTRA_REDUCERS.pop(cls, None)
-    else:
-        _EXTRA_REDUCERS[cls] = previous
-
-
 # -- the ForkingPickler entry points while registered -------------------------------
 
 
@@ -164,7 +144,7 @@ _forking_table: list[tuple[dict, dict, DispatchTable]] = []
 
 
 def _forking_dispatch_table() -> DispatchTable:
-    extra = _EXTRA_REDUCERS
+    extra = patches.EXTRA_REDUCERS
     if _forking_table:
         base, extras, table = _forking_table[0]
         if base == copyreg.dispatch_table and extras == extra:
@@ -193,30 +173,6 @@ def _forking_dumps(cls: type, obj: Any, protocol: int | None = None) -> memoryvi
 def _forking_loads(data: Any, /, **kwargs: Any) -> Any:
     with transfer.receiving():
         return pickle.loads(data, **kwargs)
-
-
-def _share_memory_(self: torch.UntypedStorage, *args: Any, **kwargs: Any) -> torch.UntypedStorage:
-    # While registered, CPU storages are moved into shmreduce's own segments for the
-    # current strategy (torch's file_system path would start torch_shm_manager and
-    # leave /dev/shm/torch_* files to it). A storage that is already shared is left
-    # alone: torch moves it again when its mechanism differs from the strategy (e.g.
-    # a from_file mapping under file_system), which breaks aliasing; its own docs call
-    # share_memory_ a no-op for shared storages.
-    if self.device.type == "cpu":
-        if not self.is_shared() and self.nbytes():
-            transfer.share_in_place(self)
-        return self
-    return _saved_attrs["share_memory_"](self, *args, **kwargs)
-
-
-def _new_shared(cls: type, size: int, *, device: Any = "cpu") -> torch.UntypedStorage:
-    # torch's classmethod behind TypedStorage._new_shared, which DataLoader workers'
-    # collate uses for each batch: under file_system it would go through libshm
-    # (torch_shm_manager), under file_descriptor through /dev/shm; either way the
-    # batch would then be copied again into a shmreduce segment to be sent.
-    if torch.device(device).type == "cpu":
-        return transfer.new_shared(size)
-    return cls(size, device=device)
 
 
 # -- children ----------------------------------------------------------------------
@@ -256,18 +212,7 @@ def register(*, strategy: str | None = None, cloudpickle: bool | None = None) ->
             return
         import torch.multiprocessing  # noqa: F401  torch's reducers first, so we record them
 
-        for cls, reduce in _table().items():
-            _saved_reducers[cls] = _EXTRA_REDUCERS.get(cls, _MISSING)
-            ForkingPickler.register(cls, reduce)
-        _saved_attrs["dumps"] = ForkingPickler.__dict__["dumps"]
-        _saved_attrs["loads"] = ForkingPickler.__dict__["loads"]
-        _saved_attrs["share_memory_"] = torch.UntypedStorage.__dict__["share_memory_"]
-        ForkingPickler.dumps = classmethod(_forking_dumps)  # type: ignore[method-assign,assignment]
-        ForkingPickler.loads = staticmethod(_forking_loads)
-        torch.UntypedStorage.share_memory_ = _share_memory_  # type: ignore[method-assign]
-        _saved_attrs["_new_shared"] = torch.UntypedStorage.__dict__.get("_new_shared", _MISSING)
-        torch.UntypedStorage._new_shared = classmethod(_new_shared)  # type: ignore[assignment,method-assign]
-        _process_config()[_CONFIG_KEY] = _Inherit()
+        patches.install(_forking_dumps, _forking_loads, _table(), _Inherit())
         # The program starts here, so forked children join it rather than each
         # becoming the root of its own (whose broker, and the messages it holds,
         # would go when that child exits: SPEC 7).
@@ -288,18 +233,7 @@ def unregister() -> None:
     with _lock:
         if not _registered:
             return
-        for cls, previous in _saved_reducers.items():
-            _restore_reducer(cls, previous)
-        _saved_reducers.clear()
-        ForkingPickler.dumps = _saved_attrs.pop("dumps")  # type: ignore[method-assign]
-        ForkingPickler.loads = _saved_attrs.pop("loads")
-        previous = _saved_attrs.pop("_new_shared")
-        if previous is _MISSING:
-            del torch.UntypedStorage._new_shared
-        else:
-            torch.UntypedStorage._new_shared = previous  # type: ignore[method-assign]
-        torch.UntypedStorage.share_memory_ = _saved_attrs.pop("share_memory_")  # type: ignore[method-assign]
-        _process_config().pop(_CONFIG_KEY, None)
+        patches.remove()
         _registered = False
         _use_cloudpickle = False
     broker.close_all()

@@ -11,10 +11,8 @@ A storage's segment name is "dev:ino/offset". Its memory is written through the
 descriptor (``pwrite``), which allocates the pages now: a full memory limit is a
 ``SharingError`` here rather than a SIGBUS later.
 
-torch cannot tell a ``frombuffer`` view of shared memory from private memory, so
-with the first slab ``UntypedStorage.is_shared`` learns to ask the storage cache
-too (SPEC: a received CPU storage reports ``is_shared()``); it stays so for the
-life of the process, as slab storages may outlive any ``register()``.
+torch cannot tell a ``frombuffer`` view of shared memory from private memory: while
+registered, ``patches`` makes ``UntypedStorage.is_shared`` ask the storage cache too.
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ from typing import Any
 import torch
 
 from shmreduce import _torch, segments
-from shmreduce.cache import cache
 from shmreduce.errors import SharingError
 
 SLAB_ALIGN = 64  # each storage starts on a cache line, as torch's CPU allocator aligns
@@ -83,8 +80,6 @@ def descriptor(buffer: Any) -> int:
 def _map(fd: int, size: int, ident: str, extent: int) -> Any:
     """Map *size* bytes of *fd*, of which *extent* hold data; the returned buffer owns
     *fd* from now on."""
-    if not _torch_is_shared:
-        _extend_is_shared()
     addr = _mmap(None, size, _PROT, mmap.MAP_SHARED, fd, 0)
     if addr is None or addr == _MAP_FAILED:
         err = ctypes.get_errno()
@@ -167,15 +162,3 @@ def receive(fd: int, ident: str) -> Any:
 def extent(buffer: Any) -> int:
     """The bytes of the slab that hold data (views never go beyond)."""
     return int(buffer.extent)
-
-
-_torch_is_shared: list[Any] = []
-
-
-def _is_shared(self: torch.UntypedStorage) -> bool:
-    return bool(_torch_is_shared[0](self)) or cache.segment_of(self) is not None
-
-
-def _extend_is_shared() -> None:
-    _torch_is_shared.append(torch.UntypedStorage.is_shared)
-    torch.UntypedStorage.is_shared = _is_shared  # type: ignore[method-assign,assignment]

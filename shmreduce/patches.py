@@ -1,0 +1,133 @@
+"""Every attribute shmreduce sets on torch or multiprocessing, installed and removed together.
+
+Owns, while installed (between ``register()`` and ``unregister()``):
+
+* ``ForkingPickler.dumps`` / ``loads`` (the pair ``registry`` builds) and the entries
+  of ``ForkingPickler._extra_reducers`` that shmreduce sets;
+* ``torch.UntypedStorage.share_memory_``, ``_new_shared`` and ``is_shared``;
+* the marker in multiprocessing's process config that registers spawn/forkserver
+  children (``registry._Inherit``).
+
+``install`` records exactly what each one replaces and ``remove`` puts it back, so
+afterwards torch and multiprocessing hold their own objects again. Nothing else in
+shmreduce sets an attribute on either library: importing shmreduce, or a bare
+``dumps``/``loads``, patches nothing.
+
+Invariant: **``is_shared()`` is true => ``share_memory_()`` keeps the memory.**
+While installed, ``is_shared()`` is also true for a storage the storage cache knows
+(a shmreduce segment: torch cannot tell a slab's ``frombuffer`` view from private
+memory; SPEC 3), and ``share_memory_()`` leaves every such storage where it is. After
+``remove()`` torch answers both again: a slab storage reports ``False`` and torch's
+``share_memory_()`` moves it into torch's own shared memory, consistently.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Callable
+
+import torch
+
+from shmreduce import transfer
+from shmreduce.cache import cache
+
+# ForkingPickler.register's table (exact classes), and the process config that
+# multiprocessing hands to every child: both private, so absent from typeshed.
+EXTRA_REDUCERS: dict[type, Any] = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
+CONFIG_KEY = "shmreduce"
+_MISSING = object()
+
+_saved_attrs: dict[tuple[type, str], Any] = {}  # (owner, name) -> what its __dict__ held
+_saved_reducers: dict[type, Any] = {}  # class -> the _extra_reducers entry before ours
+_torch_is_shared: list[Callable[[torch.UntypedStorage], bool]] = []
+_torch_share_memory: list[Callable[..., torch.UntypedStorage]] = []
+
+
+def process_config() -> dict[str, Any]:
+    """The config multiprocessing copies into every child it starts."""
+    return multiprocessing.current_process()._config  # type: ignore[attr-defined]
+
+
+def installed() -> bool:
+    return bool(_saved_attrs)
+
+
+def install(dumps: Callable[..., Any], loads: Callable[..., Any], reducers: dict[type, Any], marker: Any) -> None:
+    """Install everything at once (the caller holds the registry's lock)."""
+    _torch_is_shared.append(torch.UntypedStorage.is_shared)
+    _torch_share_memory.append(torch.UntypedStorage.share_memory_)
+    for cls, reduce in reducers.items():
+        set_reducer(cls, reduce)
+    _set(ForkingPickler, "dumps", classmethod(dumps))
+    _set(ForkingPickler, "loads", staticmethod(loads))
+    _set(torch.UntypedStorage, "is_shared", _is_shared)
+    _set(torch.UntypedStorage, "share_memory_", _share_memory_)
+    _set(torch.UntypedStorage, "_new_shared", classmethod(_new_shared))
+    process_config()[CONFIG_KEY] = marker
+
+
+def remove() -> None:
+    """Put back exactly what ``install`` (and ``set_reducer``) replaced."""
+    process_config().pop(CONFIG_KEY, None)
+    for (owner, name), previous in _saved_attrs.items():
+        if previous is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, previous)
+    _saved_attrs.clear()
+    for cls in list(_saved_reducers):
+        restore_reducer(cls)
+    _torch_is_shared.clear()
+    _torch_share_memory.clear()
+
+
+def set_reducer(cls: type, reduce: Any) -> None:
+    """Set ForkingPickler's reducer for exactly *cls*, remembering the first one replaced."""
+    _saved_reducers.setdefault(cls, EXTRA_REDUCERS.get(cls, _MISSING))
+    ForkingPickler.register(cls, reduce)
+
+
+def restore_reducer(cls: type) -> None:
+    """Put back ForkingPickler's reducer for *cls* as it was before ``set_reducer``."""
+    previous = _saved_reducers.pop(cls, _MISSING)
+    if previous is _MISSING:
+        EXTRA_REDUCERS.pop(cls, None)
+    else:
+        EXTRA_REDUCERS[cls] = previous
+
+
+def _set(owner: type, name: str, value: Any) -> None:
+    _saved_attrs[(owner, name)] = owner.__dict__.get(name, _MISSING)
+    setattr(owner, name, value)
+
+
+# -- the torch storage patches (the invariant above) --------------------------------
+
+
+def _is_shared(self: torch.UntypedStorage) -> bool:
+    return bool(_torch_is_shared[0](self)) or cache.segment_of(self) is not None
+
+
+def _share_memory_(self: torch.UntypedStorage, *args: Any, **kwargs: Any) -> torch.UntypedStorage:
+    # CPU storages move into shmreduce's own segments for the current strategy
+    # (torch's file_system path would start torch_shm_manager and leave
+    # /dev/shm/torch_* files to it). A storage that is_shared() is left alone: torch
+    # moves it again when its mechanism differs from the strategy (e.g. a from_file
+    # mapping under file_system), which breaks aliasing; its own docs call
+    # share_memory_ a no-op for shared storages.
+    if self.device.type == "cpu":
+        if not self.is_shared() and self.nbytes():
+            transfer.share_in_place(self)
+        return self
+    return _torch_share_memory[0](self, *args, **kwargs)
+
+
+def _new_shared(cls: type, size: int, *, device: Any = "cpu") -> torch.UntypedStorage:
+    # torch's classmethod behind TypedStorage._new_shared, which DataLoader workers'
+    # collate uses for each batch: under file_system it would go through libshm
+    # (torch_shm_manager), under file_descriptor through /dev/shm; either way the
+    # batch would then be copied again into a shmreduce segment to be sent.
+    if torch.device(device).type == "cpu":
+        return transfer.new_shared(size)
+    return cls(size, device=device)
