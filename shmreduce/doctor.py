@@ -4,8 +4,10 @@ Light by design: stdlib only, never imports torch. ``doctor`` checks what would 
 program that shares tensors here (shm mount size and free space, descriptor limits,
 memfd, starting and pinging a throwaway broker, stale program directories) and exits
 non-zero if something would. ``cleanup`` lists the program directories whose broker is
-dead (their lock is free) and broker processes whose program root is gone; ``--yes``
-removes them.
+dead (their lock is free, see ``server.stale_dirs``) and broker processes whose
+program root is gone and that no process uses any more; ``--yes`` removes them.
+Nothing else is touched: not a directory shmreduce did not make, not one that may
+be starting, not a broker still in use.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 
 from shmreduce import program
 from shmreduce.broker import protocol as P
+from shmreduce.broker.server import stale_dirs, sweep_stale
 
 MIN_SHM_BYTES = 1 << 30  # below 1 GiB of free shm, file_system sends of big batches fail
 MIN_NOFILE = 4096
@@ -31,25 +34,6 @@ def _fmt(n: float) -> str:
             return f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
-
-
-def stale_dirs(base: str) -> list[str]:
-    from shmreduce.broker.server import lock_is_free
-
-    found: list[str] = []
-    try:
-        entries = sorted(os.listdir(base))
-    except OSError:
-        return found
-    for entry in entries:
-        path = os.path.join(base, entry)
-        if entry.startswith(P.DIR_PREFIX) and os.path.isdir(path) and not os.path.islink(path):
-            try:
-                if os.lstat(path).st_uid == os.getuid() and lock_is_free(path):
-                    found.append(path)
-            except OSError:
-                continue
-    return found
 
 
 def _broker_procs() -> list[tuple[int, str, int]]:
@@ -72,9 +56,25 @@ def _broker_procs() -> list[tuple[int, str, int]]:
     return procs
 
 
+def _connected(socket_path: str) -> int:
+    """How many connections the broker listening on *socket_path* has accepted and
+    still holds (its end of each is listed under its path in /proc/net/unix, state
+    03: connected); a large number if that cannot be read, so that it counts as used."""
+    try:
+        with open("/proc/net/unix") as f:
+            lines = f.read().splitlines()[1:]
+    except OSError:
+        return 1 << 30
+    return sum(1 for line in lines if line.split()[5:6] == ["03"] and line.split()[7:8] == [socket_path])
+
+
 def orphan_brokers() -> list[tuple[int, str, int]]:
-    """Brokers whose program root process is gone (they normally exit on their own)."""
-    return [p for p in _broker_procs() if not os.path.exists(f"/proc/{p[2]}")]
+    """Brokers whose program root process is gone and that no process is connected
+    to (they normally exit on their own; one still in use serves live processes)."""
+    return [
+        p for p in _broker_procs()
+        if not os.path.exists(f"/proc/{p[2]}") and not _connected(os.path.join(p[1], P.SOCKET_NAME))
+    ]
 
 
 def _check_broker(base: str) -> tuple[bool, str]:
@@ -147,14 +147,15 @@ def doctor() -> int:
         report(True, "memfd", "memfd_create works ('file_descriptor' strategy available)")
     except (AttributeError, OSError) as exc:
         report(False, "memfd", f"memfd_create failed ({exc}); use the 'file_system' strategy")
-    ok, detail = _check_broker(base)
-    report(ok, "broker", detail)
+    # Stale state first: starting the throwaway broker sweeps stale directories.
     stale = stale_dirs(base)
     report(not stale, "stale program directories",
            "none" if not stale else f"{len(stale)} ({', '.join(stale[:5])}); run: python -m shmreduce cleanup --yes")
     orphans = orphan_brokers()
     report(not orphans, "orphan brokers",
            "none" if not orphans else f"{[p[0] for p in orphans]}; run: python -m shmreduce cleanup --yes")
+    ok, detail = _check_broker(base)
+    report(ok, "broker", detail)
     print("all good" if not problems else f"{problems} problem(s) found")
     return 1 if problems else 0
 
@@ -173,19 +174,14 @@ def cleanup(yes: bool) -> int:
     if not yes:
         print("run again with --yes to remove them")
         return 0
-    from shmreduce.broker.server import lock_is_free, remove_program_dir
-
-    for pid, _directory, _root in orphans:
+    for pid, _directory, _root in orphan_brokers():  # looked at again: what is listed may have changed
         try:
             os.kill(pid, signal.SIGTERM)
+            print(f"stopped broker {pid}")
         except OSError:
             pass
-    for path in stale:
-        if lock_is_free(path):
-            remove_program_dir(path)
-            print(f"removed {path}")
-    for pid, _d, _r in orphans:
-        print(f"stopped broker {pid}")
+    for path in sweep_stale(base):
+        print(f"removed {path}")
     return 0
 
 

@@ -206,7 +206,7 @@ class _Outgoing:
                 holds = self.holds.get(directory, [])
                 inflight = list(self.inflight.get(directory, ()))
                 nbytes = self.nbytes + sum(map(slabs.extent, self.buffers)) if fds else 0
-                broker.client_for(directory, self.root).deposit(self.key, fds, holds, inflight, nbytes)
+                broker.client_for(directory, self.root if directory == self.program else None).deposit(self.key, fds, holds, inflight, nbytes)
             if self.fds or self.inflight:
                 _counters["messages_sent"] += 1
         finally:
@@ -348,7 +348,7 @@ def _remember(storage: torch.UntypedStorage, segment: Segment) -> None:
 def _release(released: dict[str, list[str]]) -> None:
     for directory, names in released.items():
         try:
-            broker.client_for(directory, os.getpid()).release(names)
+            broker.client_for(directory).release(names)
         except SharingError:
             pass  # that broker is gone, and with it every hold
 
@@ -439,13 +439,13 @@ def _incoming(directory: str, message: bytes, kind: str) -> _Incoming:
     entry = _pending.get(key)
     if entry is not None:
         if kind == "fd" and not entry.fetched:
-            entry.fill(broker.client_for(directory, os.getpid()).fetch(message))
+            entry.fill(broker.client_for(directory).fetch(message))
         return entry
     if not isinstance(directory, str) or not isinstance(message, bytes):
         raise SharingError(f"not a shmreduce segment handle: {directory!r}, {message!r} (forged message?)")
     if not os.path.basename(directory).startswith(DIR_PREFIX) or len(message) != KEY_LEN:
         raise SharingError(f"refusing handle for {directory!r}: not a shmreduce program directory (forged message?)")
-    client = broker.client_for(directory, os.getpid())
+    client = broker.client_for(directory)
     if not client.connected() and not os.path.isdir(directory):
         # Its broker is gone (the janitor removed the directory): never start a new
         # broker for a directory named by a pickle, which could be anywhere.

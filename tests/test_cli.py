@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import time
+
+from shmreduce.broker import protocol as P
+from shmreduce.broker import server
 
 from helpers import broker_pids, shm_base, wait_for
 
@@ -34,10 +39,19 @@ def test_doctor_does_not_import_torch():
     assert subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=ROOT), timeout=60).returncode == 0
 
 
+def _program_dir(name, age):
+    """A program directory as a broker leaves it (marker, lock, a segment), *age* seconds old."""
+    path = os.path.join(shm_base(), name)
+    os.mkdir(path, 0o700)
+    for entry in (P.MARKER_NAME, P.LOCK_NAME, "seg-" + "a" * 24):
+        open(os.path.join(path, entry), "w").close()
+    then = time.time() - age
+    os.utime(path, (then, then))
+    return path
+
+
 def test_doctor_flags_low_descriptor_limit_and_stale_dirs(tmp_path):
-    stale = os.path.join(shm_base(), "shmreduce-0123456789abcdef")
-    os.mkdir(stale, 0o700)
-    open(os.path.join(stale, "seg-" + "a" * 24), "w").close()
+    stale = _program_dir("shmreduce-0123456789abcdef", server.STALE_MIN_AGE + 5)
     try:
         code = (
             "import resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256));"
@@ -48,6 +62,8 @@ def test_doctor_flags_low_descriptor_limit_and_stale_dirs(tmp_path):
         assert out.returncode != 0
         assert "[PROBLEM] descriptor limit" in out.stdout and "file_system" in out.stdout
         assert "[PROBLEM] stale program directories" in out.stdout and "cleanup --yes" in out.stdout
+        assert not os.path.exists(stale)  # the doctor's throwaway broker swept it, as any launch does
+        _program_dir(os.path.basename(stale), server.STALE_MIN_AGE + 5)
         listed = _run("cleanup")
         assert listed.returncode == 0 and stale in listed.stdout and "--yes" in listed.stdout
         assert os.path.isdir(stale)  # listing removes nothing
@@ -56,8 +72,6 @@ def test_doctor_flags_low_descriptor_limit_and_stale_dirs(tmp_path):
         assert not os.path.exists(stale)
         assert "nothing to clean" in _run("cleanup").stdout
     finally:
-        import shutil
-
         shutil.rmtree(stale, ignore_errors=True)
 
 
@@ -92,3 +106,55 @@ def test_cleanup_keeps_live_program():
 def test_usage_error():
     out = _run("bogus")
     assert out.returncode != 0 and "usage" in out.stderr
+
+
+def test_cleanup_and_sweep_leave_a_directory_shmreduce_did_not_make():
+    # A user's own folder that merely looks like ours (name, owner, 0700, old, no lock
+    # held) is never touched, and neither is anything in it.
+    mine = os.path.join(shm_base(), "shmreduce-0.1.0")
+    os.mkdir(mine, 0o700)
+    with open(os.path.join(mine, "notes.txt"), "w") as f:
+        f.write("mine")
+    then = time.time() - server.STALE_MIN_AGE - 5
+    os.utime(mine, (then, then))
+    try:
+        assert server.sweep_stale(shm_base()) == []
+        out = _run("cleanup", "--yes")
+        assert out.returncode == 0 and mine not in out.stdout, out.stdout
+        with open(os.path.join(mine, "notes.txt")) as f:
+            assert f.read() == "mine"
+    finally:
+        shutil.rmtree(mine, ignore_errors=True)
+
+
+def test_cleanup_leaves_a_program_directory_that_may_be_starting():
+    # Younger than STALE_MIN_AGE, its lock free: a launcher between making it and
+    # taking the lock. Both the sweep and cleanup --yes keep it.
+    young = _program_dir("shmreduce-00112233445566ff", 0)
+    try:
+        assert server.sweep_stale(shm_base()) == []
+        out = _run("cleanup", "--yes")
+        assert out.returncode == 0 and os.path.isdir(young), out.stdout
+    finally:
+        shutil.rmtree(young, ignore_errors=True)
+
+
+def test_cleanup_leaves_a_broker_in_use_whose_root_exited():
+    # The program's root is gone but one of its processes (here, this one) is still
+    # connected: the broker serves it, so it is no orphan.
+    from shmreduce.broker import client
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    directory = os.path.join(shm_base(), "shmreduce-77665544332211aa")
+    c = client.BrokerClient(directory, dead.pid)
+    try:
+        pid = c.ping()["pid"]
+        assert c.ping()["root_alive"] is False
+        out = _run("cleanup", "--yes")
+        assert out.returncode == 0 and str(pid) not in out.stdout, out.stdout
+        time.sleep(0.5)
+        assert c.ping()["pid"] == pid
+    finally:
+        c.close()
+    assert wait_for(lambda: not os.path.exists(directory), 10)  # it exits once unused

@@ -2,15 +2,20 @@
 
 One ``BrokerClient`` per (process, program directory), created on first use and
 reset in forked children (a child opens its own connection; it never writes on the
-parent's). The broker is started lazily by the first client that finds none. Every
-socket operation has a timeout: a dead or stuck broker is a ``SharingError`` within
-seconds, never a hang. Wire format: ``protocol.py``.
+parent's); every connection is closed at exit. The broker is started lazily by
+the first client of a process of that program that shares and finds none; a
+receiver only ever connects. Every socket operation has a timeout: a dead or stuck
+broker is a ``SharingError`` within seconds, never a hang. Lost connections,
+protocol errors and broker restarts are logged to ``logging.getLogger("shmreduce")``.
+Wire format: ``protocol.py``.
 """
 
 from __future__ import annotations
 
+import atexit
 import errno
 import json
+import logging
 import multiprocessing
 import os
 import socket
@@ -23,13 +28,15 @@ from collections import OrderedDict
 from typing import Callable, Iterable
 
 from shmreduce.broker import protocol as P
-from shmreduce.errors import SharingError, broker_gone, stale_message, too_many_files
+from shmreduce.errors import SharingError, broker_gone, broker_out_of_files, stale_message, too_many_files
 
 IO_TIMEOUT = float(os.environ.get("SHMREDUCE_IO_TIMEOUT", "10"))
 START_TIMEOUT = 30.0
 OFFERS_KEPT = 64  # offered messages a client keeps for its next receives
 OFFER_TTL = 5.0  # seconds an offer is kept unused before its descriptors are closed
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+log = logging.getLogger("shmreduce")
 
 # Called with (client) after every (re)connection; the storage cache uses it to hold
 # again the segment names this process still maps.
@@ -59,10 +66,17 @@ def start_broker(directory: str, root_pid: int) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
     try:
+        # The launcher's stdout is our stderr: the broker logs there (see Failures in
+        # protocol.py); its own stderr tells us why it could not start.
+        os.fstat(2)
+        log_to: int = 2
+    except OSError:
+        log_to = subprocess.DEVNULL
+    try:
         proc = subprocess.run(
             [sys.executable, "-m", "shmreduce.broker.server", directory, str(root_pid)],
             input=_authkey(),
-            stdout=subprocess.DEVNULL,
+            stdout=log_to,
             stderr=subprocess.PIPE,
             env=env,
             timeout=START_TIMEOUT,
@@ -83,9 +97,14 @@ class BrokerClient:
     woken for each; *request* carries fetch and ping, which it answers at once. A wake
     costs the waker ~20 us of CPU on these machines, about what a small storage
     costs to share, so a message should cost at most the one wake of its fetch.
+
+    *root_pid* is the root of the program that owns the directory, known only to the
+    processes of that program (see ``client_for``): only then may a sending
+    operation start the broker, which records it. Receiving operations (fetch,
+    claim, take, release) only connect: no broker there is a SharingError.
     """
 
-    def __init__(self, directory: str, root_pid: int) -> None:
+    def __init__(self, directory: str, root_pid: int | None) -> None:
         self.directory = directory
         self.root_pid = root_pid
         self.lock = threading.RLock()
@@ -100,7 +119,9 @@ class BrokerClient:
 
     # -- connection ------------------------------------------------------------
 
-    def _open(self, role: bytes) -> socket.socket:
+    def _open(self, role: bytes, start: bool) -> socket.socket:
+        """A new connection of *role*; with *start*, start the broker if none listens
+        (only if this client knows its program's root)."""
         path = os.path.join(self.directory, P.SOCKET_NAME)
         if len(path.encode()) >= 108:
             raise SharingError(f"socket path too long for AF_UNIX: {path}; set SHMREDUCE_SHM_DIR to a shorter directory")
@@ -113,21 +134,33 @@ class BrokerClient:
                 if time.monotonic() > deadline:
                     break
                 time.sleep(min(0.2, 0.005 * 2**attempt))
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            try:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    raise too_many_files("opening a connection to the broker") from exc
+                raise broker_gone(str(exc)) from exc
             _kernel_timeouts(sock)
             try:
                 sock.connect(path)
-                self.broker_pid = P.client_handshake(sock, _authkey(), role, self.token)
-                return sock
+                pid = P.client_handshake(sock, _authkey(), role, self.token)
             except (FileNotFoundError, ConnectionRefusedError, P.ProtocolError, ConnectionResetError) as exc:
                 sock.close()
                 last = exc
-                if isinstance(exc, P.ProtocolError) and attempt:
+                if (isinstance(exc, P.ProtocolError) and attempt) or not start or self.root_pid is None:
                     break
                 start_broker(self.directory, self.root_pid)
+                continue
             except OSError as exc:
                 sock.close()
                 raise broker_gone(str(exc)) from exc
+            if self.broker_pid and pid != self.broker_pid:
+                log.warning(
+                    "the shmreduce broker of %s restarted (pid %d, now %d): messages deposited with the old one are lost",
+                    self.directory, self.broker_pid, pid,
+                )
+            self.broker_pid = pid
+            return sock
         if isinstance(last, P.ProtocolError):
             raise SharingError(
                 f"the shmreduce broker in {self.directory} refused this process ({last}); "
@@ -135,14 +168,14 @@ class BrokerClient:
             )
         raise broker_gone(str(last))
 
-    def _socket(self) -> socket.socket:
+    def _socket(self, start: bool) -> socket.socket:
         if self.sock is None:
-            self.sock = self._open(P.ROLE_REQUEST)
+            self.sock = self._open(P.ROLE_REQUEST, start)
         return self.sock
 
-    def _post_socket(self) -> socket.socket:
+    def _post_socket(self, start: bool) -> socket.socket:
         if self.post is None:
-            self.post = self._open(P.ROLE_POST)
+            self.post = self._open(P.ROLE_POST, start)
             for hook in on_connect:
                 hook(self)
         return self.post
@@ -156,7 +189,7 @@ class BrokerClient:
         with self.lock:
             if fresh:
                 self.close()
-            self._post_socket()
+            self._post_socket(start=True)
 
     def close(self) -> None:
         with self.lock:
@@ -173,32 +206,42 @@ class BrokerClient:
         return [s for s in (self.sock, self.post) if s is not None]
 
     def _broken(self, exc: BaseException) -> SharingError:
+        log.warning("lost the connection to the shmreduce broker of %s: %s: %s", self.directory, type(exc).__name__, exc)
         self.close()
         return broker_gone(f"{type(exc).__name__}: {exc}")
 
     # -- fire-and-forget -------------------------------------------------------
 
-    def _send(self, op: bytes, key: bytes, body: bytes, fds: list[int] | tuple = ()) -> None:
+    def _send(self, op: bytes, key: bytes, body: bytes, fds: list[int] | tuple = (), start: bool = False, retry: bool = True) -> None:
+        """Post one record; *start*: as a sender (see the class); *retry*: on a fresh
+        connection if the broker died since the last record."""
         with self.lock:
             for attempt in (0, 1):
-                sock = self._post_socket()
+                sock = self._post_socket(start)
                 try:
                     P.send_record(sock, op, key, body, fds)
                     return
                 except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError) as exc:
                     # The broker died since our last message: a fresh one serves the retry.
                     self.close()
-                    if attempt:
+                    if attempt or not retry:
                         raise broker_gone(str(exc)) from exc
                 except OSError as exc:
                     raise self._broken(exc) from exc
 
     def deposit(self, key: bytes, fds: list[int], holds: list[str], inflight: list[str], nbytes: int = 0) -> None:
-        """Leave *fds* (*nbytes* of memory) and the in-flight *names* under *key* for one receiver."""
-        for start in range(0, max(len(fds), 1), P.MAX_FDS):
-            chunk = fds[start : start + P.MAX_FDS]
-            body = P.encode_deposit(holds, inflight, nbytes) if start == 0 else P.encode_deposit((), ())
-            self._send(P.DEPOSIT, key, body, chunk)
+        """Leave *fds* (*nbytes* of memory) and the in-flight *names* under *key* for one receiver.
+
+        As many records as it takes for each to fit (MAX_FDS descriptors,
+        NAMES_PER_RECORD names of each list), the last one marked. Only the first may
+        go to a fresh broker: the rest belong with the broker that has the first.
+        """
+        count = max(-(-len(fds) // P.MAX_FDS), -(-len(holds) // P.NAMES_PER_RECORD), -(-len(inflight) // P.NAMES_PER_RECORD), 1)
+        with self.lock:
+            for i in range(count):
+                names = slice(i * P.NAMES_PER_RECORD, (i + 1) * P.NAMES_PER_RECORD)
+                body = P.encode_deposit(holds[names], inflight[names], nbytes if i == 0 else 0, i == count - 1)
+                self._send(P.DEPOSIT, key, body, fds[i * P.MAX_FDS : (i + 1) * P.MAX_FDS], start=True, retry=i == 0)
 
     def claim(self, key: bytes) -> None:
         """Take over the file_system names of message *key* (no reply: the files stay
@@ -206,14 +249,14 @@ class BrokerClient:
         self._send(P.CLAIM, key, b"")
 
     def hold(self, names: Iterable[str]) -> None:
-        self._send_names(P.HOLD, list(names))
+        self._send_names(P.HOLD, list(names), start=True)
 
     def release(self, names: Iterable[str]) -> None:
-        self._send_names(P.RELEASE, list(names))
+        self._send_names(P.RELEASE, list(names), start=False)
 
-    def _send_names(self, op: bytes, names: list[str]) -> None:
-        for start in range(0, len(names), P.NAMES_PER_RECORD):
-            self._send(op, P.NO_KEY, P.encode_names(names[start : start + P.NAMES_PER_RECORD]))
+    def _send_names(self, op: bytes, names: list[str], start: bool) -> None:
+        for i in range(0, len(names), P.NAMES_PER_RECORD):
+            self._send(op, P.NO_KEY, P.encode_names(names[i : i + P.NAMES_PER_RECORD]), start=start)
 
     # -- round trips -----------------------------------------------------------
 
@@ -235,7 +278,7 @@ class BrokerClient:
                 except SharingError:
                     pass  # that broker is gone, and its copy with it: ours still holds the memory
                 return offered[1]
-            sock = self._socket()
+            sock = self._socket(start=False)
             fds: list[int] = []
             try:
                 try:
@@ -245,7 +288,7 @@ class BrokerClient:
                     # this message may have been deposited with its successor (as in
                     # _send): ask a fresh connection. Nothing was sent yet.
                     self.close()
-                    sock = self._socket()
+                    sock = self._socket(start=False)
                     P.send_record(sock, P.FETCH, key)
                 self.round_trips += 1
                 while True:
@@ -259,6 +302,8 @@ class BrokerClient:
                     status, total, offers = P.decode_fetched(body)
                     if status == P.STATUS_UNKNOWN:
                         return None
+                    if status == P.STATUS_LOST:
+                        raise broker_out_of_files()
                     if len(fds) >= total:
                         return self._keep_offers(fds, offers)
             except OSError as exc:
@@ -314,7 +359,7 @@ class BrokerClient:
     def ping(self) -> dict:
         """The broker's counters; also a barrier for this connection's earlier sends."""
         with self.lock:
-            sock = self._socket()
+            sock = self._socket(start=True)
             try:
                 P.send_record(sock, P.PING, P.NO_KEY)
                 record = P.recv_record(sock)
@@ -331,13 +376,24 @@ _clients: dict[str, BrokerClient] = {}
 _clients_lock = threading.Lock()
 
 
-def client_for(directory: str, root_pid: int) -> BrokerClient:
+def client_for(directory: str, root_pid: int | None = None) -> BrokerClient:
+    """This process's client of the broker of *directory*.
+
+    *root_pid*: the root of the program that owns *directory*, given only by a
+    process of that program about to share into it (then its client may start
+    the broker). Receivers, and senders re-sending another program's files, give
+    none: they only connect.
+    """
     client = _clients.get(directory)
     if client is None:
         with _clients_lock:
             client = _clients.get(directory)
             if client is None:
+                if not _clients:
+                    atexit.register(close_all)  # no "unclosed socket" at exit
                 client = _clients[directory] = BrokerClient(directory, root_pid)
+    if client.root_pid is None and root_pid is not None:
+        client.root_pid = root_pid
     return client
 
 
@@ -347,6 +403,7 @@ def existing_clients() -> list[BrokerClient]:
 
 def close_all() -> None:
     """Close every connection and unused offer of this process (the clients are dropped)."""
+    atexit.unregister(close_all)
     for client in list(_clients.values()):
         client.drop_offers()
         client.close()

@@ -4,10 +4,14 @@ stdlib only: the broker imports this module and must never import torch.
 
 Where
     One directory per program, ``<base>/shmreduce-<token>/`` (mode 0700), where
-    ``<base>`` is ``$SHMREDUCE_SHM_DIR`` or ``/dev/shm``. It holds the broker's
-    socket ``broker.sock``, its lock ``broker.lock`` (flock'ed for the broker's whole
-    life: a directory whose lock can be taken belongs to a dead program) and the
-    ``file_system`` strategy's segment files ``seg-<24 hex>`` (mode 0600).
+    ``<base>`` is ``$SHMREDUCE_SHM_DIR`` or ``/dev/shm``. It holds the marker
+    ``shmreduce.program`` (made with the directory, atomically: only a directory with
+    it, owned by this user, mode 0700 and no symlink, is ever used, swept or removed;
+    see ``is_program_dir``: any other ``shmreduce-*`` entry is someone else's), the
+    broker's socket ``broker.sock``, its lock ``broker.lock`` (flock'ed for the
+    broker's whole life: a directory whose lock can be taken belongs to a dead
+    program) and the ``file_system`` strategy's segment files ``seg-<24 hex>`` (mode
+    0600).
 
 Transport
     AF_UNIX, SOCK_SEQPACKET: every ``sendmsg`` is one record, delivered whole and in
@@ -25,6 +29,8 @@ Transport
     connections.
 
 Handshake (once per connection; the broker also checks SO_PEERCRED uid == its own)
+    The broker runs it inside its event loop, a step per record, never blocking: a
+    connection that has not completed it within HANDSHAKE_TIMEOUT is closed.
     broker -> client   MAGIC + nonce_b (32 bytes)
     client -> broker   HMAC-SHA256(authkey, nonce_b) + nonce_c (32 bytes)
                        + role (1 byte) + process token (16 bytes)
@@ -32,26 +38,35 @@ Handshake (once per connection; the broker also checks SO_PEERCRED uid == its ow
     The authkey is the program's ``multiprocessing`` authkey; either side closes the
     connection on a wrong digest.
 
-Records after the handshake: ``op (1 byte) + key (16 bytes) + body``
-    D  deposit   key = message key. body = holds "|" inflight "|" nbytes: two
-                 "\\n"-joined lists of segment file names, and the bytes of the
-                 descriptors attached (ASCII decimal; offers only go for small
-                 messages). Descriptors attached are appended to
-                 the message's fd list (a message with more than 250 fds is sent as
-                 several D records with the same key). Names in *inflight* get one
-                 reference owned by the message; names in *holds* get one reference
-                 owned by this client. No reply.
+Records after the handshake: ``op (1 byte) + key (16 bytes) + body``, at most
+MAX_RECORD bytes
+    D  deposit   key = message key. body = holds "|" inflight "|" nbytes "|" last:
+                 two "\\n"-joined lists of segment file names, the bytes of the
+                 descriptors attached (ASCII decimal, at most 20 digits; offers only
+                 go for small messages) and "1" on the deposit's last record, else
+                 "0". A deposit is as many records as it takes for each to carry at
+                 most MAX_FDS descriptors and NAMES_PER_RECORD names of each list,
+                 all with the same key; the broker delivers the message (fetch,
+                 claim, offer) only once its last record is in, and drops it if its
+                 sender's connections close before. Descriptors attached are
+                 appended to the message's fd list. Names in *inflight* get one
+                 reference owned by the message; names in *holds* get one
+                 reference owned by this client. No reply. A record whose
+                 descriptors the kernel dropped (the broker at its descriptor
+                 limit) makes the message *lost*: a fetch of it gets status 2.
     C  claim     key = message key. The message's in-flight names become held by
                  this client (file_system receivers map the files by name at once:
                  the message holds them until then). A claim read before its deposit
-                 is remembered for EARLY_CLAIM_TTL. No reply.
+                 is complete is remembered for EARLY_CLAIM_TTL. No reply.
     F  fetch     key = message key. The broker removes the message and replies with
                  one or more ``f`` records: body = status (u8) + total fds (u32)
                  + offers (u16) + per offer: key (16 bytes) + fds (u32); the
                  descriptors ride on them, at most 250 a record: the message's
                  first, then each offer's. The message's in-flight names become
-                 held by the fetching client. status 0 = ok, 1 = unknown key. A
-                 fetch for a key not yet deposited waits up to FETCH_WAIT seconds.
+                 held by the fetching client. status 0 = ok, 1 = unknown key, 2 =
+                 lost (the broker could not take its descriptors). A fetch first
+                 reads every queued post record; one for a key not yet (wholly)
+                 deposited waits up to FETCH_WAIT seconds.
                  *Offers*: copies of other pending descriptor-only messages of at
                  most OFFER_BYTES from the same sender, when this client fetched
                  its last OFFER_STREAK messages (one record in all, at most
@@ -67,25 +82,39 @@ Records after the handshake: ``op (1 byte) + key (16 bytes) + body``
 Lifetimes
     A segment file is unlinked when no client holds it and no undelivered
     message names it. A client whose connections have all closed (its process
-    exited or was killed) drops its holds; its undelivered messages stay, so a
-    receiver can read what an exited sender put. The broker exits once it has had no client for GRACE seconds
-    and either holds no undelivered message or the program's root process is gone;
-    on exit it closes every descriptor and removes the program directory.
+    exited or was killed) drops its holds; its undelivered messages stay for
+    ``$SHMREDUCE_ORPHAN_TTL`` seconds (default 60), so a receiver can read what an
+    exited sender put, and are then dropped (with a log line): a program whose
+    workers come and go does not keep their unread messages for its whole life. The
+    broker exits once it has had no client for GRACE seconds and either holds no
+    undelivered message or the program's root process is gone; on exit it closes
+    every descriptor and removes the program directory.
+
+Failures
+    Any bad record, failed handshake or I/O error costs only the connection it came
+    on, never the broker, and leaves a line in the broker's log: the stderr of the
+    process that started the broker (as ``multiprocessing``'s resource tracker warns
+    on its parent's), or the file ``$SHMREDUCE_BROKER_LOG`` names. Clients log to
+    ``logging.getLogger("shmreduce")``: a lost connection, a protocol error, a
+    broker that restarted.
 """
 
 from __future__ import annotations
 
 import array
+import errno
 import hashlib
 import hmac
 import os
 import re
 import socket
+import stat
 import struct
 from typing import Sequence
 
 SOCKET_NAME = "broker.sock"
 LOCK_NAME = "broker.lock"
+MARKER_NAME = "shmreduce.program"
 DIR_PREFIX = "shmreduce-"
 SEG_PREFIX = "seg-"
 
@@ -95,7 +124,10 @@ KEY_LEN = 16
 HEADER_LEN = 1 + KEY_LEN
 MAX_RECORD = 1 << 17
 MAX_FDS = 250
+# Names of each list per record: a deposit of two full lists (29 bytes a name) is
+# ~116 KB, under MAX_RECORD.
 NAMES_PER_RECORD = 2000
+MAX_NBYTES_DIGITS = 20
 FETCH_WAIT = 2.0
 HANDSHAKE_TIMEOUT = 5.0
 TOKEN_LEN = 16
@@ -116,6 +148,7 @@ PONG = b"p"
 
 STATUS_OK = 0
 STATUS_UNKNOWN = 1
+STATUS_LOST = 2
 _FETCH_HEAD = struct.Struct("!BIH")
 _OFFER = struct.Struct(f"!{KEY_LEN}sI")
 OFFER_STREAK = 2  # a sender's messages fetched in a row by one client before it gets offers
@@ -129,12 +162,44 @@ class ProtocolError(Exception):
     """The peer broke the protocol or failed authentication."""
 
 
+class DescriptorsDropped(OSError):
+    """A record arrived without its descriptors: this process is at its descriptor
+    limit (MSG_CTRUNC). ``record`` is the record, its descriptor list empty."""
+
+    def __init__(self, record: tuple[bytes, bytes, bytes, list[int]]) -> None:
+        super().__init__(errno.EMFILE, "descriptors dropped by the kernel (MSG_CTRUNC)")
+        self.record = record
+
+
 _SEGMENT_NAME = re.compile(SEG_PREFIX + "[0-9a-f]{24}")
 _NAME_LIST = re.compile(rb"(?:seg-[0-9a-f]{24})(?:\nseg-[0-9a-f]{24})*")
 
 
 def is_segment_name(name: str) -> bool:
     return _SEGMENT_NAME.fullmatch(name) is not None
+
+
+def is_program_dir(path: str, base: str | None = None) -> bool:
+    """True if *path* is a program directory shmreduce made for this user.
+
+    Named ``shmreduce-*`` (directly in *base*, if given), a real directory (not a
+    symlink) owned by this uid with mode 0700, holding the marker file. Nothing
+    else is ever used by a broker, swept or removed, whatever its name.
+    """
+    if not os.path.basename(path).startswith(DIR_PREFIX):
+        return False
+    if base is not None and os.path.dirname(path) != base:
+        return False
+    try:
+        st = os.lstat(path)
+        marker = os.lstat(os.path.join(path, MARKER_NAME))
+    except OSError:
+        return False
+    uid = os.getuid()
+    return (
+        stat.S_ISDIR(st.st_mode) and st.st_uid == uid and stat.S_IMODE(st.st_mode) == 0o700
+        and stat.S_ISREG(marker.st_mode) and marker.st_uid == uid
+    )
 
 
 def encode_names(names) -> bytes:
@@ -149,15 +214,16 @@ def decode_names(blob: bytes) -> list[str]:
     return blob.decode("ascii").split("\n")
 
 
-def encode_deposit(holds, inflight, nbytes: int = 0) -> bytes:
-    return b"%s|%s|%d" % (encode_names(holds), encode_names(inflight), nbytes)
+def encode_deposit(holds, inflight, nbytes: int, last: bool) -> bytes:
+    return b"%s|%s|%d|%d" % (encode_names(holds), encode_names(inflight), nbytes, last)
 
 
-def decode_deposit(body: bytes) -> tuple[list[str], list[str], int]:
+def decode_deposit(body: bytes) -> tuple[list[str], list[str], int, bool]:
+    """(holds, inflight, nbytes, last); raises ProtocolError if malformed."""
     parts = body.split(b"|")
-    if len(parts) != 3 or not parts[2].isdigit():
-        raise ProtocolError("malformed deposit body")
-    return decode_names(parts[0]), decode_names(parts[1]), int(parts[2])
+    if len(parts) != 4 or not parts[2].isdigit() or len(parts[2]) > MAX_NBYTES_DIGITS or parts[3] not in (b"0", b"1"):
+        raise ProtocolError(f"malformed deposit body {body[:80]!r}")
+    return decode_names(parts[0]), decode_names(parts[1]), int(parts[2]), parts[3] == b"1"
 
 
 def encode_fetched(status: int, total: int, offers: Sequence[tuple[bytes, int]] = ()) -> bytes:
@@ -194,8 +260,8 @@ def recv_record(sock: socket.socket, flags: int = 0) -> tuple[bytes, bytes, byte
     """One record as (op, key, body, fds), or None at end of stream.
 
     Every descriptor received is returned (or closed before raising): the caller owns
-    them. Raises OSError(EMFILE) if the kernel had to drop descriptors because this
-    process is at its descriptor limit.
+    them. Raises DescriptorsDropped (an OSError(EMFILE)) if the kernel had to drop
+    descriptors because this process is at its descriptor limit.
     """
     data, anc, msg_flags, _addr = sock.recvmsg(MAX_RECORD, _ANC_SPACE, flags)
     fds: list[int] = []
@@ -204,20 +270,16 @@ def recv_record(sock: socket.socket, flags: int = 0) -> tuple[bytes, bytes, byte
             arr = array.array("i")
             arr.frombytes(payload[: len(payload) - (len(payload) % arr.itemsize)])
             fds.extend(arr)
-    if msg_flags & _MSG_CTRUNC:
+    if msg_flags & (_MSG_CTRUNC | _MSG_TRUNC) or len(data) < HEADER_LEN:
         for fd in fds:
             os.close(fd)
-        import errno
-
-        raise OSError(errno.EMFILE, "descriptors dropped by the kernel (MSG_CTRUNC)")
-    if not data:
-        for fd in fds:
-            os.close(fd)
-        return None
-    if msg_flags & _MSG_TRUNC or len(data) < HEADER_LEN:
-        for fd in fds:
-            os.close(fd)
-        raise ProtocolError("truncated record")
+        if not data:
+            return None
+        if msg_flags & _MSG_TRUNC:
+            raise ProtocolError(f"record larger than {MAX_RECORD} bytes")
+        if len(data) < HEADER_LEN:
+            raise ProtocolError(f"truncated record of {len(data)} bytes")
+        raise DescriptorsDropped((data[:1], data[1:HEADER_LEN], data[HEADER_LEN:], []))
     return data[:1], data[1:HEADER_LEN], data[HEADER_LEN:], fds
 
 
@@ -235,19 +297,27 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
     return data
 
 
-def serve_handshake(sock: socket.socket, authkey: bytes) -> tuple[bytes, bytes]:
-    """Authenticate both ways; return the client's (role, process token)."""
+HANDSHAKE_ANSWER_LEN = 32 + NONCE_LEN + 1 + TOKEN_LEN
+
+
+def handshake_hello() -> tuple[bytes, bytes]:
+    """The broker's first step: (nonce_b, the record to send)."""
     nonce_b = os.urandom(NONCE_LEN)
-    sock.sendall(MAGIC + nonce_b)
-    answer = _recv_exact(sock, 32 + NONCE_LEN + 1 + TOKEN_LEN)
+    return nonce_b, MAGIC + nonce_b
+
+
+def handshake_reply(authkey: bytes, nonce_b: bytes, answer: bytes) -> tuple[bytes, bytes, bytes]:
+    """The broker's second step, on the client's answer record: (role, process token,
+    the record to send back); raises ProtocolError if the client failed."""
+    if len(answer) != HANDSHAKE_ANSWER_LEN:
+        raise ProtocolError("handshake cut short")
     if not hmac.compare_digest(answer[:32], _digest(authkey, nonce_b)):
         raise ProtocolError("client failed authentication")
     nonce_c = answer[32 : 32 + NONCE_LEN]
     role, token = answer[32 + NONCE_LEN : 33 + NONCE_LEN], answer[33 + NONCE_LEN :]
     if role not in (ROLE_REQUEST, ROLE_POST):
         raise ProtocolError(f"unknown connection role {role!r}")
-    sock.sendall(_digest(authkey, nonce_c) + _PID.pack(os.getpid()))
-    return role, token
+    return role, token, _digest(authkey, nonce_c) + _PID.pack(os.getpid())
 
 
 def client_handshake(

@@ -8,7 +8,11 @@ Process layout: the launcher creates the program directory, takes its lock, bind
 and listens, then double-forks and exits (so the caller is never left with a
 zombie and knows the socket is listening when it returns). The grandchild is the
 *janitor*: it forks the *server*, waits for it, and removes the program directory
-whatever way the server ended, SIGKILL included.
+whatever way the server ended, SIGKILL included. The launcher's stdout is the
+starter's stderr: the server logs there (or to ``$SHMREDUCE_BROKER_LOG``).
+
+Also owns the one sweep of stale program directories (``sweep_stale``), used by
+every launcher and by ``python -m shmreduce cleanup``.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import select
 import shutil
@@ -24,10 +29,14 @@ import socket
 import sys
 import time
 
+from shmreduce._platform import peer_pid, peer_uid, raise_nofile_limit
 from shmreduce.broker import protocol as P
 
 STALE_MIN_AGE = 10.0  # seconds; a younger directory may be a broker still starting
 GRACE = float(os.environ.get("SHMREDUCE_BROKER_GRACE", "1.0"))
+ORPHAN_TTL = float(os.environ.get("SHMREDUCE_ORPHAN_TTL", "60"))  # see Lifetimes in protocol.py
+
+log = logging.getLogger("shmreduce.broker")
 
 
 class _Client:
@@ -42,18 +51,31 @@ class _Client:
 
 
 class _Conn:
-    __slots__ = ("sock", "fd", "client", "post", "last_post")
+    __slots__ = ("sock", "fd", "client", "post", "last_post", "pid")
 
-    def __init__(self, sock: socket.socket, client: _Client, post: bool) -> None:
+    def __init__(self, sock: socket.socket, client: _Client, post: bool, pid: int) -> None:
         self.sock = sock
         self.fd = sock.fileno()
         self.client = client
         self.post = post
         self.last_post = 0.0  # when a record was last read from this post connection
+        self.pid = pid  # the peer's, for log lines
+
+
+class _Handshake:
+    """A connection accepted but not yet authenticated (see Handshake in protocol.py)."""
+
+    __slots__ = ("sock", "nonce", "deadline", "pid")
+
+    def __init__(self, sock: socket.socket, nonce: bytes, deadline: float, pid: int) -> None:
+        self.sock = sock
+        self.nonce = nonce
+        self.deadline = deadline
+        self.pid = pid
 
 
 class _Message:
-    __slots__ = ("fds", "names", "sender", "offered", "nbytes")
+    __slots__ = ("fds", "names", "sender", "offered", "nbytes", "complete", "lost")
 
     def __init__(self, sender: bytes) -> None:
         self.fds: list[int] = []
@@ -61,6 +83,8 @@ class _Message:
         self.nbytes = 0  # memory behind its fds, as its sender declared it
         self.sender = sender  # the depositing client's token
         self.offered = False  # a copy of its fds went to a client as an offer
+        self.complete = False  # its deposit's last record is in
+        self.lost = False  # a deposit record came without its descriptors (EMFILE)
 
     def close(self) -> None:
         """Close the broker's copies of its descriptors (given away or dropped)."""
@@ -79,6 +103,7 @@ class Broker:
         self.authkey = authkey
         self.uid = os.getuid()
         self.conns: dict[int, _Conn] = {}
+        self.handshakes: dict[int, _Handshake] = {}
         self.clients: dict[bytes, _Client] = {}
         self.messages: dict[bytes, _Message] = {}
         # Per sender token: its undelivered messages in deposit order, and which
@@ -89,6 +114,9 @@ class Broker:
         self.refs: dict[str, int] = {}
         self.parked: list[tuple[float, _Conn, bytes]] = []
         self.early_claims: dict[bytes, tuple[float, _Client]] = {}
+        # Sender tokens whose connections all closed -> when their undelivered
+        # messages expire (ORPHAN_TTL).
+        self.orphans: dict[bytes, float] = {}
         # Post connections are armed one-shot: the first record after a quiet spell
         # wakes the broker; then the connection "cools": it is read in one batch at
         # the end of every POST_WINDOW, and armed again only once it has stayed
@@ -100,6 +128,7 @@ class Broker:
         self.cool_until: float | None = None
         self.draining = False
         self.poller = select.epoll()
+        listener.setblocking(False)
         self.poller.register(listener.fileno(), select.EPOLLIN)
         self.root_alive = True
         self.root_fd = -1
@@ -154,6 +183,7 @@ class Broker:
             "connections": len(self.conns),
             "messages": len(self.messages),
             "message_fds": sum(len(m.fds) for m in self.messages.values()),
+            "handshakes": len(self.handshakes),
             "segment_files": len(self.refs),
             "root_alive": self.root_alive,
         }
@@ -161,35 +191,71 @@ class Broker:
     # -- connections -----------------------------------------------------------
 
     def _accept(self) -> None:
+        """Start a connection's handshake; its answer is read by the loop (_answer).
+
+        Two records, each small enough to fit a fresh socket's buffer: the broker
+        never blocks on a client, so a connection that says nothing stalls no one.
+        """
         try:
             sock, _ = self.listener.accept()
-        except OSError:
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            log.warning("cannot accept a connection: %s", exc)
             return
         try:
-            sock.settimeout(P.HANDSHAKE_TIMEOUT)
-            from shmreduce._platform import peer_uid
-
+            # Non-blocking always: the loop drains whatever a client has queued, and
+            # a client that stops reading its replies is dropped, never waited on.
+            sock.setblocking(False)
+            pid = peer_pid(sock)
             if peer_uid(sock) != self.uid:
                 raise P.ProtocolError("peer runs as another user")
-            role, token = P.serve_handshake(sock, self.authkey)
-            # Non-blocking from now on: the loop drains whatever a client has queued,
-            # and a client that stops reading its replies is dropped, never waited on.
-            sock.setblocking(False)
-        except (OSError, P.ProtocolError):
+            nonce, hello = P.handshake_hello()
+            sock.send(hello)
+        except (OSError, P.ProtocolError) as exc:
+            log.warning("refused a connection: %s", exc)
             sock.close()
+            return
+        fd = sock.fileno()
+        self.handshakes[fd] = _Handshake(sock, nonce, time.monotonic() + P.HANDSHAKE_TIMEOUT, pid)
+        self.poller.register(fd, select.EPOLLIN)
+
+    def _answer(self, shake: _Handshake) -> None:
+        """The client's answer to the hello: authenticate it and make it a connection."""
+        fd = shake.sock.fileno()
+        try:
+            answer = shake.sock.recv(P.HANDSHAKE_ANSWER_LEN + 1)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            answer = b""
+            log.warning("handshake with pid %d failed: %s", shake.pid, exc)
+        del self.handshakes[fd]
+        try:
+            role, token, reply = P.handshake_reply(self.authkey, shake.nonce, answer)
+            shake.sock.send(reply)
+        except (OSError, P.ProtocolError) as exc:
+            if answer:
+                log.warning("handshake with pid %d failed: %s", shake.pid, exc)
+            self.poller.unregister(fd)
+            shake.sock.close()
             return
         client = self.clients.get(token)
         if client is None:
             client = self.clients[token] = _Client(token)
+            self.orphans.pop(token, None)
         client.conns += 1
-        conn = _Conn(sock, client, role == P.ROLE_POST)
-        self.conns[conn.fd] = conn
-        self.poller.register(conn.fd, _POST_EVENTS if conn.post else select.EPOLLIN)
+        conn = _Conn(shake.sock, client, role == P.ROLE_POST, shake.pid)
+        self.conns[fd] = conn
+        self.poller.modify(fd, _POST_EVENTS if conn.post else select.EPOLLIN)
         self.idle_since = None
 
-    def _drop(self, conn: _Conn) -> None:
+    def _drop(self, conn: _Conn, reason: str = "") -> None:
+        """Close *conn*; with a *reason* (it broke the protocol, or its I/O failed), log it."""
         if self.conns.pop(conn.fd, None) is None:
             return
+        if reason:
+            log.warning("dropped the connection of pid %d: %s", conn.pid, reason)
         self.poller.unregister(conn.fd)
         self.cooling.discard(conn.fd)
         self.parked = [p for p in self.parked if p[1] is not conn]
@@ -200,8 +266,31 @@ class Broker:
             self.clients.pop(client.token, None)
             self.streaks.pop(client.token, None)
             self._release(client, list(client.holds))
+            self._orphan(client.token, conn.pid)
         if not self.conns:
             self.idle_since = time.monotonic()
+
+    def _orphan(self, token: bytes, pid: int) -> None:
+        """A sender is gone: its incomplete deposits can never complete (dropped now);
+        its undelivered messages stay for ORPHAN_TTL."""
+        keys = self.pending.get(token)
+        if not keys:
+            return
+        broken = [key for key in keys if not self.messages[key].complete]
+        for key in broken:
+            self._discard(key)
+        if broken:
+            log.warning("dropped %d incomplete deposit(s) of pid %d, which disconnected mid-deposit", len(broken), pid)
+        if token in self.pending:
+            self.orphans[token] = time.monotonic() + ORPHAN_TTL
+
+    def _discard(self, key: bytes) -> None:
+        """Drop an undelivered message: its descriptors and its names."""
+        msg = self._remove(key)
+        for name in msg.names:
+            self._decref(name)
+        msg.names = []
+        msg.close()
 
     def _serve(self, conn: _Conn) -> int:
         """Handle every record *conn* has queued; return how many (-1: conn dropped).
@@ -211,16 +300,23 @@ class Broker:
         """
         count = 0
         while not count or conn.post:
+            lost = False
             try:
                 record = P.recv_record(conn.sock)
             except BlockingIOError:
                 return count
-            except (OSError, P.ProtocolError):
-                record = None
+            except P.DescriptorsDropped as exc:
+                # At the descriptor limit: the record is whole, its descriptors are
+                # not. Keep the connection (the stream is in step); the message is lost.
+                record, lost = exc.record, True
+                log.warning("out of descriptors: a %r record of pid %d came without its descriptors", record[0], conn.pid)
+            except (OSError, P.ProtocolError) as exc:
+                self._drop(conn, str(exc) or type(exc).__name__)
+                return -1
             if record is None:
                 self._drop(conn)
                 return -1
-            if not self._handle(conn, *record):
+            if not self._handle(conn, *record, lost=lost):
                 return -1
             count += 1
         return count
@@ -265,18 +361,23 @@ class Broker:
         if self.cooling:
             self.cool_until = now + P.POST_WINDOW
 
-    def _handle(self, conn: _Conn, op: bytes, key: bytes, body: bytes, fds: list[int]) -> bool:
-        """One record; False if the connection was dropped."""
+    def _handle(self, conn: _Conn, op: bytes, key: bytes, body: bytes, fds: list[int], lost: bool = False) -> bool:
+        """One record; False if the connection was dropped.
+
+        Whatever goes wrong with one record drops its connection only: the broker
+        holds every other process's messages. Descriptors a record brought and the
+        message did not take are closed.
+        """
         client = conn.client
         try:
             if op == P.DEPOSIT:
-                holds, inflight, nbytes = P.decode_deposit(body)
+                holds, inflight, nbytes, last = P.decode_deposit(body)
                 self._hold(client, holds)
-                if fds or inflight:
-                    self._deposit(client, key, fds, inflight, nbytes)
-                    fds = []
+                self._deposit(client, key, fds, inflight, nbytes, last, lost)
+                fds = []
             elif op == P.CLAIM:
-                if key in self.messages:
+                msg = self.messages.get(key)
+                if msg is not None and msg.complete:
                     self._claim(client, key)
                 else:
                     self.early_claims[key] = (time.monotonic() + EARLY_CLAIM_TTL, client)
@@ -288,11 +389,12 @@ class Broker:
                     msg.close()
             elif op == P.FETCH:
                 msg = self.messages.get(key)
-                if msg is None or msg.offered:
-                    # Its deposit (or the take of an offered copy) may still be
-                    # queued on a post connection.
+                if msg is None or not msg.complete or msg.offered:
+                    # Its deposit (or its last records, or the take of an offered
+                    # copy) may still be queued on a post connection.
                     self._drain_posts()
-                if key in self.messages:
+                    msg = self.messages.get(key)
+                if msg is not None and msg.complete:
                     self._reply_fetch(conn, key)
                 else:
                     self.parked.append((time.monotonic() + P.FETCH_WAIT, conn, key))
@@ -306,22 +408,43 @@ class Broker:
             else:
                 raise P.ProtocolError(f"unknown op {op!r}")
             return True
-        except (OSError, P.ProtocolError):
+        except (OSError, P.ProtocolError) as exc:
+            self._drop(conn, f"{op!r} record: {exc}")
+            return False
+        except Exception:  # noqa: BLE001  a bug one record hit must not end the broker
+            log.exception("unexpected error on a %r record of pid %d", op, conn.pid)
+            self._drop(conn, "unexpected error (above)")
+            return False
+        finally:
             for fd in fds:
                 os.close(fd)
-            self._drop(conn)
-            return False
 
-    def _deposit(self, client: _Client, key: bytes, fds: list[int], inflight: list[str], nbytes: int) -> None:
+    def _deposit(
+        self, client: _Client, key: bytes, fds: list[int], inflight: list[str], nbytes: int, last: bool, lost: bool
+    ) -> None:
+        """One deposit record (it owns *fds* from now on); the message is delivered
+        once its *last* record is in."""
         msg = self.messages.get(key)
         if msg is None:
+            if not (fds or inflight or lost):
+                return  # holds only: no message
             msg = self.messages[key] = _Message(client.token)
             self.pending.setdefault(client.token, {})[key] = None
+        elif msg.complete:
+            raise P.ProtocolError("deposit record after the last one of its message")
         msg.fds.extend(fds)
         msg.nbytes += nbytes
         for name in inflight:
             self._incref(name)
         msg.names.extend(inflight)
+        if lost and not msg.lost:
+            msg.lost = True
+        if msg.lost:
+            msg.close()  # a message without all its descriptors is of no use
+            msg.fds = []
+        if not last:
+            return
+        msg.complete = True
         early = self.early_claims.pop(key, None) if self.early_claims else None
         if early is not None:
             self._claim(early[1], key)
@@ -357,7 +480,7 @@ class Broker:
         for key in self.pending.get(msg.sender, ()):
             other = self.messages[key]
             # Whole, small, descriptor-only messages (a single record: < MAX_FDS), once each.
-            if other.offered or other.names or not other.fds:
+            if other.offered or other.names or not other.fds or not other.complete:
                 continue
             if len(other.fds) > room or other.nbytes > P.OFFER_BYTES:
                 continue
@@ -369,6 +492,10 @@ class Broker:
         return offers
 
     def _reply_fetch(self, conn: _Conn, key: bytes) -> None:
+        if self.messages[key].lost:
+            self._discard(key)
+            P.send_record(conn.sock, P.FETCHED, key, P.encode_fetched(P.STATUS_LOST, 0))
+            return
         msg = self._remove(key)
         try:
             # The names become this client's before anything can fail, so that a
@@ -392,14 +519,29 @@ class Broker:
                 self.parked.remove(entry)
                 try:
                     self._reply_fetch(entry[1], key)
-                except OSError:
-                    self._drop(entry[1])
+                except OSError as exc:
+                    self._drop(entry[1], f"fetch reply: {exc}")
                 return
 
     def _expire(self, now: float) -> None:
         if self.early_claims:
             for key in [k for k, (until, _) in self.early_claims.items() if until <= now]:
                 del self.early_claims[key]
+        for fd in [fd for fd, shake in self.handshakes.items() if shake.deadline <= now]:
+            shake = self.handshakes.pop(fd)
+            log.warning("closed a connection of pid %d: no handshake within %.0f s", shake.pid, P.HANDSHAKE_TIMEOUT)
+            self.poller.unregister(fd)
+            shake.sock.close()
+        for token in [t for t, until in self.orphans.items() if until <= now]:
+            del self.orphans[token]
+            keys = list(self.pending.get(token, ()))
+            for key in keys:
+                self._discard(key)
+            if keys:
+                log.warning(
+                    "dropped %d undelivered message(s) of a sender that exited %.0f s ago (SHMREDUCE_ORPHAN_TTL)",
+                    len(keys), ORPHAN_TTL,
+                )
         due = [p for p in self.parked if p[0] <= now]
         if not due:
             return
@@ -407,15 +549,15 @@ class Broker:
         for _deadline, conn, key in due:
             try:
                 self._reply_unknown(conn, key)
-            except OSError:
-                self._drop(conn)
+            except OSError as exc:
+                self._drop(conn, f"fetch reply: {exc}")
 
     # -- main loop -------------------------------------------------------------
 
     def _should_exit(self, now: float) -> bool:
         if self.stopping:
             return True
-        if self.conns or self.idle_since is None:
+        if self.conns or self.handshakes or self.idle_since is None:
             return False
         if self.messages and self.root_alive:
             return False
@@ -430,6 +572,8 @@ class Broker:
             timeout = 0.25
             if self.parked:
                 timeout = min(timeout, max(0.0, min(p[0] for p in self.parked) - now))
+            if self.handshakes:
+                timeout = min(timeout, max(0.0, min(h.deadline for h in self.handshakes.values()) - now))
             if self.cool_until is not None:
                 timeout = min(timeout, max(0.0, self.cool_until - now))
             for fd, _events in self.poller.poll(timeout):
@@ -437,6 +581,8 @@ class Broker:
                 if conn is not None:
                     if self._serve(conn) >= 0 and conn.post:
                         self._cool(conn, now)
+                elif fd in self.handshakes:
+                    self._answer(self.handshakes[fd])
                 elif fd == listener:
                     self._accept()
                 elif fd == self.root_fd:
@@ -449,7 +595,7 @@ class Broker:
             now = time.monotonic()
             if self.cool_until is not None and now >= self.cool_until:
                 self._end_window(now)
-            if self.parked or self.early_claims:
+            if self.parked or self.early_claims or self.handshakes or self.orphans:
                 self._expire(now)
 
     def shutdown(self) -> None:
@@ -458,6 +604,8 @@ class Broker:
         self.messages.clear()
         for conn in list(self.conns.values()):
             conn.sock.close()
+        for shake in self.handshakes.values():
+            shake.sock.close()
         self.listener.close()
         self.poller.close()
         remove_program_dir(self.dir)
@@ -504,46 +652,62 @@ def lock_is_free(directory: str) -> bool:
     return True
 
 
-def sweep_stale(base: str, keep: str | None = None) -> list[str]:
-    """Remove this user's program directories under *base* whose broker is dead."""
-    removed: list[str] = []
-    uid = os.getuid()
+def stale_dirs(base: str) -> list[str]:
+    """This user's program directories under *base* whose broker is dead.
+
+    Only directories shmreduce made (``protocol.is_program_dir``), at least
+    STALE_MIN_AGE old (a younger one may be a launcher's between its making and its
+    flock), whose lock no live broker holds.
+    """
     try:
-        entries = os.listdir(base)
+        entries = sorted(os.listdir(base))
     except OSError:
-        return removed
+        return []
+    stale = []
     for entry in entries:
         path = os.path.join(base, entry)
-        if not entry.startswith(P.DIR_PREFIX) or path == keep:
+        if not P.is_program_dir(path, base):
             continue
         try:
-            st = os.lstat(path)
+            young = time.time() - os.lstat(path).st_mtime < STALE_MIN_AGE
         except OSError:
             continue
-        if st.st_uid != uid or not os.path.isdir(path) or os.path.islink(path):
-            continue
-        if time.time() - st.st_mtime < STALE_MIN_AGE:
-            continue  # maybe a launcher between its mkdir and its flock: not stale yet
-        if lock_is_free(path):
-            remove_program_dir(path)
-            removed.append(path)
+        if not young and lock_is_free(path):
+            stale.append(path)
+    return stale
+
+
+def sweep_stale(base: str, keep: str | None = None) -> list[str]:
+    """Remove the ``stale_dirs`` of *base* (but *keep*); return those removed."""
+    removed = [path for path in stale_dirs(base) if path != keep]
+    for path in removed:
+        remove_program_dir(path)
     return removed
 
 
-def _make_private_dir(directory: str) -> None:
-    try:
-        os.mkdir(directory, 0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(directory)
-    if st.st_uid != os.getuid() or (st.st_mode & 0o077) or not os.path.isdir(directory) or os.path.islink(directory):
-        raise SystemExit(f"shmreduce broker: {directory} is not a private directory of this user")
+def _make_program_dir(directory: str) -> None:
+    """Make *directory* with its marker unless it exists; refuse one shmreduce did not make.
+
+    Made as a temporary sibling and renamed into place, so that the directory never
+    exists without its marker (two launchers may race: the second rename fails).
+    """
+    if not os.path.lexists(directory):
+        made = f"{directory}.new-{os.getpid()}"
+        os.mkdir(made, 0o700)
+        os.chmod(made, 0o700)  # whatever the umask
+        os.close(os.open(os.path.join(made, P.MARKER_NAME), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+        try:
+            os.rename(made, directory)
+        except OSError:
+            shutil.rmtree(made, ignore_errors=True)  # another launcher's came first
+    if not P.is_program_dir(directory):
+        raise SystemExit(f"shmreduce broker: {directory} is not a program directory shmreduce made for this user")
 
 
 def launch(directory: str, root_pid: int, authkey: bytes) -> int:
     """Start a broker for *directory* unless one runs; return the exit status."""
     base = os.path.dirname(directory)
-    _make_private_dir(directory)
+    _make_program_dir(directory)
     lock_fd = os.open(os.path.join(directory, P.LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -571,11 +735,21 @@ def launch(directory: str, root_pid: int, authkey: bytes) -> int:
     os._exit(0)
 
 
+def _log_to_stderr(directory: str) -> None:
+    """The server's log: one line per event on its stderr (see Failures in protocol.py)."""
+    handler = logging.StreamHandler(sys.stderr)
+    name = os.path.basename(directory)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s shmreduce broker %(process)d ({name}): %(message)s"))
+    log.addHandler(handler)
+    log.propagate = False
+
+
 def _janitor(directory: str, listener: socket.socket, authkey: bytes, root_pid: int, lock_fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     devnull = os.open(os.devnull, os.O_RDWR)
-    log = os.environ.get("SHMREDUCE_BROKER_LOG")
-    errfd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) if log else devnull
+    path = os.environ.get("SHMREDUCE_BROKER_LOG")
+    # stdout is the starter's stderr (client.start_broker), unless a log file is named.
+    errfd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) if path else os.dup(1)
     for fd, target in ((0, devnull), (1, devnull), (2, errfd)):
         os.dup2(target, fd)
     for fd in {devnull, errfd}:
@@ -583,8 +757,7 @@ def _janitor(directory: str, listener: socket.socket, authkey: bytes, root_pid: 
     server = os.fork()
     if server == 0:
         signal.signal(signal.SIGTERM, lambda *_: setattr(broker, "stopping", True))
-        from shmreduce._platform import raise_nofile_limit
-
+        _log_to_stderr(directory)
         raise_nofile_limit()
         broker = Broker(directory, listener, authkey, root_pid)
         try:
