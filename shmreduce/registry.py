@@ -27,7 +27,7 @@ import pickle
 import threading
 from contextlib import contextmanager
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import cloudpickle
 
@@ -77,21 +77,45 @@ def lookup(cls: type) -> Reducer | None:
 
 
 class DispatchTable(dict):
-    """A pickler ``dispatch_table``: exact entries as given, then shmreduce's table by MRO."""
+    """A pickler ``dispatch_table``: shmreduce's table (exact classes), then the dicts
+    *bases* (the first that has the class wins), then user reducers by MRO.
+
+    *bases* are read at each lookup, never copied, as cloudpickle's ChainMap over
+    copyreg's: a ``copyreg.pickle()`` made after the first message is honoured, as
+    plain pickle and cloudpickle honour it, at no cost per message. Only a class
+    outside shmreduce's table pays for a lookup in Python.
+    """
+
+    __slots__ = ("bases",)
+
+    def __init__(self, bases: tuple[Mapping[Any, Any], ...]) -> None:
+        super().__init__(_table())
+        self.bases = bases
 
     def __missing__(self, cls: type) -> Reducer:
+        for base in self.bases:
+            found = base.get(cls)
+            if found is not None:
+                return found
         found = lookup(cls) if isinstance(cls, type) else None
         if found is None:
             raise KeyError(cls)
-        self[cls] = found
         return found
 
 
-def dispatch_table(base: Any = None) -> DispatchTable:
-    """A dispatch table for your own pickler: *base* (default copyreg's), then shmreduce's."""
-    table = DispatchTable(copyreg.dispatch_table if base is None else base)
-    table.update(_table())
-    return table
+def dispatch_table(base: Mapping[Any, Any] | None = None) -> DispatchTable:
+    """A dispatch table for your own pickler: shmreduce's, then *base* (default copyreg's)."""
+    return DispatchTable((copyreg.dispatch_table if base is None else base,))
+
+
+def _made(made: list[DispatchTable], bases: tuple[Mapping[Any, Any], ...]) -> DispatchTable:
+    """The table in *made* (emptied when the reducers change), made over *bases* if none."""
+    try:
+        return made[0]
+    except IndexError:  # none yet, or emptied meanwhile by another thread
+        table = DispatchTable(bases)
+        made[:] = [table]
+        return table
 
 
 # -- user reducers -----------------------------------------------------------------
@@ -137,22 +161,14 @@ def _changed() -> None:
 # -- the ForkingPickler entry points while registered -------------------------------
 
 
-# ForkingPickler's table (copyreg's plus its _extra_reducers) as a DispatchTable,
-# with the snapshots it was built from: reused while they are unchanged, rather than
-# copied for every message as ForkingPickler.__init__ does.
-_forking_table: list[tuple[dict, dict, DispatchTable]] = []
+# ForkingPickler's table (its _extra_reducers over copyreg's, under shmreduce's),
+# made once rather than copied for every message as ForkingPickler.__init__ does.
+_forking_table: list[DispatchTable] = []
+_FORKING_BASES = (patches.EXTRA_REDUCERS, copyreg.dispatch_table)
 
 
 def _forking_dispatch_table() -> DispatchTable:
-    extra = patches.EXTRA_REDUCERS
-    if _forking_table:
-        base, extras, table = _forking_table[0]
-        if base == copyreg.dispatch_table and extras == extra:
-            return table
-    table = DispatchTable(copyreg.dispatch_table)
-    table.update(extra)
-    _forking_table[:] = [(dict(copyreg.dispatch_table), dict(extra), table)]
-    return table
+    return _made(_forking_table, _FORKING_BASES)
 
 
 def _forking_dumps(cls: type, obj: Any, protocol: int | None = None) -> memoryview:
@@ -164,7 +180,7 @@ def _forking_dumps(cls: type, obj: Any, protocol: int | None = None) -> memoryvi
         pickler.dispatch_table = _forking_dispatch_table()
     else:  # a subclass may set up its own table: extend whatever it made
         pickler = cls(buf, protocol)
-        pickler.dispatch_table = DispatchTable(pickler.dispatch_table)
+        pickler.dispatch_table = DispatchTable((pickler.dispatch_table,))
     with transfer.sending():
         pickler.dump(obj)
     return buf.getbuffer()
@@ -262,15 +278,15 @@ def registered(strategy: str | None = None) -> Iterator[None]:
 
 
 _cloud_table: list[DispatchTable] = []
+_CLOUD_BASES = tuple(cloudpickle.Pickler.dispatch_table.maps)  # cloudpickle's reducers, copyreg's
 
 
 def _cloudpickle_table(pickler: Any) -> DispatchTable:
     # cloudpickle.Pickler declares dispatch_table as a class attribute, which hides
     # the C pickler's slot: only a class-level attribute is seen (at __init__), so
-    # ours is a property over a table rebuilt when the reducers change.
-    if not _cloud_table:
-        _cloud_table.append(dispatch_table(cloudpickle.Pickler.dispatch_table))
-    return _cloud_table[0]
+    # ours is a property over a table remade when the reducers change, reading
+    # the dicts of cloudpickle's own ChainMap live.
+    return _made(_cloud_table, _CLOUD_BASES)
 
 
 class _CloudPickler(cloudpickle.Pickler):

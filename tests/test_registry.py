@@ -6,6 +6,7 @@ import multiprocessing as mp
 import pickle
 import subprocess
 import sys
+import threading
 from multiprocessing.reduction import ForkingPickler
 
 import pytest
@@ -156,3 +157,53 @@ def test_default_reducers_cover_spec_classes():
     assert table[torch.Tensor] is reductions.reduce_tensor
     assert table[torch.UntypedStorage] is reductions.reduce_storage
     assert all(cls in table for cls in torch._storage_classes)
+
+
+# -- copyreg registrations made after the first message (issue 11 item 7) -----------
+
+
+class Guarded:
+    """Holds a lock (unpicklable): only a copyreg reducer makes it picklable."""
+
+    def __init__(self, t):
+        self.t = t
+        self.lock = threading.Lock()
+
+
+def _reduce_guarded(g):
+    return Guarded, (g.t,)
+
+
+def _load_and_write(conn):
+    g = shmreduce.loads(conn.recv_bytes())
+    g.t.fill_(7)
+    conn.send(type(g).__name__)
+    conn.close()
+
+
+@pytest.mark.parametrize("via", ["dumps", "ForkingPickler"])
+def test_copyreg_registration_after_the_first_message_is_honoured(strategy, via):
+    dumps = shmreduce.dumps if via == "dumps" else ForkingPickler.dumps
+    shmreduce.loads(dumps(torch.ones(2)))  # the first message: a table made now must not be a snapshot
+    copyreg.pickle(Guarded, _reduce_guarded)
+    try:
+        g = Guarded(torch.zeros(4))
+        data = dumps(g)
+    finally:
+        del copyreg.dispatch_table[Guarded]
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_load_and_write, args=(child,))
+    proc.start()
+    child.close()
+    try:
+        parent.send_bytes(data)
+        assert parent.poll(60), "child did not answer"
+        assert parent.recv() == "Guarded"
+    finally:
+        parent.close()
+        proc.join(30)
+    assert proc.exitcode == 0
+    assert g.t.eq(7).all(), "the child's write was not seen"
+    with pytest.raises(TypeError):  # and the removal is honoured too
+        dumps(g)
