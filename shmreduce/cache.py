@@ -95,6 +95,17 @@ class StorageCache:
                 if seg.kind == "fs" and seg.program == program and not weak.expired()
             ]
 
+    def forget(self, program: str, names: list[str]) -> None:
+        """Drop the fs segments *names* of *program* (their files are gone): the
+        storages that map them are shared anew if sent again."""
+        gone = set(names)
+        with self._lock:
+            for cdata, (weak, seg) in list(self._by_cdata.items()):
+                if seg.kind == "fs" and seg.program == program and seg.name in gone:
+                    del self._by_cdata[cdata]
+                    if self._by_segment.get(seg[:3]) is weak:
+                        del self._by_segment[seg[:3]]
+
     def live_count(self) -> int:
         with self._lock:
             return sum(1 for weak, _ in self._by_cdata.values() if not weak.expired())

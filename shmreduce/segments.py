@@ -21,13 +21,17 @@ import torch
 
 from shmreduce import _torch
 from shmreduce._platform import HAVE_PROC_FD
-from shmreduce.broker.protocol import SEG_PREFIX, is_segment_name
+from shmreduce.broker.protocol import DIR_PREFIX, SEG_PREFIX, is_segment_name
 from shmreduce.cache import Segment
 from shmreduce.errors import SharingError, out_of_shm, too_many_files
 
 
 class ProgramDirectoryGone(SharingError):
     """The program directory a new file was to go to is gone (its broker died)."""
+
+
+class OutOfSharedMemory(SharingError):
+    """The mount of the program directory has no room for a new file."""
 
 
 # File names: a random per-process prefix and a counter (as transfer's message keys),
@@ -98,7 +102,7 @@ def _file(program: str, nbytes: int, source: torch.UntypedStorage | None) -> tup
     except OSError as exc:
         os.unlink(path)
         if exc.errno in (errno.ENOSPC, errno.EFBIG):
-            raise out_of_shm(program, nbytes, exc.strerror or str(exc)) from exc
+            raise OutOfSharedMemory(str(out_of_shm(program, nbytes, exc.strerror or str(exc)))) from exc
         raise os_error(exc, f"filling {path}") from exc
     finally:
         os.close(fd)
@@ -131,6 +135,23 @@ def adopt_fd(storage: torch.UntypedStorage) -> Segment | None:
         return None
     name, _ = fd_identity(fd)
     return Segment("fd", "", f"{name}/0", storage.nbytes())
+
+
+def refuse_foreign_file(storage: torch.UntypedStorage) -> None:
+    """Refuse a storage mapped from a file shmreduce did not make
+    (``from_file(shared=True)``): moving it into a segment would silently stop it
+    writing to its file. Mappings of shmreduce's own files (made in a program
+    directory, or received through /proc/self/fd) pass."""
+    filename = storage.filename
+    if filename is None or filename.startswith("/proc/self/fd/"):
+        return
+    if os.path.basename(os.path.dirname(filename)).startswith(DIR_PREFIX):
+        return
+    raise SharingError(
+        f"cannot share a storage mapped from the file {filename!r} (from_file(shared=True)): "
+        "sharing moves a storage into shmreduce's shared memory, which would detach it "
+        "from its file. Send a copy (tensor.clone()), or map the file in the receiver too"
+    )
 
 
 def map_file(segment: Segment) -> torch.UntypedStorage:

@@ -119,6 +119,11 @@ class _Outgoing:
     def add(self, storage: torch.UntypedStorage) -> tuple:
         """The storage's ref (a ``SegmentRef`` as a plain tuple) in this message."""
         segment = cache.segment_of(storage)
+        if segment is not None and segment.kind == "fs" and not self.files:
+            # Its files went with a broker that died since: checking the broker
+            # forgets them, and the storage is shared again (issue 11, item 5).
+            self._files_dir()
+            segment = cache.segment_of(storage)
         if segment is None:
             segment = _move_once(storage, self._new_segment)
         else:
@@ -149,10 +154,12 @@ class _Outgoing:
 
     def _new_segment(self, storage: torch.UntypedStorage) -> Segment:
         """The segment of a storage the cache does not know (moved into one if need be)."""
-        segment = segments.adopt_fd(storage) if storage.is_shared() else None
-        if segment is not None:
-            _remember(storage, segment)
-            return segment
+        if storage.is_shared():
+            segment = segments.adopt_fd(storage)
+            if segment is not None:
+                _remember(storage, segment)
+                return segment
+            segments.refuse_foreign_file(storage)
         if get_sharing_strategy() == "file_system":
             segment = self._in_file(segments.move_to_file, storage)
         else:
@@ -167,19 +174,28 @@ class _Outgoing:
         self._created(storage, segment)
         return segment
 
+    def _files_dir(self) -> str:
+        """The program directory of this message's fs segments, its broker checked live
+        once per message (a connected client keeps it, and so the directory, alive)."""
+        if not self.files:
+            self.files = _live_program().directory
+        return self.files
+
     def _in_file(self, make: Callable[[Any, str], _T], arg: Any) -> _T:
         """``make(arg, directory)``: a new file in the program directory, its broker live.
 
-        A connected client keeps its broker, and so the directory, alive; if that
-        broker died meanwhile, its directory may be gone: connect afresh (a new broker
-        makes it) and try once more.
+        If that broker died after the check, its directory may be gone: check again
+        (a new broker makes it) and try once more. A full mount may be full of files
+        whose storages died since the last purge: release them and try once more.
         """
-        if not self.files:
-            self.files = _live_program().directory
         try:
-            return make(arg, self.files)
+            return make(arg, self._files_dir())
         except segments.ProgramDirectoryGone:
-            self.files = _live_program(fresh=True).directory
+            self.files = ""
+            return make(arg, self._files_dir())
+        except segments.OutOfSharedMemory:
+            _release(cache.purge())
+            broker.client_for(self.files, self.root).ping()  # barrier: the broker unlinked them
             return make(arg, self.files)
 
     def _created(self, storage: torch.UntypedStorage, segment: Segment) -> None:
@@ -325,16 +341,13 @@ def new_shared(nbytes: int) -> torch.UntypedStorage:
     return storage
 
 
-def _live_program(fresh: bool = False) -> program.Program:
+def _live_program() -> program.Program:
     """This program, with a live connection to its broker, before files are made in
-    its directory: a connected client keeps the broker (and so the directory) alive,
-    where an idle broker might otherwise exit, and remove it, in between. *fresh*:
-    the directory is gone, so its broker died; a new connection starts one that
-    makes it."""
+    (or sent from) its directory: a connected client keeps the broker, and so the
+    directory, alive, where an idle broker might otherwise exit, and remove it, in
+    between; a broker that died is replaced (a new one makes the directory)."""
     prog = program.current()
-    client = broker.client_for(prog.directory, prog.root_pid)
-    if fresh or not client.connected():
-        client.connect(fresh=fresh or not os.path.isdir(prog.directory))
+    broker.client_for(prog.directory, prog.root_pid).connect()
     return prog
 
 
@@ -556,10 +569,21 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def _hold_live_names(client: broker.BrokerClient) -> None:
     # A new connection (first use, after fork, after a broker restart) holds again
-    # every file_system segment this process still maps.
+    # every file_system segment this process still maps. Files that went with a
+    # broker that died are forgotten: their storages are shared anew when sent again.
     names = cache.live_names(client.directory)
-    if names:
-        client.hold(names)
+    if not names:
+        return
+    try:
+        present = set(os.listdir(client.directory))
+    except OSError:
+        present = set()
+    gone = [name for name in names if name not in present]
+    if gone:
+        cache.forget(client.directory, gone)
+    held = [name for name in names if name in present]
+    if held:
+        client.hold(held)
 
 
 broker.on_connect.append(_hold_live_names)

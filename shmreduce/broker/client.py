@@ -180,15 +180,24 @@ class BrokerClient:
                 hook(self)
         return self.post
 
-    def connect(self, fresh: bool = False) -> None:
-        """Connect now (starting the broker if none runs), e.g. before using its directory.
-
-        *fresh* drops the current connections first: for when the program directory is
-        gone because the broker died, so that a new broker recreates it.
-        """
+    def connect(self) -> None:
+        """Make sure the broker behind the post connection lives, e.g. before its
+        directory is used: connect if not connected (starting the broker if none
+        runs); if the broker closed the connection (killed, or exited), connect afresh,
+        which starts a new one. One non-blocking peek when connected. Under the lock:
+        threads making their first share at once connect once, never closing each
+        other's fresh connection (issue 11, item 13)."""
         with self.lock:
-            if fresh:
-                self.close()
+            post = self.post
+            if post is not None:
+                try:
+                    if post.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                        return
+                except BlockingIOError:
+                    return  # nothing to read: the broker is there
+                except OSError:
+                    pass
+                self.close()  # end of stream: that broker is gone
             self._post_socket(start=True)
 
     def close(self) -> None:
