@@ -17,12 +17,15 @@ Children: a marker in the process config (``current_process()._config``, which
 multiprocessing copies into every child it starts and pickles for spawn and
 forkserver) re-registers spawn/forkserver children, with the same program and
 strategy, before their arguments are unpickled; forked children inherit everything.
+A ``register()`` at a main module's top level, which such a child runs first, does
+not start a program of its own there: the marker then adopts the parent's.
 """
 
 from __future__ import annotations
 
 import copyreg
 import io
+import multiprocessing
 import pickle
 import threading
 from contextlib import contextmanager
@@ -208,6 +211,12 @@ def _inherit(prog: program.Program, strategy_name: str, use_cloudpickle: bool = 
     return _Inherit()
 
 
+def _inheriting() -> bool:
+    """True in a spawn/forkserver child (or forkserver) until its parent's state is
+    loaded: multiprocessing's own flag (``spawn._main``, ``forkserver.main``)."""
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
+
+
 # -- register / unregister ---------------------------------------------------------
 
 
@@ -231,8 +240,11 @@ def register(*, strategy: str | None = None, cloudpickle: bool | None = None) ->
         patches.install(_forking_dumps, _forking_loads, _table(), _Inherit())
         # The program starts here, so forked children join it rather than each
         # becoming the root of its own (whose broker, and the messages it holds,
-        # would go when that child exits: SPEC 7).
-        program.current()
+        # would go when that child exits: SPEC 7). Not in a spawn/forkserver child
+        # still inheriting: its main module's top level (and a register() there) runs
+        # before the parent's marker is unpickled, which then adopts the parent's.
+        if not _inheriting():
+            program.current()
         # The fd strategy holds one descriptor per received storage (#973): raise the
         # soft limit to the hard one, as servers do.
         _platform.raise_nofile_limit()

@@ -3,6 +3,7 @@
 import copyreg
 import io
 import multiprocessing as mp
+import os
 import pickle
 import subprocess
 import sys
@@ -207,3 +208,49 @@ def test_copyreg_registration_after_the_first_message_is_honoured(strategy, via)
     assert g.t.eq(7).all(), "the child's write was not seen"
     with pytest.raises(TypeError):  # and the removal is honoured too
         dumps(g)
+
+
+# -- register() at a spawn/forkserver main module's top level (issue 11 item 16) -----
+
+
+_TOP_LEVEL_MAIN = r"""
+import multiprocessing as mp
+import sys
+import time
+
+import torch
+
+import shmreduce
+
+shmreduce.register(strategy=sys.argv[2])  # at top level: spawn children run this too
+
+
+def produce(q):
+    q.put(torch.arange(1000.0))  # and exit at once: SPEC 7
+
+
+if __name__ == "__main__":
+    ctx = mp.get_context(sys.argv[1])
+    q = ctx.Queue()
+    p = ctx.Process(target=produce, args=(q,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0, p.exitcode
+    time.sleep(1.0)  # well past the broker grace of a program the child might have made
+    t = q.get(timeout=60)
+    assert torch.equal(t, torch.arange(1000.0))
+    print("ok")
+"""
+
+
+@pytest.mark.parametrize("strategy_name", ["file_descriptor", "file_system"])
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_top_level_register_in_child_joins_the_parents_program(tmp_path, method, strategy_name):
+    script = tmp_path / "top_level_main.py"
+    script.write_text(_TOP_LEVEL_MAIN)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this tree's shmreduce
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    done = subprocess.run(
+        [sys.executable, str(script), method, strategy_name], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
