@@ -41,9 +41,11 @@ _Tensor = torch.Tensor
 def _refuse_non_leaf(tensor: torch.Tensor) -> None:
     if tensor.requires_grad and not tensor.is_leaf:
         raise SharingError(
-            "Cowardly refusing to share a non-leaf tensor that requires grad: autograd "
-            "does not cross process boundaries. Call detach() on the tensor before "
-            "sending it (e.g. queue.put(t.detach()))."
+            # torch's words, which people (and torch's own tests) match on
+            "Cowardly refusing to serialize non-leaf tensor which requires_grad, since "
+            "autograd does not support crossing process boundaries. If you just want to "
+            "transfer the data, call detach() on the tensor before serializing (e.g., "
+            "putting it on the queue)."
         )
 
 
