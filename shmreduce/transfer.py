@@ -24,7 +24,7 @@ import torch
 
 from shmreduce import _torch, program, segments, slabs
 from shmreduce.broker import client as broker
-from shmreduce.broker.protocol import DIR_PREFIX, KEY_LEN
+from shmreduce.broker.protocol import KEY_LEN, is_program_dir
 from shmreduce.cache import Segment, cache
 from shmreduce.errors import SharingError, stale_message
 from shmreduce.strategy import get_sharing_strategy
@@ -49,10 +49,11 @@ class SegmentRef(NamedTuple):
     slot: int
 
 
-def fs_tag(message: bytes, name: str, nbytes: int) -> int:
-    """The tag of a file_system handle: refuses forged or mixed-up keys, names, sizes."""
+def fs_tag(directory: str, message: bytes, name: str, nbytes: int) -> int:
+    """The tag of a file_system handle: refuses forged or mixed-up directories, keys,
+    names, sizes."""
     h = _tagger().copy()
-    h.update(b"%s%s/%d" % (message, name.encode(), nbytes))
+    h.update(b"%s/%s%s/%d" % (directory.encode(), message, name.encode(), nbytes))
     return int.from_bytes(h.digest(), "little")
 
 
@@ -131,7 +132,7 @@ class _Outgoing:
         kind, directory, name, nbytes = segment
         if kind == "fs":
             self.inflight.setdefault(directory, {})[name] = None
-            return ("fs", directory, self.key, name, nbytes, fs_tag(self.key, name, nbytes))
+            return ("fs", directory, self.key, name, nbytes, fs_tag(directory, self.key, name, nbytes))
         ident = name.rpartition("/")[0]
         slot = self.slots.get(ident)
         if slot is None:
@@ -454,15 +455,15 @@ def _incoming(directory: str, message: bytes, kind: str) -> _Incoming:
         if kind == "fd" and not entry.fetched:
             entry.fill(broker.client_for(directory).fetch(message))
         return entry
-    if not isinstance(directory, str) or not isinstance(message, bytes):
-        raise SharingError(f"not a shmreduce segment handle: {directory!r}, {message!r} (forged message?)")
-    if not os.path.basename(directory).startswith(DIR_PREFIX) or len(message) != KEY_LEN:
-        raise SharingError(f"refusing handle for {directory!r}: not a shmreduce program directory (forged message?)")
     client = broker.client_for(directory)
-    if not client.connected() and not os.path.isdir(directory):
-        # Its broker is gone (the janitor removed the directory): never start a new
-        # broker for a directory named by a pickle, which could be anywhere.
-        raise stale_message(f"cannot receive from {directory!r}: no such program directory")
+    if not client.connected():
+        # A directory named by a pickle could be anywhere: only one shmreduce made,
+        # in this machine's shm base, is ever connected to (a connected broker has
+        # proved itself in its handshake). A receiver never starts a broker.
+        if not os.path.isdir(directory):
+            raise stale_message(f"cannot receive from {directory!r}: no such program directory")
+        if not is_program_dir(directory, program.shm_base()):
+            raise SharingError(f"refusing handle for {directory!r}: not a shmreduce program directory (forged message?)")
     entry = _Incoming()
     if kind == "fd":
         entry.fill(client.fetch(message))
@@ -490,12 +491,7 @@ def _forget(key: tuple[str, bytes]) -> None:
 def receive(ref: tuple) -> torch.UntypedStorage:
     """The storage *ref* (a ``SegmentRef`` or its plain tuple) names: from the cache
     if this process maps it already."""
-    try:
-        kind, directory, message, name, nbytes, slot = ref
-    except (TypeError, ValueError):
-        raise SharingError(f"not a shmreduce segment handle: {ref!r}") from None
-    if kind != "fd" and kind != "fs":
-        raise SharingError(f"not a shmreduce segment handle: {ref!r}")
+    kind, directory, message, name, nbytes, slot = _checked(ref)
     entry = _incoming(directory, message, kind)
     segment = Segment(kind, "" if kind == "fd" else directory, name, nbytes)
     storage = cache.storage_of(segment)
@@ -506,7 +502,7 @@ def receive(ref: tuple) -> torch.UntypedStorage:
     if kind == "fd":
         storage = _map_slab_item(entry, name, nbytes, slot)
     else:
-        if not isinstance(name, str) or not isinstance(nbytes, int) or slot != fs_tag(message, name, nbytes):
+        if slot != fs_tag(directory, message, name, nbytes):
             raise SharingError(
                 f"refusing file_system handle {name!r}: its tag does not match its handle "
                 "(forged or corrupted message, or another program's)"
@@ -518,10 +514,32 @@ def receive(ref: tuple) -> torch.UntypedStorage:
     return storage
 
 
+def _checked(ref: Any) -> tuple:
+    """*ref*'s fields, each of the type and range a ``SegmentRef`` has, or
+    SharingError: the one place a handle from a pickle is checked before use."""
+    try:
+        kind, directory, message, name, nbytes, slot = ref
+    except (TypeError, ValueError):
+        raise SharingError(f"not a shmreduce segment handle: {ref!r}") from None
+    if (
+        (kind != "fd" and kind != "fs")
+        or type(directory) is not str
+        or type(message) is not bytes
+        or len(message) != KEY_LEN
+        or type(name) is not str
+        or type(nbytes) is not int
+        or nbytes <= 0
+        or type(slot) is not int
+        or (kind == "fd" and slot < 0)
+    ):
+        raise SharingError(f"not a shmreduce segment handle: {ref!r} (forged or corrupted message?)")
+    return ref
+
+
 def _map_slab_item(entry: _Incoming, name: str, nbytes: int, slot: int) -> torch.UntypedStorage:
     """The storage named "dev:ino/offset" in the slab of *slot* of a fetched message."""
-    ident, _, offset = name.rpartition("/") if isinstance(name, str) else ("", "", "")
-    if not ident or not offset.isdigit() or not isinstance(nbytes, int) or nbytes <= 0:
+    ident, _, offset = name.rpartition("/")
+    if not ident or not (offset.isascii() and offset.isdigit()):
         raise SharingError(f"not a shmreduce segment handle: {name!r} of {nbytes!r} bytes (forged message?)")
     buffer = entry.slab(slot, ident)
     start = int(offset)

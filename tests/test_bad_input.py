@@ -237,3 +237,54 @@ def test_missing_file_is_gone_and_never_created():
         with pytest.raises(shmreduce.SharingError, match="gone"):
             segments.map_file(Segment("fs", directory, name, 16))
         assert not os.path.exists(os.path.join(directory, name))
+
+
+_CORRUPTIONS = {
+    "kind": [None, b"fd", 0],
+    "program": [None, b"/dev/shm", "", "\x00"],
+    "message": [None, "k" * 16, b"\x00" * 15],
+    "name": [None, 7, b"seg-", "1:2/99999999999999999999", "1:2/\u00b2", "seg-\x00", ""],
+    "nbytes": [None, -1, 0, 1 << 62, 2.5],
+    "slot": [None, -1, 1 << 40, "0"],
+}
+
+
+@pytest.mark.parametrize("field", sorted(_CORRUPTIONS))
+def test_corrupted_handle_fields_are_sharing_errors(strat, field):
+    # Each field of a real handle replaced by a value of the wrong type or range: a
+    # SharingError every time (never TypeError, ValueError or a crash), and the
+    # uncorrupted handle still loads afterwards.
+    for value in _CORRUPTIONS[field]:
+        ref = _shared_ref(torch.ones(4))
+        result = run_in_child(_rebuild_sum, ref._replace(**{field: value}))
+        assert result[0] == "SharingError", (field, value, result)
+        _receive_if_undelivered(ref)
+    _next_message_works()
+
+
+def _receive_if_undelivered(ref):
+    """Receive *ref*'s message here if no receiver took it (a refused handle may be
+    refused before it reaches the broker): an undelivered message keeps the broker."""
+    client = client_for(ref.program, program.current().root_pid)
+    if client.ping()["messages"]:
+        reductions.rebuild_storage(ref)
+    assert client.ping()["messages"] == 0
+
+
+def test_handle_naming_a_folder_shmreduce_did_not_make_is_refused(strat):
+    # A user's own folder that happens to be named like a program directory, under
+    # the shm base: refused; no broker is started there and nothing in it is touched.
+    folder = os.path.join(shm_base(), "shmreduce-0.1.0")
+    os.mkdir(folder, 0o700)
+    try:
+        with open(os.path.join(folder, "notes.txt"), "w") as f:
+            f.write("mine")
+        ref = _shared_ref(torch.ones(4))
+        _assert_sharing_error(run_in_child(_rebuild_sum, ref._replace(program=folder)), "not a shmreduce program directory")
+        assert os.listdir(folder) == ["notes.txt"]
+        _receive_if_undelivered(ref)
+        _next_message_works()
+    finally:
+        import shutil
+
+        shutil.rmtree(folder)
