@@ -41,7 +41,8 @@ _name_prefix = os.urandom(6).hex()
 _name_count = itertools.count()
 
 
-def _new_name() -> str:
+def new_name() -> str:
+    """A name for a new file, unique in this program."""
     return f"{SEG_PREFIX}{_name_prefix}{next(_name_count) & 0xFFFFFFFFFFFF:012x}"
 
 
@@ -87,9 +88,8 @@ def fill(fd: int, nbytes: int, source: torch.UntypedStorage | None, offset: int 
             done += os.pwrite(fd, view[done:], offset + done)
 
 
-def _file(program: str, nbytes: int, source: torch.UntypedStorage | None) -> tuple[Segment, torch.UntypedStorage]:
-    """A new file of *program*, mode 0600, holding *source*'s bytes (or zeros), and its mapping."""
-    name = _new_name()
+def _file(program: str, name: str, nbytes: int, source: torch.UntypedStorage | None) -> tuple[Segment, torch.UntypedStorage]:
+    """A new file *name* of *program*, mode 0600, holding *source*'s bytes (or zeros), and its mapping."""
     path = f"{program}/{name}"
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -113,16 +113,16 @@ def _file(program: str, nbytes: int, source: torch.UntypedStorage | None) -> tup
         raise SharingError(f"mapping {path} failed: {exc}") from exc
 
 
-def move_to_file(storage: torch.UntypedStorage, program: str) -> Segment:
-    """Move *storage* into a new file of *program* in place."""
-    segment, shared = _file(program, storage.nbytes(), storage)
+def move_to_file(storage: torch.UntypedStorage, program: str, name: str) -> Segment:
+    """Move *storage* into a new file *name* of *program* in place."""
+    segment, shared = _file(program, name, storage.nbytes(), storage)
     _torch.swap_memory(storage, shared)
     return segment
 
 
-def new_file(nbytes: int, program: str) -> tuple[Segment, torch.UntypedStorage]:
-    """A new zero-filled storage of *nbytes* in a file of *program*, its space reserved."""
-    return _file(program, nbytes, None)
+def new_file(nbytes: int, program: str, name: str) -> tuple[Segment, torch.UntypedStorage]:
+    """A new zero-filled storage of *nbytes* in a file *name* of *program*, its space reserved."""
+    return _file(program, name, nbytes, None)
 
 
 def adopt_fd(storage: torch.UntypedStorage) -> Segment | None:

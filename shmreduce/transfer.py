@@ -182,22 +182,25 @@ class _Outgoing:
             self.files = _live_program().directory
         return self.files
 
-    def _in_file(self, make: Callable[[Any, str], _T], arg: Any) -> _T:
-        """``make(arg, directory)``: a new file in the program directory, its broker live.
+    def _in_file(self, make: Callable[[Any, str, str], _T], arg: Any) -> _T:
+        """``make(arg, directory, name)``: a new file in the program directory, its
+        broker live, its name held there before the file exists.
 
         If that broker died after the check, its directory may be gone: check again
         (a new broker makes it) and try once more. A full mount may be full of files
         whose storages died since the last purge: release them and try once more.
         """
         try:
-            return make(arg, self._files_dir())
+            directory = self._files_dir()
+            return make(arg, directory, _names.take(directory, self.root))
         except segments.ProgramDirectoryGone:
             self.files = ""
-            return make(arg, self._files_dir())
+            directory = self._files_dir()
+            return make(arg, directory, _names.take(directory, self.root))
         except segments.OutOfSharedMemory:
             _release(cache.purge())
             broker.client_for(self.files, self.root).ping()  # barrier: the broker unlinked them
-            return make(arg, self.files)
+            return make(arg, self.files, _names.take(self.files, self.root))
 
     def _created(self, storage: torch.UntypedStorage, segment: Segment) -> None:
         """Account for a segment this process just made for *storage*: a new fs file
@@ -231,6 +234,33 @@ class _Outgoing:
             self.buffers.clear()
             self.slab = None
 
+
+class _NameReserve:
+    """file_system file names this process holds at its broker before it makes the
+    files, a batch at a time: a sender killed in the middle of a pickle leaves files
+    its broker still removes, as its holds go with its connection (issue 11, item 17).
+    One hold record per RESERVED_NAMES new files; a name held for a file never made
+    costs the broker a dict entry until the process lets go."""
+
+    def __init__(self) -> None:
+        self.names: dict[str, list[str]] = {}  # program directory -> held, unused
+
+    def take(self, directory: str, root: int) -> str:
+        names = self.names.get(directory)
+        if not names:
+            names = [segments.new_name() for _ in range(RESERVED_NAMES)]
+            broker.client_for(directory, root).hold(names)
+            names.reverse()
+            self.names[directory] = names
+        return names.pop()
+
+    def drop(self, directory: str) -> None:
+        """Forget the names held at a broker this process no longer talks to."""
+        self.names.pop(directory, None)
+
+
+RESERVED_NAMES = 64
+_names = _NameReserve()
 
 _local = threading.local()
 
@@ -576,6 +606,7 @@ def _after_fork_in_child() -> None:
     _pending_lock = threading.Lock()
     _moving_guard = threading.Lock()
     _moving.clear()
+    _names.names.clear()  # the parent's holds, not ours
     for entry in _pending.values():
         entry.close()
     _pending.clear()
@@ -589,6 +620,7 @@ def _hold_live_names(client: broker.BrokerClient) -> None:
     # A new connection (first use, after fork, after a broker restart) holds again
     # every file_system segment this process still maps. Files that went with a
     # broker that died are forgotten: their storages are shared anew when sent again.
+    _names.drop(client.directory)
     names = cache.live_names(client.directory)
     if not names:
         return

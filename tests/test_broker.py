@@ -93,7 +93,7 @@ def test_message_keys_and_file_names_differ_between_a_process_and_its_forked_chi
     pid = os.fork()
     if pid == 0:
         try:
-            os.write(w, transfer._new_key() + segments._new_name().encode())
+            os.write(w, transfer._new_key() + segments.new_name().encode())
         finally:
             os._exit(0)
     os.close(w)
@@ -103,13 +103,13 @@ def test_message_keys_and_file_names_differ_between_a_process_and_its_forked_chi
         os.close(r)
         os.waitpid(pid, 0)
     child_key, child_name = child[:16], child[16:].decode()
-    parent_key, parent_name = transfer._new_key(), segments._new_name()
+    parent_key, parent_name = transfer._new_key(), segments.new_name()
     assert len(child_key) == len(parent_key) == 16
     assert child_key[:8] != parent_key[:8]
     assert transfer._new_key() != parent_key
     assert is_segment_name(child_name) and is_segment_name(parent_name)
     assert child_name[:16] != parent_name[:16]
-    assert segments._new_name() != parent_name
+    assert segments.new_name() != parent_name
 
 
 def test_file_system_sharing_after_the_broker_died_and_its_directory_went():
