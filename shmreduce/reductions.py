@@ -92,7 +92,9 @@ def reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple]:
         return reduce_nested(tensor)
     if tensor.is_cpu:
         storage = tensor.untyped_storage()
-        return rebuild_tensor, (transfer.share(storage) if storage.nbytes() else None, _meta(tensor))
+        # An empty storage travels as itself (reduce_storage): pickle's memo then
+        # rebuilds views of one empty storage in one message over one storage, as torch.
+        return rebuild_tensor, (transfer.share(storage) if storage.nbytes() else storage, _meta(tensor))
     device = tensor.device.type
     if device == "cuda":
         from torch.multiprocessing.reductions import reduce_tensor as torch_reduce_tensor
@@ -106,13 +108,21 @@ def reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple]:
 _EMPTY: dict[torch.dtype, torch.Tensor] = {}  # one empty tensor per dtype: new_empty is cheap
 
 
-def rebuild_tensor(ref: tuple | None, meta: Meta) -> torch.Tensor:
-    storage = transfer.receive(ref) if ref is not None else torch.UntypedStorage(0)
-    dtype, size, stride, offset, extra = meta
-    empty = _EMPTY.get(dtype)
-    if empty is None:
-        empty = _EMPTY[dtype] = torch.empty((0,), dtype=dtype)
-    return _finish(empty.new_empty((0,)).set_(storage, offset, size, stride), extra)
+def rebuild_tensor(ref: tuple | torch.UntypedStorage | None, meta: Meta) -> torch.Tensor:
+    """*ref*: a storage's SegmentRef, or an empty storage already rebuilt (None from
+    older pickles)."""
+    if isinstance(ref, tuple):
+        storage = transfer.receive(ref)
+    else:
+        storage = torch.UntypedStorage(0) if ref is None else ref
+    try:
+        dtype, size, stride, offset, extra = meta
+        empty = _EMPTY.get(dtype)
+        if empty is None:
+            empty = _EMPTY[dtype] = torch.empty((0,), dtype=dtype)
+        return _finish(empty.new_empty((0,)).set_(storage, offset, size, stride), extra)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise SharingError(f"tensor metadata that does not fit its storage ({exc}): forged or corrupted message") from None
 
 
 def rebuild_meta_tensor(meta: Meta, nbytes: int) -> torch.Tensor:

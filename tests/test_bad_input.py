@@ -288,3 +288,18 @@ def test_handle_naming_a_folder_shmreduce_did_not_make_is_refused(strat):
         import shutil
 
         shutil.rmtree(folder)
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [None, (), ("float32", (4,), (1,), 0, None), (torch.float32, (1 << 40,), (1,), 0, None), (torch.float32, (4,), (1,), -3, None)],
+)
+def test_corrupted_tensor_metadata_is_a_sharing_error(strat, meta):
+    # A tensor's metadata that does not fit its storage (wrong types, beyond its end)
+    # is refused like a corrupted handle, never a TypeError or ValueError.
+    t = torch.ones(4)
+    with transfer.sending():
+        ref = transfer.share(t.untyped_storage())
+    with pytest.raises(shmreduce.SharingError, match="forged or corrupted"):
+        reductions.rebuild_tensor(ref, meta)
+    assert torch.equal(reductions.rebuild_tensor(ref, (torch.float32, (4,), (1,), 0, None)), t)

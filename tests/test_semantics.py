@@ -106,6 +106,27 @@ def test_faithful_rebuild_of_class_and_metadata(echo):
     assert out[4].shape == (0, 3) and out[5].shape == (2, 0, 3)
 
 
+def _empty_views_share_a_storage(conn):
+    a, b, c = conn.recv()
+    conn.send((a.untyped_storage()._cdata == b.untyped_storage()._cdata, a.untyped_storage()._cdata == c.untyped_storage()._cdata))
+
+
+def test_empty_views_of_one_empty_storage_arrive_over_one_storage(strategy):
+    # torch rebuilds them over one storage (pickle's memo): so do we (issue 11, item 8).
+    base = torch.empty(0, 4)
+    other = torch.empty(0)
+    ours, theirs = CTX.Pipe()
+    proc = CTX.Process(target=_empty_views_share_a_storage, args=(theirs,))
+    proc.start()
+    try:
+        ours.send([base, base.t(), other])
+        assert ours.poll(30)
+        assert ours.recv() == (True, False)
+    finally:
+        proc.join(30)
+    assert proc.exitcode == 0
+
+
 def test_non_leaf_requiring_grad_is_refused(strategy):
     x = torch.randn(3, requires_grad=True) * 2
     with pytest.raises(RuntimeError, match="detach"):
