@@ -1,4 +1,4 @@
-"""shmreduce benchmark: shmreduce against torch.multiprocessing, pickle by value and a floor.
+"""shmreduce benchmark: shmreduce against torch.multiprocessing, its other peers and a floor.
 
 Method
 ------
@@ -11,6 +11,23 @@ Method
   ``tensor.numpy()``, which ForkingPickler pickles by value: every byte goes through the
   pipe, the consumer turns it back into a tensor with ``torch.from_numpy``); ``floor``
   (a bare int through the same queue: the cost of the transport itself).
+* Peers of issue 12, in the same rounds: ``shm-recipe`` (scenarios 1-3), the
+  ``multiprocessing.shared_memory`` recipe: per message the producer creates one
+  ``SharedMemory`` block, copies all the message's tensors into it at 64-byte aligned offsets
+  and puts the block's name with each tensor's offset, dtype and shape on the same queue; the
+  consumer maps the block, copies the tensors out (``clone``), closes and unlinks it. The
+  stdlib's resource tracker is started in the parent for this row only (so producer and
+  consumer share one, as the recipe needs: the producer's create registers the name, the
+  consumer's unlink unregisters it) and stopped after the trial; its registrations are part of
+  the recipe's cost. ``tensordict-torch`` / ``tensordict-shmreduce`` (scenario 2): the dict
+  as ``TensorDict(msg, batch_size=[]).consolidate()`` (built per message by the producer,
+  one uint8 storage holding all 64 tensors), sent through torch's reducers (file_descriptor,
+  shmreduce unregistered) or through shmreduce's (registered, file_descriptor); left out, with
+  the reason printed, if ``tensordict`` does not import. ``memcpy`` (scenario 3): a child
+  process copies a 64 MiB buffer into another, both written beforehand so every page is
+  faulted in, with ``ctypes.memmove`` (glibc ``memcpy``, single-threaded, independent of
+  torch's intra-op thread pool) for the same timed wall time: the copy bandwidth of one core,
+  against which the 64 MiB goal ("at least half of memcpy") is set.
 * Every trial is a fresh producer and a fresh consumer process over an ``mp.Queue``
   (bounded, so a fast producer cannot pile up shared memory). The producer builds fresh
   tensors for every message until the consumer says stop; the consumer times the messages
@@ -31,8 +48,12 @@ Method
   report ``/proc/self/fd`` entries and memfd mappings in ``/proc/self/maps`` (distinct
   segments and bytes); ``/dev/shm`` growth and the descriptors held by the shmreduce
   broker (if one runs) are measured from outside while the tensors are still held.
-* Round trips per message (shmreduce rows): delta of ``shmreduce.stats()["round_trips"]``
-  on the consumer (receiver) side over the timed messages, divided by their count.
+* Round trips per message (rows with shmreduce registered): delta of
+  ``shmreduce.stats()["round_trips"]`` on the consumer (receiver) side over the timed
+  messages, divided by their count.
+* Goals (issue 12) are evaluated on the medians: a ratio goal divides a row's median by
+  another row's of the same scenario (oriented so that > 1 is better); "ahead of" a row means
+  a ratio of at least 1. Each goal prints PASS/FAIL with its number.
 
 Run: ``python benchmarks/bench.py [--quick] [--rounds N] [--update-readme]``.
 Writes ``benchmarks/results/results.json`` and ``benchmarks/results/chart.png``.
@@ -41,6 +62,7 @@ Writes ``benchmarks/results/results.json`` and ``benchmarks/results/chart.png``.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import gc
 import json
@@ -53,6 +75,8 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 from typing import Any, Callable
 
@@ -75,24 +99,33 @@ KIB, MIB = 1024, 1024 * 1024
 # -- implementations ------------------------------------------------------------------
 
 IMPLS = ["shmreduce-fd", "torch-fd", "shmreduce-fs", "torch-fs", "by-value", "floor"]
+PEERS = ["shm-recipe", "tensordict-torch", "tensordict-shmreduce", "memcpy"]  # issue 12
 STRATEGY = {"shmreduce-fd": "file_descriptor", "torch-fd": "file_descriptor",
-            "shmreduce-fs": "file_system", "torch-fs": "file_system"}
-BASELINE = {"shmreduce-fd": "torch-fd", "shmreduce-fs": "torch-fs",
-            "by-value": "torch-fd", "floor": "torch-fd"}
+            "shmreduce-fs": "file_system", "torch-fs": "file_system",
+            "tensordict-shmreduce": "file_descriptor", "tensordict-torch": "file_descriptor"}
+REGISTERED = {"shmreduce-fd", "shmreduce-fs", "tensordict-shmreduce"}  # rows with shmreduce.register()
+BASELINE = {"shmreduce-fd": "torch-fd", "shmreduce-fs": "torch-fs", "torch-fs": "torch-fs"}  # others: torch-fd
+TENSORDICT_ROWS = {"tensordict-torch", "tensordict-shmreduce"}
 
 
 def configure(impl: str) -> None:
     """Put this (parent) process in the state the row needs before forking."""
     shmreduce.unregister()
-    if impl.startswith("shmreduce"):
+    if impl in REGISTERED:
         shmreduce.register(strategy=STRATEGY[impl])
     else:
         torch.multiprocessing.set_sharing_strategy(STRATEGY.get(impl, "file_descriptor"))
+    if impl == "shm-recipe":
+        resource_tracker.ensure_running()  # one tracker shared by producer and consumer
 
 
 def deconfigure() -> None:
     shmreduce.unregister()
     torch.multiprocessing.set_sharing_strategy("file_descriptor")
+    # Stop the tracker shm-recipe started (it would warn about, and unlink, any block the
+    # trial leaked), so that later rows' children do not inherit its descriptor. Private,
+    # but stdlib 3.8-3.13 all have it.
+    resource_tracker._resource_tracker._stop()
 
 
 def encode(impl: str, msg: Any, seq: int) -> Any:
@@ -103,16 +136,84 @@ def encode(impl: str, msg: Any, seq: int) -> Any:
         if isinstance(msg, dict):
             return {k: v.numpy() for k, v in msg.items()}
         return msg.numpy()
+    if impl == "shm-recipe":
+        return RecipeMessage.send(msg)
+    if impl in TENSORDICT_ROWS:
+        from tensordict import TensorDict
+
+        return TensorDict(msg, batch_size=[]).consolidate()
     return msg
 
 
 def decode(obj: Any) -> Any:
-    """Consumer side of ``encode``: by-value rows get tensors back."""
+    """Consumer side of ``encode``: by-value and shm-recipe rows get tensors back."""
     if isinstance(obj, np.ndarray):
         return torch.from_numpy(obj)
     if isinstance(obj, dict) and obj and isinstance(next(iter(obj.values())), np.ndarray):
         return {k: torch.from_numpy(v) for k, v in obj.items()}
+    if isinstance(obj, RecipeMessage):
+        return obj.receive()
     return obj
+
+
+def discard(obj: Any) -> None:
+    """A message the producer made but never sent: release what it holds (shm-recipe's block)."""
+    if isinstance(obj, RecipeMessage):
+        obj.unlink()
+
+
+@dataclass(frozen=True)
+class RecipeMessage:
+    """The ``multiprocessing.shared_memory`` recipe: one new block per message.
+
+    ``keys`` is None for a single tensor; ``layout`` holds each tensor's (offset, nbytes,
+    dtype, shape) in the block.
+    """
+
+    name: str
+    keys: tuple[str, ...] | None
+    layout: tuple[tuple[int, int, torch.dtype, tuple[int, ...]], ...]
+
+    @classmethod
+    def send(cls, msg: torch.Tensor | dict[str, torch.Tensor]) -> RecipeMessage:
+        keys = tuple(msg) if isinstance(msg, dict) else None
+        tensors = list(msg.values()) if isinstance(msg, dict) else [msg]
+        layout, end = [], 0
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            layout.append((end, nbytes, t.dtype, tuple(t.shape)))
+            end += -(-nbytes // 64) * 64
+        shm = SharedMemory(create=True, size=max(end, 1))
+        block = torch.frombuffer(shm.buf, dtype=torch.uint8)
+        for t, (offset, nbytes, _, _) in zip(tensors, layout):
+            block[offset:offset + nbytes].copy_(t.reshape(-1).view(torch.uint8))
+        del block  # releases the export of shm.buf, so that close() may unmap it
+        shm.close()
+        return cls(shm.name, keys, tuple(layout))
+
+    def receive(self) -> torch.Tensor | dict[str, torch.Tensor]:
+        shm = SharedMemory(name=self.name)
+        block = torch.frombuffer(shm.buf, dtype=torch.uint8)
+        tensors = [block[offset:offset + nbytes].view(dtype).view(shape).clone()
+                   for offset, nbytes, dtype, shape in self.layout]
+        del block
+        shm.close()
+        shm.unlink()
+        return tensors[0] if self.keys is None else dict(zip(self.keys, tensors))
+
+    def unlink(self) -> None:
+        shm = SharedMemory(name=self.name)
+        shm.close()
+        shm.unlink()
+
+
+def tensordict_missing() -> str | None:
+    """Why the tensordict rows cannot run here, or None. Imported in the parent, before any fork."""
+    try:
+        import tensordict  # noqa: F401
+    except Exception as exc:  # not installed, or built against another torch
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 # -- message factories ----------------------------------------------------------------
@@ -175,12 +276,16 @@ def queue_producer(impl: str, make: Callable[[int], Any], q: Any, stop: Any, don
     seq = 0
     while not stop.is_set():
         msg = seq if impl == "floor" else encode(impl, make(seq), seq)
+        sent = False
         while not stop.is_set():
             try:
                 q.put(msg, timeout=0.05)
+                sent = True
                 break
             except queue.Full:
                 continue
+        if not sent:
+            discard(msg)
         del msg
         seq += 1
     q.put(None)
@@ -210,8 +315,8 @@ def consume(q: Any, stop: Any, seconds: float, nbytes: int) -> dict:
     elapsed = time.perf_counter() - t0
     rt = shmreduce_stat("round_trips") - rt0
     stop.set()
-    while q.get(timeout=GET_TIMEOUT) is not None:  # drain until the producer's sentinel
-        pass
+    while decode(q.get(timeout=GET_TIMEOUT)) is not None:  # drain until the producer's sentinel
+        pass  # (decoded: shm-recipe's consumer unlinks each block)
     return {"msgs": count, "seconds": elapsed, "msg_per_s": count / elapsed,
             "gb_per_s": count * nbytes / elapsed / 1e9, "round_trips_per_msg": rt / count}
 
@@ -223,6 +328,33 @@ def throughput_trial(impl: str, make: Callable[[int], Any], seconds: float, maxs
              CTX.Process(target=queue_consumer, args=(q, stop, done, results, seconds, nbytes), daemon=True)]
     run_children(*procs)
     return get_result(results, procs, seconds + JOIN_TIMEOUT)
+
+
+def memcpy_worker(seconds: float, nbytes: int, results: Any) -> None:
+    src, dst = (ctypes.c_char * nbytes)(), (ctypes.c_char * nbytes)()
+    ctypes.memset(src, 1, nbytes)  # every page of both buffers faulted in before timing
+    ctypes.memset(dst, 0, nbytes)
+    ctypes.memmove(dst, src, nbytes)
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        ctypes.memmove(dst, src, nbytes)
+        count += 1
+    elapsed = time.perf_counter() - t0
+    results.put({"copies": count, "seconds": elapsed, "gb_per_s": count * nbytes / elapsed / 1e9})
+
+
+def memcpy_trial(seconds: float, nbytes: int) -> dict:
+    """Single-threaded memcpy bandwidth between two faulted-in buffers, in a fresh child."""
+    results = CTX.Queue()
+    procs = [CTX.Process(target=memcpy_worker, args=(seconds, nbytes, results), daemon=True)]
+    run_children(*procs)
+    return get_result(results, procs, seconds + JOIN_TIMEOUT)
+
+
+def large_trial(impl: str, seconds: float) -> dict:
+    if impl == "memcpy":
+        return memcpy_trial(seconds, MSG_BYTES[one_large])
+    return throughput_trial(impl, one_large, seconds, 3)
 
 
 # -- scenario 4: busy sender, consumer unpickle latency ----------------------------------
@@ -453,12 +585,13 @@ class Budget:
 ALL = tuple(IMPLS)
 SHARED = ("shmreduce-fd", "torch-fd", "shmreduce-fs", "torch-fs")
 SCENARIOS = [
-    Scenario("1", "one 1 KiB tensor", "msg_per_s", "msg/s", True, ALL,
+    Scenario("1", "one 1 KiB tensor", "msg_per_s", "msg/s", True, ALL[:-1] + ("shm-recipe", "floor"),
              lambda impl, b: throughput_trial(impl, one_small, b.seconds, 64)),
-    Scenario("2", "dict of 64 x 1 KiB tensors", "msg_per_s", "msg/s", True, ALL,
+    Scenario("2", "dict of 64 x 1 KiB tensors", "msg_per_s", "msg/s", True,
+             ALL[:-1] + ("shm-recipe", "tensordict-torch", "tensordict-shmreduce", "floor"),
              lambda impl, b: throughput_trial(impl, dict_small, b.seconds * 1.5, 8)),
-    Scenario("3", "one 64 MiB tensor", "gb_per_s", "GB/s", True, ALL[:-1],
-             lambda impl, b: throughput_trial(impl, one_large, b.seconds * 1.5, 3)),
+    Scenario("3", "one 64 MiB tensor", "gb_per_s", "GB/s", True, ALL[:-1] + ("shm-recipe", "memcpy"),
+             lambda impl, b: large_trial(impl, b.seconds * 1.5)),
     Scenario("4", "busy sender (2 ms spin), unpickle p99", "p99_ms", "ms", False, ALL,
              lambda impl, b: busy_trial(impl, b.busy_msgs)),
     Scenario("5a", "DataLoader: dicts of 32 small tensors", "batches_per_s", "batch/s", True, SHARED,
@@ -478,17 +611,34 @@ def flatten_holding(r: dict) -> dict:
             "dev_shm_bytes": r["dev_shm_bytes"], "broker_fds": r["broker_fds"]}
 
 
-# goal: (scenario, impl, test on the summary row, description)
+@dataclass(frozen=True)
+class Goal:
+    """Issue 12's goals. With ``versus``: the ratio of ``impl``'s median to that row's (> 1 is
+    better, whichever the metric's direction) must be >= ``bound``; without: ``impl``'s median
+    (a lower-is-better metric) must be <= ``bound``."""
+
+    scenario: str
+    impl: str
+    versus: str | None
+    bound: float
+    text: str
+
+
 GOALS = [
-    ("1", "shmreduce-fd", lambda s: s["ratio"] >= 5, ">= 5x torch fd"),
-    ("1", "shmreduce-fs", lambda s: s["ratio"] >= 2, ">= 2x torch fs"),
-    ("2", "shmreduce-fd", lambda s: s["ratio"] >= 15, ">= 15x torch fd"),
-    ("3", "shmreduce-fd", lambda s: s["ratio"] >= 1.0, ">= 1.0x torch fd"),
-    ("3", "shmreduce-fs", lambda s: s["ratio"] >= 1.0, ">= 1.0x torch fs"),
-    ("4", "shmreduce-fd", lambda s: s["median"] <= 2.0, "p99 <= 2 ms"),
-    ("4", "shmreduce-fs", lambda s: s["median"] <= 2.0, "p99 <= 2 ms"),
-    ("5a", "shmreduce-fd", lambda s: s["ratio"] >= 1.5, ">= 1.5x stock"),
-    ("5b", "shmreduce-fd", lambda s: s["ratio"] >= 1.0, ">= 1.0x stock"),
+    Goal("1", "shmreduce-fd", "by-value", 0.75, ">= 0.75x by-value"),
+    Goal("1", "shmreduce-fd", "torch-fd", 10, ">= 10x torch fd"),
+    Goal("1", "shmreduce-fs", "torch-fs", 3, ">= 3x torch fs"),
+    Goal("2", "shmreduce-fd", "by-value", 1.0, ">= 1.0x by-value"),
+    Goal("2", "shmreduce-fd", "torch-fd", 40, ">= 40x torch fd"),
+    Goal("2", "shmreduce-fd", "shm-recipe", 1.0, "ahead of shm-recipe"),
+    Goal("2", "shmreduce-fd", "tensordict-torch", 1.0, "ahead of tensordict-torch"),
+    Goal("2", "shmreduce-fd", "tensordict-shmreduce", 1.0, "ahead of tensordict-shmreduce"),
+    Goal("3", "shmreduce-fd", "torch-fd", 2.5, ">= 2.5x torch fd"),
+    Goal("3", "shmreduce-fd", "memcpy", 0.5, ">= 50% of memcpy"),
+    Goal("4", "shmreduce-fd", None, 1.0, "p99 <= 1 ms"),
+    Goal("5a", "shmreduce-fd", "torch-fd", 3, ">= 3x stock"),
+    Goal("5b", "shmreduce-fd", "torch-fd", 1.2, ">= 1.2x stock"),
+    Goal("6", "shmreduce-fd", None, 64, "<= 64 consumer fds"),
 ]
 
 
@@ -507,14 +657,18 @@ def run_trial(scenario: Scenario, impl: str, budget: Budget) -> dict:
         gc.collect()
 
 
-def run_rounds(rounds: int, budget: Budget, only: set[str] | None) -> dict[str, dict[str, list[dict]]]:
-    raw: dict[str, dict[str, list[dict]]] = {s.key: {i: [] for i in s.impls} for s in SCENARIOS}
+def run_rounds(rounds: int, budget: Budget, only: set[str] | None,
+               absent: frozenset[str] = frozenset()) -> dict[str, dict[str, list[dict]]]:
+    """Every (scenario, row) once a round, rows alternating; ``absent`` rows are left out."""
+    raw: dict[str, dict[str, list[dict]]] = {
+        s.key: {i: [] for i in s.impls if i not in absent} for s in SCENARIOS}
     failed: set[tuple[str, str]] = set()
     for r in range(rounds):
         for scenario in SCENARIOS:
             if only and scenario.key not in only:
                 continue
-            order = scenario.impls if r % 2 == 0 else tuple(reversed(scenario.impls))
+            impls = tuple(raw[scenario.key])
+            order = impls if r % 2 == 0 else tuple(reversed(impls))
             for impl in order:
                 if (scenario.key, impl) in failed:
                     continue
@@ -526,7 +680,7 @@ def run_rounds(rounds: int, budget: Budget, only: set[str] | None) -> dict[str, 
                     print(f"  ! scenario {scenario.key} {impl}: {result['error']} (skipped from now on)",
                           file=sys.stderr)
                 value = result.get(scenario.metric, float("nan"))
-                print(f"round {r + 1}/{rounds} scenario {scenario.key:>2} {impl:<13} "
+                print(f"round {r + 1}/{rounds} scenario {scenario.key:>2} {impl:<20} "
                       f"{value:10.3f} {scenario.unit:<7} ({time.perf_counter() - t:.1f}s)", flush=True)
     return raw
 
@@ -540,7 +694,7 @@ def summarize(raw: dict[str, dict[str, list[dict]]]) -> dict[str, dict[str, dict
     summary: dict[str, dict[str, dict]] = {}
     for scenario in SCENARIOS:
         rows = {}
-        for impl in scenario.impls:
+        for impl in raw[scenario.key]:
             trials = raw[scenario.key][impl]
             if not trials:
                 continue
@@ -553,7 +707,7 @@ def summarize(raw: dict[str, dict[str, list[dict]]]) -> dict[str, dict[str, dict
                     row[extra] = median_of(trials, extra)
             rows[impl] = row
         for impl, row in rows.items():
-            base = rows.get(BASELINE.get(impl, impl))
+            base = rows.get(BASELINE.get(impl, "torch-fd"))
             row["ratio"] = ratio(row["median"], base["median"] if base else float("nan"),
                                  scenario.higher_is_better)
         if rows:
@@ -568,17 +722,44 @@ def ratio(value: float, base: float, higher_is_better: bool) -> float:
     return value / base if higher_is_better else base / value
 
 
-def evaluate_goals(summary: dict, only: set[str] | None = None) -> list[dict]:
-    """Each goal's verdict; goals of scenarios left out by ``--only`` are left out too."""
+def evaluate_goals(summary: dict, only: set[str] | None = None,
+                   absent: frozenset[str] = frozenset()) -> list[dict]:
+    """Each goal's verdict and number; goals of scenarios left out by ``--only`` are left out
+    too. A goal against a row left out of the run (``absent``) has no verdict (pass None)."""
+    higher = {s.key: s.higher_is_better for s in SCENARIOS}
+    units = {s.key: s.unit for s in SCENARIOS}
     goals = []
-    for key, impl, test, text in GOALS:
-        if only is not None and key not in only:
+    for g in GOALS:
+        if only is not None and g.scenario not in only:
             continue
-        row = summary.get(key, {}).get(impl)
-        ok = bool(row) and row["median"] == row["median"] and test(row)
-        goals.append({"scenario": key, "impl": impl, "goal": text, "pass": ok,
-                      "ratio": row["ratio"] if row else None, "value": row["median"] if row else None})
+        rows = summary.get(g.scenario, {})
+        row = rows.get(g.impl)
+        value = row["median"] if row else float("nan")
+        if g.versus is None:
+            achieved, unit = value, units[g.scenario]
+            ok: bool | None = achieved <= g.bound
+        else:
+            other = rows.get(g.versus)
+            achieved = ratio(value, other["median"] if other else float("nan"), higher[g.scenario])
+            unit = "x " + g.versus
+            ok = achieved >= g.bound
+        if g.versus in absent:
+            ok = None
+        goals.append({"scenario": g.scenario, "impl": g.impl, "goal": g.text, "versus": g.versus,
+                      "bound": g.bound, "achieved": achieved, "unit": unit, "value": value,
+                      "pass": ok})
     return goals
+
+
+def verdict(goal: dict) -> str:
+    return {True: "PASS", False: "FAIL", None: "n/a"}[goal["pass"]]
+
+
+def goal_line(goal: dict) -> str:
+    number = f"{fmt(goal['achieved'])}{'' if goal['versus'] else ' '}{goal['unit']}"
+    if goal["pass"] is None:
+        number = f"{goal['versus']} not measured"
+    return f"goal {goal['scenario']:>2} {goal['impl']:<13} {goal['goal']:<30} {number:<34} {verdict(goal)}"
 
 
 # -- output --------------------------------------------------------------------------------
@@ -595,17 +776,20 @@ def fmt(value: float) -> str:
 
 
 def markdown_table(summary: dict, goals: list[dict]) -> str:
-    verdict = {(g["scenario"], g["impl"]): ("PASS" if g["pass"] else "FAIL") + f" ({g['goal']})"
-               for g in goals}
+    verdicts: dict[tuple[str, str], list[str]] = {}
+    for g in goals:
+        number = "" if g["pass"] is None or g["versus"] is None else f"{fmt(g['achieved'])}x: "
+        verdicts.setdefault((g["scenario"], g["impl"]), []).append(f"{verdict(g)} ({number}{g['goal']})")
     lines = ["| scenario | implementation | median | unit | vs torch (same strategy) | round trips/msg | goal |",
              "| --- | --- | ---: | --- | ---: | ---: | --- |"]
     for scenario in SCENARIOS:
         for impl, row in summary.get(scenario.key, {}).items():
-            rt = fmt(row["round_trips_per_msg"]) if impl.startswith("shmreduce") else ""
+            rt = fmt(row["round_trips_per_msg"]) if impl in REGISTERED else ""
             extra = f" (p50 {fmt(row['p50_ms'])})" if "p50_ms" in row else ""
             err = f" ⚠ {len(row['errors'])} failed" if row["errors"] else ""
+            goal = "; ".join(verdicts.get((scenario.key, impl), []))
             lines.append(f"| {scenario.key} {scenario.title} | {impl} | {fmt(row['median'])}{extra}{err} | "
-                         f"{scenario.unit} | {fmt(row['ratio'])}x | {rt} | {verdict.get((scenario.key, impl), '')} |")
+                         f"{scenario.unit} | {fmt(row['ratio'])}x | {rt} | {goal} |")
     return "\n".join(lines)
 
 
@@ -632,7 +816,9 @@ def draw_chart(summary: dict, path: Path) -> None:
     shown = [s for s in SCENARIOS if s.key in summary]
     fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 4))
     colors = {"shmreduce-fd": "#1f77b4", "shmreduce-fs": "#6baed6", "torch-fd": "#d62728",
-              "torch-fs": "#ff9896", "by-value": "#7f7f7f", "floor": "#c7c7c7"}
+              "torch-fs": "#ff9896", "by-value": "#7f7f7f", "floor": "#c7c7c7",
+              "shm-recipe": "#2ca02c", "tensordict-torch": "#ff7f0e",
+              "tensordict-shmreduce": "#9467bd", "memcpy": "#000000"}
     for ax, scenario in zip(axes, shown):
         rows = summary[scenario.key]
         names = list(rows)
@@ -640,7 +826,7 @@ def draw_chart(summary: dict, path: Path) -> None:
         ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
         ax.set_title(f"{scenario.key}: {scenario.title}", fontsize=8, wrap=True)
         ax.set_ylabel(scenario.unit + ("" if scenario.higher_is_better else " (lower is better)"), fontsize=8)
-        if scenario.key in ("1", "2", "6"):
+        if scenario.key in ("1", "2", "3", "6"):  # 3: memcpy is an order of magnitude above
             ax.set_yscale("log")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -671,7 +857,7 @@ def update_readme(table: str, holding: str, command: str, meta: dict, date: str)
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run (~30 s)")
+    parser.add_argument("--quick", action="store_true", help="smoke run (a few minutes)")
     parser.add_argument("--rounds", type=int, help="alternating rounds (default 3, quick 1)")
     parser.add_argument("--only", help="comma-separated scenario keys, e.g. 1,2,5a")
     parser.add_argument("--update-readme", action="store_true",
@@ -690,13 +876,19 @@ def main(argv: list[str] | None = None) -> int:
     meta = machine()
     print(f"shmreduce bench: {rounds} round(s), start method fork, {meta}", flush=True)
     started = time.perf_counter()
-    raw = run_rounds(rounds, budget, only)
+    absent: frozenset[str] = frozenset()
+    if only is None or "2" in only:
+        why = tensordict_missing()
+        if why:
+            absent = frozenset(TENSORDICT_ROWS)
+            print(f"tensordict rows left out: tensordict does not import ({why})", flush=True)
+    raw = run_rounds(rounds, budget, only, absent)
     summary = summarize(raw)
-    goals = evaluate_goals(summary, only)
+    goals = evaluate_goals(summary, only, absent)
     table, holding = markdown_table(summary, goals), holding_table(summary)
     print("\n" + table + "\n\n" + holding + "\n")
     for g in goals:
-        print(f"goal {g['scenario']:>2} {g['impl']:<13} {g['goal']:<18} {'PASS' if g['pass'] else 'FAIL'}")
+        print(goal_line(g))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(
         {"command": command, "date": date, "machine": meta, "rounds": rounds, "budget": budget.__dict__,
