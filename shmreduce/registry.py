@@ -265,6 +265,7 @@ def unregister() -> None:
         _registered = False
         _use_cloudpickle = False
     broker.close_all()
+    transfer.let_go()
 
 
 def is_registered() -> bool:

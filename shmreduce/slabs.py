@@ -1,11 +1,14 @@
 """file_descriptor segments: slabs, memfds that hold one or more storages at offsets.
 
-The small storages of a message (up to ``SLAB_ITEM_MAX`` bytes each) are packed into
-one slab: one memfd, one mapping, one descriptor in the deposit, whatever their
-number; a larger storage gets a slab of its own. Each storage is a ``torch.frombuffer``
-view of its slice of the slab's mapping, so the mapping and its descriptor stay
-while any storage in the slab lives and go with the last one. A process maps a slab
-once (a registry by memfd identity, "dev:ino"), whether it made it or received it.
+Small storages (up to ``SLAB_ITEM_MAX`` bytes each) are packed into their sending
+thread's current slab, across messages, until it is full: one memfd, one mapping,
+one descriptor in each deposit that uses it, whatever the number of storages; a
+larger storage gets a slab of its own. Each storage is a ``torch.frombuffer`` view
+of its slice of the slab's mapping, so the mapping and its descriptor stay while any
+storage in the slab lives (or the slab is its thread's current one) and go with the
+last. A process maps a slab once (a registry by memfd identity, "dev:ino"), whether
+it made it or received it: a receiver fetches a slab's descriptor once, and receives
+the messages after it in that slab with no round trip and no new descriptor.
 
 A storage's segment name is "dev:ino/offset". Its memory is written through the
 descriptor (``pwrite``), which allocates the pages now: a full memory limit is a
@@ -22,6 +25,7 @@ import errno
 import mmap
 import os
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -30,7 +34,7 @@ from shmreduce import _torch, segments
 from shmreduce.errors import SharingError
 
 SLAB_ALIGN = 64  # each storage starts on a cache line, as torch's CPU allocator aligns
-SLAB_ITEM_MAX = 64 << 10  # storages up to this size share their message's slab
+SLAB_ITEM_MAX = 64 << 10  # storages up to this size share their thread's current slab
 SLAB_WINDOW = 1 << 20  # the mapping of a shared slab: pages exist only once written
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -67,10 +71,25 @@ class Mapping:
 
 _slabs: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()  # ident -> buffer
 
+# A receiver keeps its latest received shared slabs mapped after their last storage
+# dies: its sender goes on filling them, and the next message in one then costs no
+# round trip, no descriptor and no mapping. At most KEPT_SLABS of them, least
+# recently used first out: SLAB_WINDOW bytes of memory each at most.
+KEPT_SLABS = int(os.environ.get("SHMREDUCE_KEPT_SLABS", "8"))
+_kept: "OrderedDict[str, Any]" = OrderedDict()
+
 
 def lookup(ident: str) -> Any | None:
     """This process's mapping (buffer) of the slab *ident*, if it has one."""
-    return _slabs.get(ident)
+    buffer = _slabs.get(ident)
+    if buffer is not None and ident in _kept:
+        _kept.move_to_end(ident)
+    return buffer
+
+
+def drop_kept() -> None:
+    """Let go of the slabs kept mapped for reuse."""
+    _kept.clear()
 
 
 def descriptor(buffer: Any) -> int:
@@ -114,6 +133,9 @@ class Writer:
         except OSError as exc:
             raise _error(exc, "memfd_create", size) from exc
         try:
+            # Sized whole up front (no memory until written): a receiver maps all of
+            # it, and finds storages the sender adds to it later.
+            os.ftruncate(fd, size)
             self.ident, _ = segments.fd_identity(fd)
             self.buffer = _map(fd, size, self.ident, 0)
         except OSError as exc:
@@ -154,9 +176,14 @@ def receive(fd: int, ident: str) -> Any:
             f"received descriptor does not match its handle (expected {ident}, got {got}): forged or corrupted message"
         )
     try:
-        return _map(fd, max(nbytes, 1), ident, nbytes)
+        buffer = _map(fd, max(nbytes, 1), ident, nbytes)
     except OSError as exc:
         raise _error(exc, "mapping a received segment", nbytes) from exc
+    if nbytes <= SLAB_WINDOW and KEPT_SLABS > 0:
+        _kept[ident] = buffer
+        while len(_kept) > KEPT_SLABS:
+            _kept.popitem(last=False)
+    return buffer
 
 
 def extent(buffer: Any) -> int:

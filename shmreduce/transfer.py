@@ -1,12 +1,13 @@
-"""One pickled message = one deposit at the broker and one fetch by its receiver.
+"""One pickled message = one deposit at the broker, then one claim or fetch by its receiver.
 
 ``share(storage)`` (sender) returns the ``SegmentRef`` a pickle carries, as a plain tuple;
 ``receive(ref)`` (receiver) turns it back into a storage. Inside a ``sending()``
 scope (opened by ``registry``'s ``ForkingPickler.dumps`` and by ``shmreduce.dumps``)
 every storage of the message joins one deposit, sent when the scope closes; outside
 a scope (a plain ``ForkingPickler(file).dump()``, e.g. spawn's process object) each
-storage is deposited on its own. The receiver fetches a message's descriptors on its
-first reference to it and hands them out to the rest; ``receiving()`` scopes close
+storage is deposited on its own. A file_descriptor receiver fetches a message's
+descriptors only for a slab it does not map yet, and claims the message when its
+``receiving()`` scope closes if it never did; ``receiving()`` scopes also close
 whatever a failed or partial load left over.
 """
 
@@ -101,7 +102,7 @@ def _new_key() -> bytes:
 class _Outgoing:
     """The deposit a message is building, per broker it touches."""
 
-    __slots__ = ("key", "program", "root", "fds", "nbytes", "slots", "buffers", "keep", "slab", "holds", "inflight", "files")
+    __slots__ = ("key", "program", "root", "fds", "nbytes", "slots", "buffers", "keep", "holds", "inflight", "files")
 
     def __init__(self) -> None:
         self.key = _new_key()
@@ -112,7 +113,6 @@ class _Outgoing:
         self.slots: dict[str, int] = {}  # slab identity -> slot
         self.buffers: list[Any] = []  # the slabs among them (their mappings own the fds)
         self.keep: list[torch.UntypedStorage] = []  # keeps torch's descriptors valid until the deposit
-        self.slab: slabs.Writer | None = None  # this message's slab for small storages
         self.holds: dict[str, list[str]] = {}  # new fs files, by program: held by this process
         self.inflight: dict[str, dict[str, None]] = {}  # fs names the receiver will hold
         self.files = ""  # the program directory new fs files go to, once its broker is live
@@ -165,11 +165,7 @@ class _Outgoing:
             segment = self._in_file(segments.move_to_file, storage)
         else:
             nbytes = storage.nbytes()
-            slab = self.slab
-            if nbytes > slabs.SLAB_ITEM_MAX:
-                slab = slabs.Writer(nbytes)  # a slab of its own
-            elif slab is None or not slab.fits(nbytes):
-                slab = self.slab = slabs.Writer(slabs.SLAB_WINDOW)
+            slab = _slab_for(nbytes)
             offset = slab.move(storage)
             segment = Segment("fd", "", f"{slab.ident}/{offset}", nbytes)
         self._created(storage, segment)
@@ -232,7 +228,6 @@ class _Outgoing:
         finally:
             self.keep.clear()
             self.buffers.clear()
-            self.slab = None
 
 
 class _NameReserve:
@@ -363,13 +358,33 @@ def new_shared(nbytes: int) -> torch.UntypedStorage:
         if get_sharing_strategy() == "file_system":
             segment, storage = out._in_file(segments.new_file, nbytes)
         else:
-            slab = slabs.Writer(nbytes)
+            slab = _slab_for(nbytes)
             offset, storage = slab.new(nbytes)
             segment = Segment("fd", "", f"{slab.ident}/{offset}", nbytes)
         out._created(storage, segment)
     finally:
         out.flush(deliver=False)
     return storage
+
+
+def _slab_for(nbytes: int) -> slabs.Writer:
+    """The slab a new storage of *nbytes* goes to: this thread's current slab, filled
+    across messages until full (so a steady receiver maps it once, and needs no round
+    trip for the messages after), or one of its own for a large storage. Per thread:
+    feeder threads pickle at once, and a forked child starts its own."""
+    if nbytes > slabs.SLAB_ITEM_MAX:
+        return slabs.Writer(nbytes)
+    slab = getattr(_local, "slab", None)
+    if slab is None or not slab.fits(nbytes):
+        slab = _local.slab = slabs.Writer(slabs.SLAB_WINDOW)
+    return slab
+
+
+def let_go() -> None:
+    """Stop keeping memory for later messages: this thread's current slab, and the
+    slabs kept mapped for reuse (``unregister()``). Storages still alive keep theirs."""
+    _local.__dict__.pop("slab", None)
+    slabs.drop_kept()
 
 
 def _live_program() -> program.Program:
@@ -401,29 +416,36 @@ def _release(released: dict[str, list[str]]) -> None:
 
 
 class _Incoming:
-    """A message this process has started to receive, and its descriptors once fetched."""
+    """A message this process has started to receive.
 
-    __slots__ = ("fds", "idents", "fetched", "unknown")
+    Inside a ``receiving()`` scope the broker hears of it at most twice: a fetch of
+    its descriptors (one round trip) only for a file_descriptor slab this process
+    does not map yet, and, if there was none, a claim when the load ends
+    (fire-and-forget: the message's file_system files become this process's, its
+    descriptors are closed). Outside a scope (see ``_incoming``) it is settled at its
+    first reference.
+    """
 
-    def __init__(self) -> None:
-        self.fds: list[int | None] = []  # by slot, until mapped or known here already
+    __slots__ = ("client", "message", "fds", "idents", "fetched", "claimed")
+
+    def __init__(self, client: broker.BrokerClient, message: bytes) -> None:
+        self.client, self.message = client, message
+        self.fds: list[int | None] = []  # fetched, by slot, until mapped or closed
         self.idents: dict[int, str] = {}  # slot -> slab identity, once its fd is used
-        self.fetched = False  # fd refs need the deposit's descriptors: one round trip
-        self.unknown = False  # the broker had no such message
+        self.fetched = False  # its descriptors (and names) came with a fetch
+        self.claimed = False  # the broker was told its names are ours
 
-    def fill(self, fds: list[int] | None) -> None:
-        self.fetched = True
-        self.unknown = fds is None
-        self.fds = list(fds or ())
+    def fetch(self) -> None:
+        """The message's descriptors, once (one round trip; its names come too)."""
+        if not self.fetched:
+            self.fetched = self.claimed = True
+            self.fds = list(self.client.fetch(self.message) or ())
 
     def slab(self, slot: int, ident: str) -> Any:
-        """This process's mapping of the slab in *slot*, which must be *ident*.
-
-        The first ref to a slot maps its descriptor (the mapping owns it), or closes it
-        if this process maps that slab already; later refs find the mapping by
-        identity. The entry holds no mapping: the storages made from it do.
-        """
-        if not isinstance(slot, int) or not 0 <= slot < len(self.fds):
+        """This process's new mapping of the slab in *slot*, which must be *ident*,
+        fetching the message's descriptors first if need be (the mapping owns its fd)."""
+        self.fetch()
+        if not 0 <= slot < len(self.fds):
             raise stale_message(f"cannot receive segment {ident}")
         known = self.idents.get(slot)
         if known is not None:
@@ -436,31 +458,33 @@ class _Incoming:
         fd = self.fds[slot]
         if fd is None:
             raise stale_message(f"cannot receive segment {ident}")
-        buffer = slabs.lookup(ident)
-        if buffer is None:
-            buffer = slabs.receive(fd, ident)  # checks the identity; owns fd from now on
-        elif segments.fd_identity(fd)[0] != ident:
-            raise _not_in_slot(ident, slot)
-        else:
-            os.close(fd)
+        buffer = slabs.receive(fd, ident)  # checks the identity; owns fd from now on
         self.fds[slot] = None
         self.idents[slot] = ident
         return buffer
 
-    def known(self, slot: int, ident: str) -> None:
-        """A ref of *slot* this process maps already: its descriptor is not needed."""
-        if isinstance(slot, int) and 0 <= slot < len(self.fds) and slot not in self.idents:
+    def known(self, slot: int) -> None:
+        """A ref of *slot* in a slab this process maps already: if the message was
+        fetched, that slot's descriptor is not needed."""
+        if 0 <= slot < len(self.fds) and slot not in self.idents:
             fd = self.fds[slot]
             if fd is not None:
                 os.close(fd)
                 self.fds[slot] = None
-                self.idents[slot] = ident
 
     def close(self) -> None:
+        """Close the descriptors no storage took; claim the message, done, if the
+        broker has not heard of this receipt (it then closes its descriptors)."""
         for i, fd in enumerate(self.fds):
             if fd is not None:
                 os.close(fd)
                 self.fds[i] = None
+        if not self.claimed:
+            self.claimed = True
+            try:
+                self.client.claim(self.message, done=True)
+            except SharingError:
+                pass  # that broker is gone, and the message with it
 
 
 def _not_in_slot(ident: str, slot: int) -> SharingError:
@@ -474,16 +498,13 @@ _pending_lock = threading.Lock()
 def _incoming(directory: str, message: bytes, kind: str) -> _Incoming:
     """The pending entry of a message, starting its receipt on its first reference.
 
-    file_descriptor refs fetch the deposit's descriptors (one round trip per
-    message). file_system refs only *claim* the message, fire-and-forget: its files
-    exist while it holds them, so they can be mapped at once, and the claim moves
-    those holds to this process when the broker reads it.
+    Its file_system files exist while the message holds them, so they are mapped
+    at once; the claim that makes them this process's comes when the load ends (see
+    ``_Incoming``).
     """
     key = (directory, message)
     entry = _pending.get(key)
     if entry is not None:
-        if kind == "fd" and not entry.fetched:
-            entry.fill(broker.client_for(directory).fetch(message))
         return entry
     client = broker.client_for(directory)
     if not client.connected():
@@ -494,16 +515,21 @@ def _incoming(directory: str, message: bytes, kind: str) -> _Incoming:
             raise stale_message(f"cannot receive from {directory!r}: no such program directory")
         if not is_program_dir(directory, program.shm_base()):
             raise SharingError(f"refusing handle for {directory!r}: not a shmreduce program directory (forged message?)")
-    entry = _Incoming()
-    if kind == "fd":
-        entry.fill(client.fetch(message))
-    else:
-        client.claim(message)
-    if not entry.unknown:
-        _counters["messages_received"] += 1
+    entry = _Incoming(client, message)
+    scope = getattr(_local, "incoming", None)
+    if scope is None:
+        # Outside a receiving() scope (a plain pickle.load, e.g. spawn's process
+        # object) nothing tells when the message ends: settle it now. file_system:
+        # claim its files, leaving any descriptors for a later fd ref's fetch;
+        # file_descriptor: fetch them (one round trip).
+        if kind == "fs":
+            entry.claimed = True
+            client.claim(message)
+        else:
+            entry.fetch()
+    _counters["messages_received"] += 1
     with _pending_lock:
         _pending[key] = entry
-        scope = getattr(_local, "incoming", None)
         if scope is not None:
             scope.append(key)
         while len(_pending) > MAX_PENDING:
@@ -527,7 +553,7 @@ def receive(ref: tuple) -> torch.UntypedStorage:
     storage = cache.storage_of(segment)
     if storage is not None:
         if kind == "fd":
-            entry.known(slot, name.rpartition("/")[0])
+            entry.known(slot)
         return storage
     if kind == "fd":
         storage = _map_slab_item(entry, name, nbytes, slot)
@@ -567,11 +593,16 @@ def _checked(ref: Any) -> tuple:
 
 
 def _map_slab_item(entry: _Incoming, name: str, nbytes: int, slot: int) -> torch.UntypedStorage:
-    """The storage named "dev:ino/offset" in the slab of *slot* of a fetched message."""
+    """The storage named "dev:ino/offset": in a slab this process maps already, or in
+    the slab of *slot* of the message's descriptors."""
     ident, _, offset = name.rpartition("/")
     if not ident or not (offset.isascii() and offset.isdigit()):
         raise SharingError(f"not a shmreduce segment handle: {name!r} of {nbytes!r} bytes (forged message?)")
-    buffer = entry.slab(slot, ident)
+    buffer = slabs.lookup(ident)
+    if buffer is None:
+        buffer = entry.slab(slot, ident)
+    else:
+        entry.known(slot)
     start = int(offset)
     if start + nbytes > slabs.extent(buffer):
         raise SharingError(f"segment {name} of {nbytes} bytes does not match its handle (beyond its slab): forged or corrupted message")
@@ -608,6 +639,7 @@ def _after_fork_in_child() -> None:
     _moving.clear()
     _names.names.clear()  # the parent's holds, not ours
     for entry in _pending.values():
+        entry.claimed = True  # the parent's to fetch or claim, not ours
         entry.close()
     _pending.clear()
     _local.__dict__.clear()

@@ -137,3 +137,16 @@ def pipe_echo(ctx, timeout: float = 30.0) -> Iterator[Callable[[Any], Any]]:
         parent.close()
     assert proc.exitcode == 0
 
+
+
+def forget_mappings() -> None:
+    """In a forked child: forget the segments inherited from the parent (its storage
+    cache, its file_descriptor slabs), so the child receives like a process that never
+    saw them."""
+    from shmreduce import slabs
+    from shmreduce.cache import cache
+
+    cache._by_segment.clear()
+    cache._by_cdata.clear()
+    slabs.drop_kept()
+    slabs._slabs.clear()

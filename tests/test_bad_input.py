@@ -29,7 +29,7 @@ from shmreduce import program, reductions, transfer
 from shmreduce.broker.client import client_for
 from shmreduce.cache import cache
 
-from helpers import open_fds, run_in_child, shm_base, wait_for
+from helpers import forget_mappings, open_fds, run_in_child, shm_base, wait_for
 
 TIMEOUT = 20.0
 
@@ -37,10 +37,7 @@ TIMEOUT = 20.0
 def _rebuild_sum(ref):
     # a fork child inherits the parent's mappings (and cache): forget them, so the
     # child is a receiver that has never seen the segment
-    from shmreduce.cache import cache
-
-    cache._by_segment.clear()
-    cache._by_cdata.clear()
+    forget_mappings()
     t = torch.empty(0).set_(reductions.rebuild_storage(ref))
     return float(t.sum()) if t.dtype.is_floating_point else t.numel()
 
@@ -96,7 +93,9 @@ def test_bad_key_length_and_kind_refused(strat):
 def test_wrong_size_refused(strat):
     t = torch.ones(16)
     ref = _shared_ref(t)
-    result = run_in_child(_rebuild_sum, ref._replace(nbytes=ref.nbytes * 1000))
+    from shmreduce.slabs import SLAB_WINDOW
+
+    result = run_in_child(_rebuild_sum, ref._replace(nbytes=SLAB_WINDOW + 4))  # beyond its slab, or its file
     _assert_sharing_error(result, "does not match its handle")
     _next_message_works()
 
@@ -267,7 +266,8 @@ def _receive_if_undelivered(ref):
     refused before it reaches the broker): an undelivered message keeps the broker."""
     client = client_for(ref.program, program.current().root_pid)
     if client.ping()["messages"]:
-        reductions.rebuild_storage(ref)
+        with transfer.receiving():
+            reductions.rebuild_storage(ref)
     assert client.ping()["messages"] == 0
 
 

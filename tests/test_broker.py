@@ -8,7 +8,7 @@ import torch
 import shmreduce
 from shmreduce import program
 from shmreduce.broker import client as broker_client
-from helpers import broker_pids, wait_for
+from helpers import broker_pids, open_fds, wait_for
 
 
 def _client():
@@ -157,20 +157,37 @@ def _load(data):
     return ForkingPickler.loads(data)
 
 
-def test_a_receiver_of_one_sender_gets_its_next_messages_as_offers(registered_fd):
-    from shmreduce.broker import protocol as P
+def _memfds() -> int:
+    return sum(1 for fd in open_fds() if "memfd:shmreduce" in fd)
 
-    proc, conn, datas = _pending_from_a_child(10)
+
+def test_a_receiver_fetches_once_per_slab_and_holds_one_descriptor_per_slab(registered_fd):
+    # A sender fills its slab across messages: the receiver fetches the slab's
+    # descriptor with the first message, and receives the others with no round trip
+    # and no new descriptor, however many it keeps (pytorch #973 / #11201).
+    proc, conn, datas = _pending_from_a_child(1000, numel=256)  # 1 KiB each
+    try:
+        before, memfds = shmreduce.stats(), _memfds()
+        kept = [_load(d) for d in datas]
+        after = shmreduce.stats()
+        assert [t[0].item() for t in kept] == [float(i) for i in range(1000)]
+        assert after["round_trips"] - before["round_trips"] <= 2  # one per slab (1 MiB)
+        assert _memfds() - memfds <= 2
+        assert _client().ping()["messages"] == 0  # every message was claimed
+    finally:
+        conn.send("done")
+        proc.join(10)
+
+
+def test_large_storages_cost_a_round_trip_each(registered_fd):
+    from shmreduce.slabs import SLAB_ITEM_MAX
+
+    proc, conn, datas = _pending_from_a_child(5, numel=SLAB_ITEM_MAX // 4 + 1)
     try:
         before = shmreduce.stats()
-        out = [_load(d) for d in datas]
+        assert [_load(d)[0].item() for d in datas] == [float(i) for i in range(5)]
         after = shmreduce.stats()
-        assert [t[0].item() for t in out] == [float(i) for i in range(10)]
-        # OFFER_STREAK fetches, then the next messages came with the last reply.
-        assert after["round_trips"] - before["round_trips"] == P.OFFER_STREAK
-        assert after["offers_taken"] - before["offers_taken"] == 10 - P.OFFER_STREAK
-        assert not _client().offers
-        assert _client().ping()["messages"] == 0  # every take reached the broker
+        assert after["round_trips"] - before["round_trips"] == 5  # a slab of its own each
     finally:
         conn.send("done")
         proc.join(10)
@@ -180,68 +197,38 @@ def _load_values(datas, conn):
     conn.send([_load(d)[0].item() for d in datas])
 
 
-def test_an_offered_message_another_process_receives_is_still_delivered(registered_fd):
+def test_a_process_that_does_not_map_the_slab_fetches_it(registered_fd):
     import multiprocessing as mp
 
     proc, conn, datas = _pending_from_a_child(6)
     try:
         assert [_load(d)[0].item() for d in datas[:2]] == [0.0, 1.0]
-        client = _client()
-        offered = {key: fds for key, (_when, fds) in client.offers.items()}
-        assert len(offered) == 4  # messages 2-5 came as offers with the second reply
-        # Another process receives them: the broker still has them, and delivers.
-        ctx = mp.get_context("fork")
+        # A spawned process maps nothing of ours (a forked one would inherit the
+        # mapping): it fetches the slab's descriptor with its first message.
+        ctx = mp.get_context("spawn")
         ours, theirs = ctx.Pipe()
         other = ctx.Process(target=_load_values, args=(datas[2:], theirs), daemon=True)
         other.start()
-        assert ours.poll(20) and ours.recv() == [2.0, 3.0, 4.0, 5.0]
+        assert ours.poll(60) and ours.recv() == [2.0, 3.0, 4.0, 5.0]
         other.join(10)
-        assert client.ping()["messages"] == 0
-        # The unused offers are closed once they expire.
-        import time
-
-        inodes = {(st.st_dev, st.st_ino) for fds in offered.values() for st in map(os.fstat, fds)}
-        client._expire_offers(time.monotonic() + broker_client.OFFER_TTL)
-        assert not client.offers
-        for name in os.listdir("/proc/self/fd"):
-            try:
-                st = os.stat(f"/proc/self/fd/{name}")
-                assert (st.st_dev, st.st_ino) not in inodes, "an expired offer is still open"
-            except FileNotFoundError:
-                pass  # the descriptor listdir itself used
+        assert _client().ping()["messages"] == 0
     finally:
         conn.send("done")
         proc.join(10)
 
 
-def test_large_messages_are_never_offered(registered_fd):
-    from shmreduce.broker import protocol as P
-
-    proc, conn, datas = _pending_from_a_child(5, numel=P.OFFER_BYTES // 4 + 1)
-    try:
-        before = shmreduce.stats()
-        assert [_load(d)[0].item() for d in datas] == [float(i) for i in range(5)]
-        after = shmreduce.stats()
-        assert after["round_trips"] - before["round_trips"] == 5
-        assert after["offers_taken"] == before["offers_taken"] and not _client().offers
-    finally:
-        conn.send("done")
-        proc.join(10)
-
-
-def test_an_offered_message_loads_after_its_broker_died(registered_fd):
+def test_a_message_in_a_mapped_slab_loads_after_its_broker_died(registered_fd):
     import signal
 
     proc, conn, datas = _pending_from_a_child(4)
     try:
-        assert [_load(d)[0].item() for d in datas[:2]] == [0.0, 1.0]
+        assert _load(datas[0])[0].item() == 0.0  # maps the slab
         client = _client()
-        assert len(client.offers) == 2  # messages 2 and 3 came with the second reply
         pid = client.broker_pid
         os.kill(pid, signal.SIGKILL)
         assert wait_for(lambda: pid not in broker_pids(), 10)
-        # The offered copies hold the memory: no broker is needed to receive them.
-        assert [_load(d)[0].item() for d in datas[2:]] == [2.0, 3.0]
+        # The slab is mapped here: no broker is needed to receive the others.
+        assert [_load(d)[0].item() for d in datas[1:]] == [1.0, 2.0, 3.0]
     finally:
         conn.send("done")
         proc.join(10)

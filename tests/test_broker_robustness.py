@@ -28,7 +28,7 @@ from shmreduce.broker import client as broker_client
 from shmreduce.broker import protocol as P
 from shmreduce.cache import cache
 
-from helpers import broker_pids, run_in_child, wait_for
+from helpers import broker_pids, forget_mappings, run_in_child, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 30.0
@@ -207,6 +207,7 @@ def test_bad_records_drop_only_their_client_and_are_logged(registered_fd, broker
     assert shmreduce.loads(shmreduce.dumps(torch.ones(2))).sum().item() == 2
     client = _client()
     pid = client.broker_pid
+    client.ping()  # both connections open, every record read: the baseline
     baseline = _broker_fds(pid)
     key = os.urandom(P.KEY_LEN)
     garbage = [
@@ -354,7 +355,7 @@ def test_descriptor_limit_at_the_broker_fails_the_fetch_quickly(registered_fd, b
         tensors = [torch.full((SLAB_ITEM_MAX // 4 + 16,), float(i)) for i in range(5)]
         data = shmreduce.dumps(tensors)
         t0 = time.monotonic()
-        status, message = run_in_child(shmreduce.loads, data)
+        status, message = run_in_child(_loads_as_a_stranger, data)
         took = time.monotonic() - t0
         assert status == "SharingError" and "descriptor" in message, (status, message)
         assert took < 1.5, took
@@ -364,6 +365,13 @@ def test_descriptor_limit_at_the_broker_fails_the_fetch_quickly(registered_fd, b
     out = run_in_child(lambda: [t[0].item() for t in shmreduce.loads(shmreduce.dumps(tensors))])
     assert out == ("ok", [0.0, 1.0, 2.0, 3.0, 4.0])
     assert "descriptor" in _log_text(broker_log)
+
+
+def _loads_as_a_stranger(data):
+    """Load *data* in a forked child of its sender as a process that maps none of its
+    slabs (a fork inherits them: it would need no descriptor at all)."""
+    forget_mappings()
+    return shmreduce.loads(data)
 
 
 def _lowest_free_fd():
@@ -376,7 +384,7 @@ def _loads_without_descriptors(data):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (_lowest_free_fd(), hard))
     try:
-        shmreduce.loads(data)
+        _loads_as_a_stranger(data)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 

@@ -338,7 +338,11 @@ class Driver:
             t0 = time.monotonic()
             go.set()
             status, info = self.get(results, "broker: lost message")
-            self.check(status == "SharingError", f"broker killed before fetch: receiver got {status} {info}")
+            # Its descriptors went with the broker: SharingError, unless the
+            # receiver maps the slab already (file_descriptor: it received earlier
+            # storages of the same slab), which needs no broker: then the data.
+            delivered = status == "ok" and info is not None and tuple(info)[1:] == (333.0, 333)
+            self.check(status == "SharingError" or delivered, f"broker killed before fetch: receiver got {status} {info}")
             self.check(time.monotonic() - t0 < 8, "broker killed: SharingError took too long")
         # the receiver still maps what it held, and the memory is still shared
         held.fill_(7)

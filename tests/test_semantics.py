@@ -265,6 +265,9 @@ def test_small_storages_of_a_message_travel_in_one_slab(registered_fd):
     # receiver, yet 64 distinct storages on both sides, each shared.
     from helpers import run_in_child
 
+    from shmreduce import transfer
+
+    transfer.let_go()  # no current slab: this message starts one
     msg = {i: torch.full((256,), float(i)) for i in range(64)}
     before = _memfds()
     data = ForkingPickler.dumps(msg)
@@ -272,8 +275,13 @@ def test_small_storages_of_a_message_travel_in_one_slab(registered_fd):
     assert len({t.untyped_storage()._cdata for t in msg.values()}) == 64
     assert all(t.is_shared() for t in msg.values())
     assert run_in_child(_load_64_and_count_memfds, bytes(data)) == ("ok", (1, True, 64, True))
-    del msg
+    more = {i: torch.full((256,), float(i)) for i in range(64)}
+    ForkingPickler.loads(ForkingPickler.dumps(more))
+    assert _memfds() - before == 1  # the next message fills the same slab
+    del msg, more
     import gc
 
     gc.collect()  # the first message of a process starts the broker, whose frames linger in a cycle
-    assert _memfds() == before  # the slab went with its last storage
+    assert _memfds() - before == 1  # the thread's current slab stays for its next messages
+    transfer.let_go()
+    assert _memfds() == before  # and goes with its last storage once it is not current

@@ -24,7 +24,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict
 from typing import Callable, Iterable
 
 from shmreduce.broker import protocol as P
@@ -32,8 +31,6 @@ from shmreduce.errors import SharingError, broker_gone, broker_out_of_files, sta
 
 IO_TIMEOUT = float(os.environ.get("SHMREDUCE_IO_TIMEOUT", "10"))
 START_TIMEOUT = 30.0
-OFFERS_KEPT = 64  # offered messages a client keeps for its next receives
-OFFER_TTL = 5.0  # seconds an offer is kept unused before its descriptors are closed
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 log = logging.getLogger("shmreduce")
@@ -113,9 +110,6 @@ class BrokerClient:
         self.token = os.urandom(P.TOKEN_LEN)
         self.broker_pid = 0
         self.round_trips = 0
-        self.offers_taken = 0
-        # Offered messages (see protocol.py): key -> (when, descriptors), oldest first.
-        self.offers: OrderedDict[bytes, tuple[float, list[int]]] = OrderedDict()
 
     # -- connection ------------------------------------------------------------
 
@@ -252,10 +246,11 @@ class BrokerClient:
                 body = P.encode_deposit(holds[names], inflight[names], nbytes if i == 0 else 0, i == count - 1)
                 self._send(P.DEPOSIT, key, body, fds[i * P.MAX_FDS : (i + 1) * P.MAX_FDS], start=True, retry=i == 0)
 
-    def claim(self, key: bytes) -> None:
+    def claim(self, key: bytes, done: bool = False) -> None:
         """Take over the file_system names of message *key* (no reply: the files stay
-        until the broker reads this, held by the message)."""
-        self._send(P.CLAIM, key, b"")
+        until the broker reads this, held by the message); *done*: its descriptors
+        will not be fetched, the broker closes them."""
+        self._send(P.CLAIM, key, P.CLAIM_DONE if done else b"")
 
     def hold(self, names: Iterable[str]) -> None:
         self._send_names(P.HOLD, list(names), start=True)
@@ -272,21 +267,10 @@ class BrokerClient:
     def fetch(self, key: bytes) -> list[int] | None:
         """The descriptors deposited under *key*, or None if the broker has no such message.
 
-        An offered copy is used first (no round trip; the broker is told with a take).
         The caller owns the returned descriptors. All or nothing: on failure every
         descriptor received so far is closed.
         """
         with self.lock:
-            if self.offers:
-                self._expire_offers(time.monotonic())
-            offered = self.offers.pop(key, None)
-            if offered is not None:
-                self.offers_taken += 1
-                try:
-                    self._send(P.TAKE, key, b"")
-                except SharingError:
-                    pass  # that broker is gone, and its copy with it: ours still holds the memory
-                return offered[1]
             sock = self._socket(start=False)
             fds: list[int] = []
             try:
@@ -308,13 +292,13 @@ class BrokerClient:
                     fds.extend(got)
                     if op != P.FETCHED or rkey != key:
                         raise P.ProtocolError(f"unexpected reply {op!r}")
-                    status, total, offers = P.decode_fetched(body)
+                    status, total = P.decode_fetched(body)
                     if status == P.STATUS_UNKNOWN:
                         return None
                     if status == P.STATUS_LOST:
                         raise broker_out_of_files()
                     if len(fds) >= total:
-                        return self._keep_offers(fds, offers)
+                        return fds
             except OSError as exc:
                 for fd in fds:
                     os.close(fd)
@@ -328,42 +312,6 @@ class BrokerClient:
                 for fd in fds:
                     os.close(fd)
                 raise self._broken(exc) from exc
-
-    def _keep_offers(self, fds: list[int], offers: list[tuple[bytes, int]]) -> list[int]:
-        """Split a reply's descriptors: the message's (returned), then each offer's (kept)."""
-        if not offers:
-            return fds
-        end = len(fds) - sum(count for _key, count in offers)
-        if end < 0:
-            raise P.ProtocolError("fetch reply offers more descriptors than it carries")
-        mine, start = fds[:end], end
-        now = time.monotonic()
-        for key, count in offers:
-            self.offers[key] = (now, fds[start : start + count])
-            start += count
-        self._expire_offers(now)
-        return mine
-
-    def _expire_offers(self, now: float) -> None:
-        """Close offers never used (another process received those messages)."""
-        while self.offers:
-            key, (when, fds) = next(iter(self.offers.items()))
-            if len(self.offers) <= OFFERS_KEPT and now - when < OFFER_TTL:
-                break
-            del self.offers[key]
-            for fd in fds:
-                os.close(fd)
-
-    def drop_offers(self) -> None:
-        with self.lock:
-            self._close_offers()
-
-    def _close_offers(self) -> None:
-        """Close every unused offer; no lock (the fork handler calls it too)."""
-        for _when, fds in self.offers.values():
-            for fd in fds:
-                os.close(fd)
-        self.offers.clear()
 
     def ping(self) -> dict:
         """The broker's counters; also a barrier for this connection's earlier sends."""
@@ -411,20 +359,17 @@ def existing_clients() -> list[BrokerClient]:
 
 
 def close_all() -> None:
-    """Close every connection and unused offer of this process (the clients are dropped)."""
+    """Close every connection of this process (the clients are dropped)."""
     atexit.unregister(close_all)
     for client in list(_clients.values()):
-        client.drop_offers()
         client.close()
     _clients.clear()
 
 
 def _after_fork_in_child() -> None:
-    # The inherited sockets are the parent's connections: never write on them. Its
-    # offers are its own to take: the child closes its copies.
+    # The inherited sockets are the parent's connections: never write on them.
     global _clients_lock
     for client in _clients.values():
-        client._close_offers()  # no lock: another thread may have held it at fork
         for sock in client.sockets():
             try:
                 os.close(sock.detach())

@@ -42,39 +42,36 @@ Records after the handshake: ``op (1 byte) + key (16 bytes) + body``, at most
 MAX_RECORD bytes
     D  deposit   key = message key. body = holds "|" inflight "|" nbytes "|" last:
                  two "\\n"-joined lists of segment file names, the bytes of the
-                 descriptors attached (ASCII decimal, at most 20 digits; offers only
-                 go for small messages) and "1" on the deposit's last record, else
-                 "0". A deposit is as many records as it takes for each to carry at
-                 most MAX_FDS descriptors and NAMES_PER_RECORD names of each list,
-                 all with the same key; the broker delivers the message (fetch,
-                 claim, offer) only once its last record is in, and drops it if its
-                 sender's connections close before. Descriptors attached are
-                 appended to the message's fd list. Names in *inflight* get one
-                 reference owned by the message; names in *holds* get one
-                 reference owned by this client. No reply. A record whose
-                 descriptors the kernel dropped (the broker at its descriptor
+                 descriptors attached (ASCII decimal, at most 20 digits) and "1" on
+                 the deposit's last record, else "0". A deposit is as many records
+                 as it takes for each to carry at most MAX_FDS descriptors and
+                 NAMES_PER_RECORD names of each list, all with the same key; the
+                 broker delivers the message (fetch, claim) only once its last
+                 record is in, and drops it if its sender's connections close
+                 before. Descriptors attached are appended to the message's fd list:
+                 one per file_descriptor slab its storages lie in. Names in
+                 *inflight* get one reference owned by the message; names in
+                 *holds* get one reference owned by this client. No reply. A record
+                 whose descriptors the kernel dropped (the broker at its descriptor
                  limit) makes the message *lost*: a fetch of it gets status 2.
     C  claim     key = message key. The message's in-flight names become held by
                  this client (file_system receivers map the files by name at once:
-                 the message holds them until then). A claim read before its deposit
-                 is complete is remembered for EARLY_CLAIM_TTL. No reply.
+                 the message holds them until then). body = CLAIM_DONE: the receiver
+                 is done with the message, its descriptors are closed unused (it maps
+                 every slab the message uses already); empty body: it may still
+                 fetch them (a load with no end in sight), and only a message without
+                 descriptors is done. A claim read before its deposit is complete is
+                 remembered for EARLY_CLAIM_TTL. No reply.
     F  fetch     key = message key. The broker removes the message and replies with
-                 one or more ``f`` records: body = status (u8) + total fds (u32)
-                 + offers (u16) + per offer: key (16 bytes) + fds (u32); the
-                 descriptors ride on them, at most 250 a record: the message's
-                 first, then each offer's. The message's in-flight names become
-                 held by the fetching client. status 0 = ok, 1 = unknown key, 2 =
-                 lost (the broker could not take its descriptors). A fetch first
-                 reads every queued post record; one for a key not yet (wholly)
-                 deposited waits up to FETCH_WAIT seconds.
-                 *Offers*: copies of other pending descriptor-only messages of at
-                 most OFFER_BYTES from the same sender, when this client fetched
-                 its last OFFER_STREAK messages (one record in all, at most
-                 OFFER_MAX of them): the client will likely receive them next and then needs no
-                 round trip. The broker keeps its own copies until a take (T) or
-                 a fetch of the key by anyone.
-    T  take      key = message key. This client used its offered copy: the broker
-                 drops the message. No reply.
+                 one or more ``f`` records: body = status (u8) + total fds (u32);
+                 the descriptors ride on them, at most MAX_FDS a record. The
+                 message's in-flight names become held by the fetching client.
+                 status 0 = ok, 1 = unknown key, 2 = lost (the broker could not take
+                 its descriptors). A fetch first reads every queued post record;
+                 one for a key not yet (wholly) deposited waits up to FETCH_WAIT
+                 seconds. A receiver fetches only for a slab it does not map yet: a
+                 sender fills its slab across messages, so a steady receiver fetches
+                 once per slab, not once per message.
     H  hold      body = names; this client holds each name once. No reply.
     R  release   body = names this client no longer holds. No reply.
     P  ping      reply ``p`` with body = JSON of the broker's counters.
@@ -138,7 +135,7 @@ POST_QUIET = 0.05  # seconds a post connection must stay quiet before a record w
 
 DEPOSIT = b"D"
 CLAIM = b"C"
-TAKE = b"T"
+CLAIM_DONE = b"done"
 FETCH = b"F"
 FETCHED = b"f"
 HOLD = b"H"
@@ -149,11 +146,7 @@ PONG = b"p"
 STATUS_OK = 0
 STATUS_UNKNOWN = 1
 STATUS_LOST = 2
-_FETCH_HEAD = struct.Struct("!BIH")
-_OFFER = struct.Struct(f"!{KEY_LEN}sI")
-OFFER_STREAK = 2  # a sender's messages fetched in a row by one client before it gets offers
-OFFER_MAX = 8  # offered messages per fetch reply
-OFFER_BYTES = 1 << 20  # larger messages are never offered: a round trip is small next to them
+_FETCH_HEAD = struct.Struct("!BI")
 _PID = struct.Struct("!I")
 NO_KEY = bytes(KEY_LEN)
 
@@ -226,18 +219,17 @@ def decode_deposit(body: bytes) -> tuple[list[str], list[str], int, bool]:
     return decode_names(parts[0]), decode_names(parts[1]), int(parts[2]), parts[3] == b"1"
 
 
-def encode_fetched(status: int, total: int, offers: Sequence[tuple[bytes, int]] = ()) -> bytes:
-    return _FETCH_HEAD.pack(status, total, len(offers)) + b"".join(_OFFER.pack(k, n) for k, n in offers)
+def encode_fetched(status: int, total: int) -> bytes:
+    return _FETCH_HEAD.pack(status, total)
 
 
-def decode_fetched(body: bytes) -> tuple[int, int, list[tuple[bytes, int]]]:
-    """(status, total fds, offers as (key, fds)); raises ProtocolError if malformed."""
+def decode_fetched(body: bytes) -> tuple[int, int]:
+    """(status, total fds); raises ProtocolError if malformed."""
     try:
-        status, total, count = _FETCH_HEAD.unpack_from(body)
-        offers = [_OFFER.unpack_from(body, _FETCH_HEAD.size + i * _OFFER.size) for i in range(count)]
+        status, total = _FETCH_HEAD.unpack(body)
     except struct.error as exc:
         raise ProtocolError(f"bad fetch reply: {exc}") from None
-    return status, total, offers
+    return status, total
 
 
 # -- records -----------------------------------------------------------------------

@@ -75,14 +75,13 @@ class _Handshake:
 
 
 class _Message:
-    __slots__ = ("fds", "names", "sender", "offered", "nbytes", "complete", "lost")
+    __slots__ = ("fds", "names", "sender", "nbytes", "complete", "lost")
 
     def __init__(self, sender: bytes) -> None:
         self.fds: list[int] = []
         self.names: list[str] = []
         self.nbytes = 0  # memory behind its fds, as its sender declared it
         self.sender = sender  # the depositing client's token
-        self.offered = False  # a copy of its fds went to a client as an offer
         self.complete = False  # its deposit's last record is in
         self.lost = False  # a deposit record came without its descriptors (EMFILE)
 
@@ -106,14 +105,11 @@ class Broker:
         self.handshakes: dict[int, _Handshake] = {}
         self.clients: dict[bytes, _Client] = {}
         self.messages: dict[bytes, _Message] = {}
-        # Per sender token: its undelivered messages in deposit order, and which
-        # client fetched its last messages (token, how many in a row): see offers
-        # in protocol.py.
+        # Per sender token: its undelivered messages in deposit order.
         self.pending: dict[bytes, dict[bytes, None]] = {}
-        self.streaks: dict[bytes, tuple[bytes, int]] = {}
         self.refs: dict[str, int] = {}
         self.parked: list[tuple[float, _Conn, bytes]] = []
-        self.early_claims: dict[bytes, tuple[float, _Client]] = {}
+        self.early_claims: dict[bytes, tuple[float, _Client, bool]] = {}
         # Sender tokens whose connections all closed -> when their undelivered
         # messages expire (ORPHAN_TTL).
         self.orphans: dict[bytes, float] = {}
@@ -183,6 +179,7 @@ class Broker:
             "connections": len(self.conns),
             "messages": len(self.messages),
             "message_fds": sum(len(m.fds) for m in self.messages.values()),
+            "message_bytes": sum(m.nbytes for m in self.messages.values()),
             "handshakes": len(self.handshakes),
             "segment_files": len(self.refs),
             "root_alive": self.root_alive,
@@ -264,7 +261,6 @@ class Broker:
         client.conns -= 1
         if not client.conns:
             self.clients.pop(client.token, None)
-            self.streaks.pop(client.token, None)
             self._release(client, list(client.holds))
             self._orphan(client.token, conn.pid)
         if not self.conns:
@@ -378,20 +374,14 @@ class Broker:
             elif op == P.CLAIM:
                 msg = self.messages.get(key)
                 if msg is not None and msg.complete:
-                    self._claim(client, key)
+                    self._claim(client, key, body == P.CLAIM_DONE)
                 else:
-                    self.early_claims[key] = (time.monotonic() + EARLY_CLAIM_TTL, client)
-            elif op == P.TAKE:
-                msg = self.messages.get(key)
-                if msg is not None and msg.offered:
-                    self._remove(key)
-                    self._give_names(client, msg)
-                    msg.close()
+                    self.early_claims[key] = (time.monotonic() + EARLY_CLAIM_TTL, client, body == P.CLAIM_DONE)
             elif op == P.FETCH:
                 msg = self.messages.get(key)
-                if msg is None or not msg.complete or msg.offered:
-                    # Its deposit (or its last records, or the take of an offered
-                    # copy) may still be queued on a post connection.
+                if msg is None or not msg.complete:
+                    # Its deposit (or its last records) may still be queued on a
+                    # post connection.
                     self._drain_posts()
                     msg = self.messages.get(key)
                 if msg is not None and msg.complete:
@@ -447,16 +437,19 @@ class Broker:
         msg.complete = True
         early = self.early_claims.pop(key, None) if self.early_claims else None
         if early is not None:
-            self._claim(early[1], key)
+            self._claim(early[1], key, early[2])
         if self.parked and key in self.messages:
             self._answer_parked(key)
 
-    def _claim(self, client: _Client, key: bytes) -> None:
-        """The message's names become *client*'s; a message left without fds is done."""
+    def _claim(self, client: _Client, key: bytes, done: bool) -> None:
+        """The message's names become *client*'s. *done*: the receiver is done with
+        it, descriptors closed unused (it maps their slabs already); else it may still
+        fetch them, and a message without descriptors is done anyway."""
         msg = self.messages[key]
         self._give_names(client, msg)
-        if not msg.fds:
+        if done or not msg.fds:
             self._remove(key)
+            msg.close()
 
     def _remove(self, key: bytes) -> _Message:
         msg = self.messages.pop(key)
@@ -466,30 +459,6 @@ class Broker:
             if not keys:
                 del self.pending[msg.sender]
         return msg
-
-    def _offers(self, client: _Client, msg: _Message) -> list[tuple[bytes, _Message]]:
-        """Other messages of *msg*'s sender to offer *client* with its reply (this
-        fetch also counts toward the client's streak for that sender)."""
-        fetcher, streak = self.streaks.get(msg.sender, (b"", 0))
-        streak = streak + 1 if fetcher == client.token else 1
-        self.streaks[msg.sender] = (client.token, streak)
-        room = P.MAX_FDS - len(msg.fds)
-        if streak < P.OFFER_STREAK or room <= 0:
-            return []
-        offers = []
-        for key in self.pending.get(msg.sender, ()):
-            other = self.messages[key]
-            # Whole, small, descriptor-only messages (a single record: < MAX_FDS), once each.
-            if other.offered or other.names or not other.fds or not other.complete:
-                continue
-            if len(other.fds) > room or other.nbytes > P.OFFER_BYTES:
-                continue
-            other.offered = True
-            offers.append((key, other))
-            room -= len(other.fds)
-            if len(offers) == P.OFFER_MAX:
-                break
-        return offers
 
     def _reply_fetch(self, conn: _Conn, key: bytes) -> None:
         if self.messages[key].lost:
@@ -501,9 +470,8 @@ class Broker:
             # The names become this client's before anything can fail, so that a
             # client dying mid-reply releases them through _drop.
             self._give_names(conn.client, msg)
-            offers = self._offers(conn.client, msg)
-            fds = msg.fds + [fd for _key, other in offers for fd in other.fds]
-            head = P.encode_fetched(P.STATUS_OK, len(fds), [(k, len(other.fds)) for k, other in offers])
+            fds = msg.fds
+            head = P.encode_fetched(P.STATUS_OK, len(fds))
             chunks = [fds[i : i + P.MAX_FDS] for i in range(0, len(fds), P.MAX_FDS)] or [[]]
             for chunk in chunks:
                 P.send_record(conn.sock, P.FETCHED, key, head, chunk)
@@ -525,7 +493,7 @@ class Broker:
 
     def _expire(self, now: float) -> None:
         if self.early_claims:
-            for key in [k for k, (until, _) in self.early_claims.items() if until <= now]:
+            for key in [k for k, (until, _c, _d) in self.early_claims.items() if until <= now]:
                 del self.early_claims[key]
         for fd in [fd for fd, shake in self.handshakes.items() if shake.deadline <= now]:
             shake = self.handshakes.pop(fd)
