@@ -140,7 +140,10 @@ class BrokerClient:
                 pid = P.client_handshake(sock, _authkey(), role, self.token)
             except (FileNotFoundError, ConnectionRefusedError, P.ProtocolError, ConnectionResetError) as exc:
                 sock.close()
-                last = exc
+                # Without its traceback: kept past the except block, the traceback's
+                # frames (up to the caller's pickler, memo and tensors) would form a
+                # cycle with this frame and wait for the cyclic GC to be freed.
+                last = exc.with_traceback(None)
                 if (isinstance(exc, P.ProtocolError) and attempt) or not start or self.root_pid is None:
                     break
                 start_broker(self.directory, self.root_pid)
@@ -354,6 +357,12 @@ def client_for(directory: str, root_pid: int | None = None) -> BrokerClient:
     return client
 
 
+def connected_client(directory: str) -> BrokerClient | None:
+    """This process's client of the broker of *directory*, if it is connected."""
+    client = _clients.get(directory)
+    return client if client is not None and client.connected() else None
+
+
 def existing_clients() -> list[BrokerClient]:
     return list(_clients.values())
 
@@ -381,4 +390,4 @@ def _after_fork_in_child() -> None:
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
-__all__ = ["BrokerClient", "client_for", "close_all", "existing_clients", "on_connect", "start_broker", "stale_message"]
+__all__ = ["BrokerClient", "client_for", "close_all", "connected_client", "existing_clients", "on_connect", "start_broker", "stale_message"]
