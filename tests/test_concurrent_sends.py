@@ -14,7 +14,6 @@ import random
 import threading
 import time
 
-import pytest
 import torch
 
 import shmreduce

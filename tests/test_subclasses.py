@@ -16,8 +16,6 @@ from multiprocessing.reduction import ForkingPickler
 import pytest
 import torch
 
-import shmreduce
-
 TIMEOUT = 30
 CTX = mp.get_context("fork")
 

@@ -107,7 +107,6 @@ import re
 import socket
 import stat
 import struct
-from typing import Sequence
 
 SOCKET_NAME = "broker.sock"
 LOCK_NAME = "broker.lock"
