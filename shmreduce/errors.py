@@ -45,8 +45,12 @@ def too_many_files(detail: str) -> SharingError:
     )
 
 
-def out_of_shm(path: str, nbytes: int, detail: str) -> SharingError:
-    return SharingError(
+class OutOfSharedMemory(SharingError):
+    """The shared-memory mount of the program directory has no room for a new file."""
+
+
+def out_of_shm(path: str, nbytes: int, detail: str) -> OutOfSharedMemory:
+    return OutOfSharedMemory(
         f"cannot reserve {nbytes} bytes of shared memory in {path} ({detail}); "
         "the shared-memory mount is too small or full. Free space there, set "
         "SHMREDUCE_SHM_DIR to a larger tmpfs, or use the 'file_descriptor' strategy, "

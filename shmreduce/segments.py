@@ -30,10 +30,6 @@ class ProgramDirectoryGone(SharingError):
     """The program directory a new file was to go to is gone (its broker died)."""
 
 
-class OutOfSharedMemory(SharingError):
-    """The mount of the program directory has no room for a new file."""
-
-
 # File names: a random per-process prefix and a counter (as transfer's message keys),
 # unique without a getrandom() call per file; O_EXCL refuses any clash. The prefix is
 # drawn again in a forked child.
@@ -102,7 +98,7 @@ def _file(program: str, name: str, nbytes: int, source: torch.UntypedStorage | N
     except OSError as exc:
         os.unlink(path)
         if exc.errno in (errno.ENOSPC, errno.EFBIG):
-            raise OutOfSharedMemory(str(out_of_shm(program, nbytes, exc.strerror or str(exc)))) from exc
+            raise out_of_shm(program, nbytes, exc.strerror or str(exc)) from exc
         raise os_error(exc, f"filling {path}") from exc
     finally:
         os.close(fd)

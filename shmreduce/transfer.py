@@ -28,7 +28,7 @@ from shmreduce import _torch, program, segments, slabs
 from shmreduce.broker import client as broker
 from shmreduce.broker.protocol import KEY_LEN, is_program_dir
 from shmreduce.cache import Segment, cache
-from shmreduce.errors import SharingError, stale_message
+from shmreduce.errors import OutOfSharedMemory, SharingError, stale_message
 from shmreduce.strategy import get_sharing_strategy
 
 _T = TypeVar("_T")
@@ -188,16 +188,18 @@ class _Outgoing:
         whose storages died since the last purge: release them and try once more.
         """
         try:
-            directory = self._files_dir()
-            return make(arg, directory, _names.take(directory, self.root))
+            return self._new_file(make, arg)
         except segments.ProgramDirectoryGone:
-            self.files = ""
-            directory = self._files_dir()
-            return make(arg, directory, _names.take(directory, self.root))
-        except segments.OutOfSharedMemory:
+            self.files = ""  # check the broker again
+            return self._new_file(make, arg)
+        except OutOfSharedMemory:
             _release(cache.purge())
             broker.client_for(self.files, self.root).ping()  # barrier: the broker unlinked them
-            return make(arg, self.files, _names.take(self.files, self.root))
+            return self._new_file(make, arg)
+
+    def _new_file(self, make: Callable[[Any, str, str], _T], arg: Any) -> _T:
+        directory = self._files_dir()
+        return make(arg, directory, _names.take(directory, self.root))
 
     def _created(self, storage: torch.UntypedStorage, segment: Segment) -> None:
         """Account for a segment this process just made for *storage*: a new fs file
