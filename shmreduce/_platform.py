@@ -15,12 +15,8 @@ import sys
 IS_LINUX = sys.platform.startswith("linux")
 HAVE_MEMFD = hasattr(os, "memfd_create")
 HAVE_SEQPACKET = hasattr(socket, "SOCK_SEQPACKET") and IS_LINUX
-HAVE_PEERCRED = hasattr(socket, "SO_PEERCRED")
 # /proc/self/fd/N names the very file a descriptor is open on, even once unlinked.
 HAVE_PROC_FD = os.path.isdir("/proc/self/fd")
-
-# Linux caps the descriptors carried by one SCM_RIGHTS message at SCM_MAX_FD (253).
-MAX_FDS_PER_RECORD = 250
 
 _UCRED = struct.Struct("3i")
 
@@ -33,6 +29,7 @@ def peer_uid(sock: socket.socket) -> int:
 
 
 def peer_pid(sock: socket.socket) -> int:
+    """The pid of the process at the other end of an AF_UNIX socket."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     return _UCRED.unpack(creds)[0]
 

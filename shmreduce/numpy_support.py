@@ -59,11 +59,6 @@ def unshare_numpy() -> None:
         registry.unregister_reducer(np.ndarray)
 
 
-def is_numpy_shared() -> bool:
-    """True while ``share_numpy()`` is in effect."""
-    return registry.list_reducers().get(np.ndarray) is reduce_ndarray
-
-
 def _order(arr: np.ndarray) -> Order:
     return "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
 
