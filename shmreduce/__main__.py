@@ -1,4 +1,7 @@
-"""``python -m shmreduce doctor | cleanup [--yes]``: diagnose and tidy shared memory."""
+"""``python -m shmreduce doctor | cleanup [--yes]``: diagnose and tidy shared memory.
+
+The same commands as the ``shmreduce`` console script (``shmreduce.doctor:main``).
+"""
 
 from __future__ import annotations
 
@@ -7,4 +10,4 @@ import sys
 from shmreduce.doctor import main
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:], prog="python -m shmreduce"))

@@ -1,4 +1,4 @@
-"""The ``doctor`` and ``cleanup`` commands (``python -m shmreduce ...``).
+"""The ``doctor`` and ``cleanup`` commands (``shmreduce ...`` or ``python -m shmreduce ...``).
 
 Light by design: stdlib only, never imports torch. ``doctor`` checks what would bite a
 program that shares tensors here (shm mount size and free space, descriptor limits,
@@ -185,8 +185,9 @@ def cleanup(yes: bool) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shmreduce", description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str = "shmreduce") -> int:
+    """The command line; the ``shmreduce`` console script calls it with no arguments (``sys.argv``)."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="check shm size, descriptor limits, memfd, the broker, stale state")
     c = sub.add_parser("cleanup", help="list (and with --yes remove) stale program dirs and orphan brokers")

@@ -103,6 +103,18 @@ def test_cleanup_keeps_live_program():
         assert float(shmreduce.loads(data).sum()) == 4.0
 
 
+def test_console_script():
+    # The `shmreduce` command that pip installs beside this interpreter ([project.scripts]).
+    script = os.path.join(os.path.dirname(sys.executable), "shmreduce")
+    assert os.access(script, os.X_OK), f"{script} missing: install the package (pip install -e .)"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    usage = subprocess.run([script, "--help"], capture_output=True, text=True, env=env, timeout=60, cwd=ROOT)
+    assert usage.returncode == 0 and usage.stdout.startswith("usage: shmreduce ") and "cleanup" in usage.stdout, usage.stderr
+    out = subprocess.run([script, "doctor"], capture_output=True, text=True, env=env, timeout=60, cwd=ROOT)
+    assert out.returncode == 0 and "pinged" in out.stdout, out.stdout + out.stderr
+    assert wait_for(lambda: not broker_pids(), 10)
+
+
 def test_usage_error():
     out = _run("bogus")
     assert out.returncode != 0 and "usage" in out.stderr
