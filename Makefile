@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test typecheck bench clean
+.PHONY: install test lint format typecheck bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -18,8 +18,17 @@ $(STAMP): $(PY) pyproject.toml constraints-dev.txt
 
 install: $(STAMP)
 
-test: typecheck
+test: lint typecheck
 	$(PY) -m pytest -q --timeout=300 $(PYTEST_ARGS)
+
+# ruff's rules and line length are in pyproject.toml; `make format` applies what `lint` checks.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 typecheck: $(STAMP)
 	$(PY) -m mypy

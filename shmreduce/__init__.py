@@ -35,22 +35,24 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from shmreduce.errors import SharingError
-    from shmreduce.numpy_support import share_numpy, unshare_numpy
-    from shmreduce.registry import (
-        dispatch_table,
-        dumps,
-        is_registered,
-        list_reducers,
-        loads,
-        register,
-        register_reducer,
-        registered,
-        unregister,
-        unregister_reducer,
-    )
-    from shmreduce.stats import stats
-    from shmreduce.strategy import get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy
+    # For type checkers and IDEs: the names __getattr__ loads lazily ("X as X" marks a re-export).
+    from shmreduce.errors import SharingError as SharingError
+    from shmreduce.numpy_support import share_numpy as share_numpy
+    from shmreduce.numpy_support import unshare_numpy as unshare_numpy
+    from shmreduce.registry import dispatch_table as dispatch_table
+    from shmreduce.registry import dumps as dumps
+    from shmreduce.registry import is_registered as is_registered
+    from shmreduce.registry import list_reducers as list_reducers
+    from shmreduce.registry import loads as loads
+    from shmreduce.registry import register as register
+    from shmreduce.registry import register_reducer as register_reducer
+    from shmreduce.registry import registered as registered
+    from shmreduce.registry import unregister as unregister
+    from shmreduce.registry import unregister_reducer as unregister_reducer
+    from shmreduce.stats import stats as stats
+    from shmreduce.strategy import get_all_sharing_strategies as get_all_sharing_strategies
+    from shmreduce.strategy import get_sharing_strategy as get_sharing_strategy
+    from shmreduce.strategy import set_sharing_strategy as set_sharing_strategy
 
 
 def __getattr__(name: str) -> Any:

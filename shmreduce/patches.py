@@ -24,8 +24,9 @@ memory; SPEC 3), and ``share_memory_()`` leaves every such storage where it is. 
 from __future__ import annotations
 
 import multiprocessing
+from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

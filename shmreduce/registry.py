@@ -28,9 +28,10 @@ import io
 import multiprocessing
 import pickle
 import threading
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import cloudpickle
 

@@ -14,8 +14,9 @@ _base = tempfile.mkdtemp(prefix="shmrt-", dir="/dev/shm" if os.path.isdir("/dev/
 os.environ["SHMREDUCE_SHM_DIR"] = _base
 os.environ.setdefault("SHMREDUCE_BROKER_GRACE", "0.3")
 
-import shmreduce  # noqa: E402
 import torch.multiprocessing as tmp  # noqa: E402
+
+import shmreduce  # noqa: E402
 
 from helpers import open_fds, shutdown_and_check_leaks  # noqa: E402
 

@@ -19,8 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _run(*args, env_extra=None, timeout=60):
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "shmreduce", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=ROOT)
+    return subprocess.run([sys.executable, "-m", "shmreduce", *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
 
 
 def test_doctor_healthy_and_cleans_up_its_broker():
@@ -57,8 +56,9 @@ def test_doctor_flags_low_descriptor_limit_and_stale_dirs(tmp_path):
             "import resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256));"
             "from shmreduce.doctor import main; sys.exit(main(['doctor']))"
         )
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             env=dict(os.environ, PYTHONPATH=ROOT), timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=60
+        )
         assert out.returncode != 0
         assert "[PROBLEM] descriptor limit" in out.stdout and "file_system" in out.stdout
         assert "[PROBLEM] stale program directories" in out.stdout and "cleanup --yes" in out.stdout
@@ -77,19 +77,17 @@ def test_doctor_flags_low_descriptor_limit_and_stale_dirs(tmp_path):
 
 def test_doctor_flags_small_shm(tmp_path):
     # a directory on a nearly full or small mount is flagged: simulate with a tiny threshold
-    code = (
-        "import sys, shmreduce.doctor as d; d.MIN_SHM_BYTES = 1 << 60; sys.exit(d.main(['doctor']))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=ROOT), timeout=60)
+    code = "import sys, shmreduce.doctor as d; d.MIN_SHM_BYTES = 1 << 60; sys.exit(d.main(['doctor']))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=60)
     assert out.returncode != 0
     assert "[PROBLEM] shm mount" in out.stdout and "file_descriptor" in out.stdout
     assert wait_for(lambda: not broker_pids(), 10)
 
 
 def test_cleanup_keeps_live_program():
-    import shmreduce
     import torch
+
+    import shmreduce
 
     with shmreduce.registered(strategy="file_system"):
         t = torch.ones(4)

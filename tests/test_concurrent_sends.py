@@ -76,20 +76,19 @@ def test_share_memory_and_pickling_race_to_one_move(strategy):
     # share_memory_() takes the same per-storage path as a pickling thread.
     from multiprocessing.reduction import ForkingPickler
 
+    def pickle_it(t: torch.Tensor, start: threading.Barrier, datas: list[bytes]) -> None:
+        start.wait(5)
+        datas.append(bytes(ForkingPickler.dumps(t)))
+
+    def share_it(t: torch.Tensor, start: threading.Barrier, datas: list[bytes]) -> None:
+        start.wait(5)
+        t.share_memory_()
+
     for _ in range(20):
         t = torch.arange(NUMEL, dtype=torch.float32)
         start = threading.Barrier(3)
-        datas: list = []
-
-        def pickle_it():
-            start.wait(5)
-            datas.append(bytes(ForkingPickler.dumps(t)))
-
-        def share_it():
-            start.wait(5)
-            t.share_memory_()
-
-        threads = [threading.Thread(target=f) for f in (pickle_it, pickle_it, share_it)]
+        datas: list[bytes] = []
+        threads = [threading.Thread(target=f, args=(t, start, datas)) for f in (pickle_it, pickle_it, share_it)]
         for th in threads:
             th.start()
         for th in threads:

@@ -11,6 +11,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
+from typing import cast
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ import torch
 import shmreduce
 
 TIMEOUT = 30
+# Stands in for a tensor where a test must pickle none (see the comments where it is used).
+NO_TENSOR = cast(torch.Tensor, 0)
 
 
 @dataclass
@@ -103,9 +106,9 @@ def test_removal_restores_default_pickling(strategy):
     # Without the reducer the lock makes the dataclass unpicklable again. (No tensors
     # inside: see test_failed_pickle_under_file_system_lets_broker_exit.)
     with pytest.raises(TypeError):
-        ForkingPickler.dumps(Batch(1, 2))
+        ForkingPickler.dumps(Batch(NO_TENSOR, NO_TENSOR))
     with pytest.raises(TypeError):
-        shmreduce.dumps(WeightedBatch(1, 2))
+        shmreduce.dumps(WeightedBatch(NO_TENSOR, NO_TENSOR))
 
 
 def test_reducer_registered_before_register_applies_after(batch_reducer):
@@ -116,7 +119,7 @@ def test_reducer_registered_before_register_applies_after(batch_reducer):
     # (no tensors here: unregistered, torch's fd reducer would start resource_sharer)
     assert Batch in shmreduce.list_reducers()
     with pytest.raises(TypeError):
-        ForkingPickler.dumps(Batch(1, 2))
+        ForkingPickler.dumps(Batch(NO_TENSOR, NO_TENSOR))
     del got
     gc.collect()
 
@@ -172,6 +175,11 @@ sys.exit(0 if ok else 1)
 def test_failed_pickle_under_file_system_lets_broker_exit():
     # In a fresh interpreter (with its own shm dir under ours) so a stuck broker cannot
     # fail this module's leak check; it goes away when that interpreter exits.
-    proc = subprocess.run([sys.executable, "-c", _FAILED_PICKLE, os.path.dirname(os.path.abspath(__file__))],
-                          capture_output=True, text=True, timeout=60, env=dict(os.environ))
+    proc = subprocess.run(
+        [sys.executable, "-c", _FAILED_PICKLE, os.path.dirname(os.path.abspath(__file__))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -25,7 +25,10 @@ def test_example_runs(name):
     # examples' segments and brokers too.
     proc = subprocess.run(
         [sys.executable, os.path.join(EXAMPLES, name)],
-        capture_output=True, text=True, timeout=120, cwd=EXAMPLES,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=EXAMPLES,
     )
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr}"
     stem = name[:-3]

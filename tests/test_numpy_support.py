@@ -43,17 +43,20 @@ def test_exported_and_reversible():
         shmreduce.share_numpy(min_nbytes=-1)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: np.arange(BIG, dtype=np.float32),
-    lambda: np.arange(BIG, dtype=">i8").reshape(256, -1),
-    lambda: np.asfortranarray(np.random.default_rng(0).random((300, 200))),
-    lambda: np.arange(BIG * 2, dtype=np.float64)[::2],
-    lambda: np.zeros(BIG, dtype=[("a", "<i4"), ("b", "<f8")]),
-    lambda: np.arange(BIG).astype("datetime64[s]"),
-    lambda: np.array(["abcd"] * BIG, dtype="U4"),
-    lambda: np.ones(BIG, dtype=bool),
-    lambda: np.full(BIG, np.nan, dtype=np.float16),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: np.arange(BIG, dtype=np.float32),
+        lambda: np.arange(BIG, dtype=">i8").reshape(256, -1),
+        lambda: np.asfortranarray(np.random.default_rng(0).random((300, 200))),
+        lambda: np.arange(BIG * 2, dtype=np.float64)[::2],
+        lambda: np.zeros(BIG, dtype=[("a", "<i4"), ("b", "<f8")]),
+        lambda: np.arange(BIG).astype("datetime64[s]"),
+        lambda: np.array(["abcd"] * BIG, dtype="U4"),
+        lambda: np.ones(BIG, dtype=bool),
+        lambda: np.full(BIG, np.nan, dtype=np.float16),
+    ],
+)
 def test_roundtrip_faithful_and_shared(numpy_shared, make):
     a = make()
     before = shmreduce.stats()["storages_shared"]
@@ -68,12 +71,15 @@ def test_roundtrip_faithful_and_shared(numpy_shared, make):
     gc.collect()
 
 
-@pytest.mark.parametrize("make", [
-    lambda: np.arange(10, dtype=np.float32),  # below threshold
-    lambda: np.array([object()] * BIG, dtype=object),  # objects
-    lambda: np.zeros(0),
-    lambda: np.zeros(BIG).view(np.recarray),  # a subclass
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: np.arange(10, dtype=np.float32),  # below threshold
+        lambda: np.array([object()] * BIG, dtype=object),  # objects
+        lambda: np.zeros(0),
+        lambda: np.zeros(BIG).view(np.recarray),  # a subclass
+    ],
+)
 def test_fallback_pickles_by_value(numpy_shared, make):
     a = make()
     before = shmreduce.stats()["storages_shared"]

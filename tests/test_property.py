@@ -153,7 +153,7 @@ def test_round_trip_through_a_child_is_bit_exact_and_aliased(echo_child, data):
     snapshots = [_bits(x) for x in message]
     for send in (via_pipe, via_queue):
         outs = send(message)
-        for original, snap, out in zip(message, snapshots, outs):
+        for original, snap, out in zip(message, snapshots, outs, strict=True):
             _check(original, snap, out)
         _views_check(message, outs)
         if t.untyped_storage().nbytes():
@@ -165,7 +165,11 @@ def test_child_writes_are_seen_for_every_dtype(echo_child):
     strategy_name, via_pipe, _ = echo_child
     shmreduce.set_sharing_strategy(strategy_name)
     for dtype in DTYPES:
-        t = torch.zeros(4, dtype=torch.uint8).view(dtype) if torch.empty(0, dtype=dtype).element_size() == 1 else torch.zeros(4 * torch.empty(0, dtype=dtype).element_size(), dtype=torch.uint8).view(dtype)
+        t = (
+            torch.zeros(4, dtype=torch.uint8).view(dtype)
+            if torch.empty(0, dtype=dtype).element_size() == 1
+            else torch.zeros(4 * torch.empty(0, dtype=dtype).element_size(), dtype=torch.uint8).view(dtype)
+        )
         out = via_pipe(t)
         out.view(torch.uint8).fill_(0x5A)
         assert bool((t.view(torch.uint8) == 0x5A).all()), dtype

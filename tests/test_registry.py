@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 from multiprocessing.reduction import ForkingPickler
+from typing import Any
 
 import pytest
 import torch
@@ -16,10 +17,13 @@ import torch
 import shmreduce
 from shmreduce import reductions
 
+# ForkingPickler.register's table: private, so absent from typeshed.
+EXTRA_REDUCERS: dict[type, Any] = vars(ForkingPickler)["_extra_reducers"]
+
 
 def _snapshot():
     return (
-        dict(ForkingPickler._extra_reducers),
+        dict(EXTRA_REDUCERS),
         ForkingPickler.__dict__["dumps"],
         ForkingPickler.__dict__["loads"],
         torch.UntypedStorage.__dict__.get("share_memory_"),
@@ -43,19 +47,26 @@ def test_register_installs_every_class_and_unregister_restores_exactly():
     before = _snapshot()
     shmreduce.register()
     shmreduce.register()  # idempotent
-    table = ForkingPickler._extra_reducers
-    for cls in [torch.Tensor, torch.nn.Parameter, torch.UntypedStorage, torch.TypedStorage,
-                *torch._tensor_classes, *torch._storage_classes]:
-        assert table[cls].__module__ == "shmreduce.reductions", cls
+    for cls in [
+        torch.Tensor,
+        torch.nn.Parameter,
+        torch.UntypedStorage,
+        torch.TypedStorage,
+        *torch._tensor_classes,
+        *torch._storage_classes,
+    ]:
+        assert EXTRA_REDUCERS[cls].__module__ == "shmreduce.reductions", cls
     assert shmreduce.is_registered()
     shmreduce.unregister()
     shmreduce.unregister()  # idempotent
     assert _snapshot() == before
     assert not shmreduce.is_registered()
-    assert ForkingPickler._extra_reducers[torch.Tensor].__module__ == "torch.multiprocessing.reductions"
+    assert EXTRA_REDUCERS[torch.Tensor].__module__ == "torch.multiprocessing.reductions"
 
 
 class Point:
+    tagged: bool  # set by _tagged
+
     def __init__(self, xy):
         self.xy = xy
 
@@ -89,7 +100,7 @@ def test_register_reducer_mro_and_removal(registered_fd):
     assert pickle.loads(ForkingPickler.dumps(SubPoint(t))).tagged
     shmreduce.unregister_reducer(SubPoint)
     shmreduce.unregister_reducer(Point)
-    assert Point not in ForkingPickler._extra_reducers
+    assert Point not in EXTRA_REDUCERS
     out = pickle.loads(ForkingPickler.dumps(SubPoint(t)))
     assert type(out) is SubPoint  # plain pickling again
     with pytest.raises(KeyError):
@@ -117,7 +128,7 @@ def test_dispatch_table_for_a_users_own_pickler():
 
 
 class Tagged(torch.Tensor):
-    pass
+    note: str
 
 
 def test_tensor_subclass_dispatch_through_forking_pickler(registered_fd):
@@ -250,7 +261,5 @@ def test_top_level_register_in_child_joins_the_parents_program(tmp_path, method,
     script.write_text(_TOP_LEVEL_MAIN)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this tree's shmreduce
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    done = subprocess.run(
-        [sys.executable, str(script), method, strategy_name], capture_output=True, text=True, timeout=120, env=env
-    )
+    done = subprocess.run([sys.executable, str(script), method, strategy_name], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -23,6 +23,9 @@ CTX = mp.get_context("fork")
 class Locked(torch.Tensor):
     """A subclass with an unpicklable attribute that its ``__getstate__`` drops."""
 
+    lock: threading.Lock
+    note: str
+
     def __getstate__(self):
         state = dict(self.__dict__)
         state.pop("lock", None)
@@ -39,8 +42,10 @@ class Wrapper(torch.Tensor):
     def __init__(self, elem):
         self.elem = elem
 
+    # torch documents __torch_dispatch__ as this classmethod, but types Tensor's attribute
+    # as the disabled-dispatch function (one parameter fewer once bound).
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         raise NotImplementedError(f"Wrapper does not implement {func}")
 
 
