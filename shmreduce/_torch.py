@@ -31,6 +31,12 @@ def swap_memory(storage: torch.UntypedStorage, shared: torch.UntypedStorage) -> 
     storage._swap_data_ptr_(shared)  # type: ignore[attr-defined]
 
 
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """The identity of a storage's StorageImpl (``_cdata``): one per storage, whatever
+    the Python wrappers of it."""
+    return int(storage._cdata)
+
+
 def storage_fd(storage: torch.UntypedStorage) -> int:
     """The descriptor of an fd-backed shared storage, or -1 (owned by the storage)."""
     return storage._share_fd_cpu_()[0]
@@ -59,3 +65,103 @@ class WeakStorage:
     # Bound at definition: the torch module may be torn down before us at shutdown.
     def __del__(self, _free: Callable[[int], None] = _free_weak_ref) -> None:
         _free(self.cdata)
+
+
+# -- tensors and classes (reductions) --
+# What reductions.py needs to take a tensor or storage apart and put it back together
+# as torch's own pickling does (torch/_tensor.py's __reduce_ex__, torch/_utils.py's
+# _rebuild_* functions): none has a public equivalent that keeps the same result.
+
+
+def make_subclass(cls: type, tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """*tensor*'s data as an instance of the Tensor subclass *cls* (``torch.Tensor._make_subclass``).
+
+    The result views *tensor*'s storage with its size, stride and offset, as a leaf
+    with *requires_grad* set; neither ``cls.__new__`` nor ``cls.__init__`` runs, so a
+    subclass whose constructor takes other arguments still rebuilds. It is how
+    ``torch.nn.Parameter.__new__`` makes a Parameter.
+    """
+    return torch.Tensor._make_subclass(cls, tensor, requires_grad)
+
+
+def has_backward_hooks(tensor: torch.Tensor) -> bool:
+    """Whether ``register_hook`` put hooks on *tensor* (``Tensor._backward_hooks``: None or a dict).
+
+    Hooks do not cross processes. torch's reducer warns about them through
+    ``torch.utils.hooks.warn_if_has_hooks`` (which reads the same attribute); we test
+    first because nearly no tensor has hooks and this is the per-tensor hot path.
+    """
+    return bool(tensor._backward_hooks)
+
+
+def coo_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse COO tensor's indices and values as stored (``Tensor._indices()``, ``Tensor._values()``).
+
+    The public ``indices()`` and ``values()`` refuse an uncoalesced tensor; these
+    return the parts of either kind as they are, duplicates and order kept, so
+    ``torch.sparse_coo_tensor(indices, values, size, is_coalesced=...)`` rebuilds it
+    bit for bit. torch's sparse docs name them for uncoalesced tensors.
+    """
+    return tensor._indices(), tensor._values()
+
+
+def nested_layout(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A strided nested tensor's per-component sizes, strides and offsets into its buffer.
+
+    ``Tensor._nested_tensor_size()``, ``_nested_tensor_strides()`` and
+    ``_nested_tensor_storage_offsets()``: what torch's own ``__reduce_ex__`` pickles
+    beside the buffer, and what ``nested_from_buffer`` takes back.
+    """
+    return tensor._nested_tensor_size(), tensor._nested_tensor_strides(), tensor._nested_tensor_storage_offsets()
+
+
+def nested_from_buffer(buffer: torch.Tensor, sizes: torch.Tensor, strides: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The strided nested tensor viewing *buffer* (``torch._nested_view_from_buffer``).
+
+    A view, not a copy (the public ``torch.nested`` constructors copy), so a shared
+    buffer stays shared; torch's own rebuild (``torch._utils._rebuild_nested_tensor``)
+    calls it.
+    """
+    return torch._nested_view_from_buffer(buffer, sizes, strides, offsets)
+
+
+def typed_storage_untyped(storage: torch.TypedStorage) -> torch.UntypedStorage:
+    """The untyped storage under a TypedStorage (``TypedStorage._untyped_storage``).
+
+    The public ``untyped()`` returns the same object but warns on every call that
+    TypedStorage is deprecated; torch's own code reads the attribute.
+    """
+    return storage._untyped_storage
+
+
+def typed_storage(untyped: torch.UntypedStorage, dtype: torch.dtype, cls: type) -> torch.TypedStorage:
+    """A TypedStorage of class *cls* (TypedStorage, or a legacy one such as FloatStorage) over *untyped*.
+
+    ``wrap_storage=..., _internal=True``, as torch's own rebuild calls it: without
+    ``_internal`` TypedStorage's constructor warns that TypedStorage is deprecated. A
+    legacy class knows its dtype and takes none; torch builds it as a TypedStorage
+    instance (``isinstance`` holds through a metaclass) and warns once a process
+    whatever we pass, reading the legacy class's dtype.
+    """
+    if cls is torch.TypedStorage:
+        return torch.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+    return cls(wrap_storage=untyped, _internal=True)
+
+
+def storage_classes() -> tuple[type, ...]:
+    """Every storage class torch defines (``torch._storage_classes``), in that set's order.
+
+    UntypedStorage, TypedStorage and the legacy ``torch.FloatStorage`` ... and
+    ``torch.cuda.FloatStorage`` ... classes: the exact classes torch's own
+    ``torch.multiprocessing.reductions.init_reductions`` registers.
+    """
+    return tuple(torch._storage_classes)
+
+
+def tensor_classes() -> tuple[type, ...]:
+    """The legacy typed tensor classes (``torch._tensor_classes``), in that set's order.
+
+    ``torch.FloatTensor``, ``torch.cuda.FloatTensor``, ``torch.sparse.FloatTensor`` ...:
+    the exact classes torch's own ``init_reductions`` registers beside ``torch.Tensor``.
+    """
+    return tuple(torch._tensor_classes)

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from shmreduce import transfer
+from shmreduce import _torch, transfer
 from shmreduce.errors import SharingError
 
 _SPARSE_COMPRESSED = {
@@ -63,7 +63,7 @@ def _finish(t: torch.Tensor, extra: tuple | None) -> torch.Tensor:
         return t
     cls, requires_grad, state = extra
     if cls is not torch.Tensor:
-        t = torch.Tensor._make_subclass(cls, t, requires_grad)
+        t = _torch.make_subclass(cls, t, requires_grad)
     elif requires_grad:
         t.requires_grad_(True)
     if state:
@@ -80,7 +80,7 @@ _STRIDED = torch.strided
 def reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple]:
     if tensor.requires_grad:
         _refuse_non_leaf(tensor)
-    if tensor._backward_hooks:
+    if _torch.has_backward_hooks(tensor):
         torch.utils.hooks.warn_if_has_hooks(tensor)
     layout = tensor.layout
     if layout is not _STRIDED:
@@ -140,9 +140,8 @@ class SparseCoo(NamedTuple):
 
 
 def reduce_sparse_coo(tensor: torch.Tensor) -> tuple[Any, tuple]:
-    parts = SparseCoo(
-        tensor._indices().detach(), tensor._values().detach(), tuple(tensor.shape), tensor.is_coalesced(), tensor.requires_grad
-    )
+    indices, values = _torch.coo_parts(tensor)
+    parts = SparseCoo(indices.detach(), values.detach(), tuple(tensor.shape), tensor.is_coalesced(), tensor.requires_grad)
     return rebuild_sparse_coo, (parts,)
 
 
@@ -189,17 +188,12 @@ def reduce_nested(tensor: torch.Tensor) -> tuple[Any, tuple]:
     # Only strided nested tensors get here: jagged ones are a Python subclass, which
     # the table (exact classes) leaves to its own reduction; the values and offsets
     # tensors that pickles still come through reduce_tensor.
-    parts = Nested(
-        tensor.values().detach(),
-        tensor._nested_tensor_size(),
-        tensor._nested_tensor_strides(),
-        tensor._nested_tensor_storage_offsets(),
-    )
+    parts = Nested(tensor.values().detach(), *_torch.nested_layout(tensor))
     return rebuild_nested, (parts,)
 
 
 def rebuild_nested(parts: Nested) -> torch.Tensor:
-    return torch._nested_view_from_buffer(parts.buffer, parts.sizes, parts.strides, parts.offsets)
+    return _torch.nested_from_buffer(parts.buffer, parts.sizes, parts.strides, parts.offsets)
 
 
 # -- storages ----------------------------------------------------------------------
@@ -208,9 +202,7 @@ def rebuild_nested(parts: Nested) -> torch.Tensor:
 def reduce_storage(storage: torch.UntypedStorage) -> tuple[Any, tuple]:
     device = storage.device.type
     if device == "cuda":
-        raise SharingError(
-            "cannot share a CUDA storage on its own: pickle the CUDA tensor instead, or move it to CPU"
-        )
+        raise SharingError("cannot share a CUDA storage on its own: pickle the CUDA tensor instead, or move it to CPU")
     if device == "meta":
         return rebuild_meta_storage, (storage.nbytes(),)
     if device != "cpu":
@@ -228,23 +220,21 @@ def rebuild_meta_storage(nbytes: int) -> torch.UntypedStorage:
 
 def reduce_typed_storage(storage: torch.TypedStorage) -> tuple[Any, tuple]:
     # The untyped storage in args is pickled through reduce_storage.
-    return rebuild_typed_storage, (storage._untyped_storage, storage.dtype, type(storage))
+    return rebuild_typed_storage, (_torch.typed_storage_untyped(storage), storage.dtype, type(storage))
 
 
 def rebuild_typed_storage(untyped: torch.UntypedStorage, dtype: torch.dtype, cls: type) -> torch.TypedStorage:
-    if cls is torch.TypedStorage:
-        return torch.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
-    return cls(wrap_storage=untyped, _internal=True)
+    return _torch.typed_storage(untyped, dtype, cls)
 
 
 def default_reducers() -> dict[type, Any]:
     """The built-in table: every torch tensor and storage class SPEC.md names."""
     table: dict[type, Any] = {}
-    for cls in torch._storage_classes:
+    for cls in _torch.storage_classes():
         table[cls] = reduce_storage if issubclass(cls, torch.UntypedStorage) else reduce_typed_storage
     table[torch.UntypedStorage] = reduce_storage
     table[torch.TypedStorage] = reduce_typed_storage
-    for tensor_cls in torch._tensor_classes:
+    for tensor_cls in _torch.tensor_classes():
         table[tensor_cls] = reduce_tensor
     table[torch.Tensor] = reduce_tensor
     table[torch.nn.Parameter] = reduce_tensor

@@ -4,7 +4,9 @@ If a torch release changes any of these, this module fails loudly: fix _torch.py
 """
 
 import os
+import warnings
 
+import pytest
 import torch
 
 from shmreduce import _torch
@@ -70,3 +72,120 @@ def test_map_file_through_proc_fd_maps_the_open_file_even_unlinked(tmp_path):
         os.close(fd)
     assert storage.is_shared() and list(storage) == list(range(16))
     assert not path.exists()
+
+
+# -- tensors and classes (reductions) --
+# Each message names the torch API it pins and the wrapper to fix in shmreduce/_torch.py
+# (reductions.py calls only the wrappers).
+
+
+def _require(owner: object, name: str, wrapper: str) -> None:
+    where = getattr(owner, "__name__", type(owner).__name__)
+    assert hasattr(owner, name), f"torch {torch.__version__} has no {where}.{name}: fix _torch.{wrapper}"
+
+
+class _Sub(torch.Tensor):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise AssertionError("torch.Tensor._make_subclass now runs the subclass's __init__: fix _torch.make_subclass")
+
+
+def test_make_subclass_views_the_data_as_a_leaf_of_the_class():
+    _require(torch.Tensor, "_make_subclass", "make_subclass")
+    base = torch.arange(12.0).reshape(3, 4)[1:, ::2]
+    for requires_grad in (False, True):
+        t = _torch.make_subclass(_Sub, base, requires_grad)
+        assert type(t) is _Sub, "torch.Tensor._make_subclass no longer returns an instance of the class"
+        assert t.requires_grad == requires_grad and t.is_leaf, "torch.Tensor._make_subclass no longer sets requires_grad on a leaf"
+        assert (t.untyped_storage().data_ptr(), t.size(), t.stride(), t.storage_offset()) == (
+            base.untyped_storage().data_ptr(),
+            base.size(),
+            base.stride(),
+            base.storage_offset(),
+        ), "torch.Tensor._make_subclass no longer views the tensor's storage, size, stride and offset"
+
+
+def test_has_backward_hooks_sees_register_hook():
+    _require(torch.Tensor, "_backward_hooks", "has_backward_hooks")
+    assert not _torch.has_backward_hooks(torch.zeros(2))
+    t = torch.zeros(2, requires_grad=True)
+    assert not _torch.has_backward_hooks(t), "Tensor._backward_hooks is truthy on a tensor without hooks"
+    t.register_hook(lambda grad: grad)
+    assert _torch.has_backward_hooks(t), "Tensor._backward_hooks no longer holds register_hook's hooks: fix _torch.has_backward_hooks"
+    # What reductions.reduce_tensor then calls (public module, no underscore, but undocumented).
+    with pytest.warns(UserWarning, match="will not be serialized"):
+        torch.utils.hooks.warn_if_has_hooks(t)
+
+
+def test_coo_parts_are_the_stored_parts_even_uncoalesced():
+    _require(torch.Tensor, "_indices", "coo_parts")
+    _require(torch.Tensor, "_values", "coo_parts")
+    indices = torch.tensor([[1, 0, 1], [0, 1, 0]])
+    values = torch.tensor([1.5, -0.0, float("nan")])
+    t = torch.sparse_coo_tensor(indices, values, (2, 2))
+    assert not t.is_coalesced()
+    got_indices, got_values = _torch.coo_parts(t)
+    assert torch.equal(got_indices, indices), "Tensor._indices() no longer returns an uncoalesced tensor's indices as stored"
+    assert torch.equal(got_values.view(torch.int32), values.view(torch.int32)), (
+        "Tensor._values() no longer returns an uncoalesced tensor's values as stored, bit for bit"
+    )
+    coalesced = t.coalesce()
+    got_indices, got_values = _torch.coo_parts(coalesced)
+    same_values = torch.equal(got_values.view(torch.int32), coalesced.values().view(torch.int32))
+    assert torch.equal(got_indices, coalesced.indices()) and same_values, (
+        "Tensor._indices()/_values() of a coalesced tensor differ from indices()/values()"
+    )
+
+
+def test_nested_layout_and_nested_from_buffer_round_trip_as_a_view():
+    for name in ("_nested_tensor_size", "_nested_tensor_strides", "_nested_tensor_storage_offsets"):
+        _require(torch.Tensor, name, "nested_layout")
+    _require(torch, "_nested_view_from_buffer", "nested_from_buffer")
+    nt = torch.nested.nested_tensor([torch.arange(6.0).reshape(2, 3), torch.arange(4.0).reshape(1, 4)])
+    sizes, strides, offsets = _torch.nested_layout(nt)
+    assert (sizes.tolist(), strides.tolist(), offsets.tolist()) == ([[2, 3], [1, 4]], [[3, 1], [4, 1]], [0, 6]), (
+        "Tensor._nested_tensor_size/_strides/_storage_offsets changed what they return"
+    )
+    buffer = nt.values()
+    back = _torch.nested_from_buffer(buffer, sizes, strides, offsets)
+    assert back.is_nested and [x.tolist() for x in back.unbind()] == [x.tolist() for x in nt.unbind()], (
+        "torch._nested_view_from_buffer no longer rebuilds the nested tensor"
+    )
+    assert back.values().data_ptr() == buffer.data_ptr(), "torch._nested_view_from_buffer no longer views its buffer (copies it)"
+
+
+def test_typed_storage_wraps_and_unwraps_without_the_deprecation_warning(monkeypatch):
+    # Make torch warn on every deprecated use, not only the first of the process (if
+    # this flag goes, the test still checks the rest).
+    monkeypatch.setattr(torch.storage, "_always_warn_typed_storage_removal", True, raising=False)
+    untyped = torch.arange(4, dtype=torch.float64).untyped_storage()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        typed = _torch.typed_storage(untyped, torch.float64, torch.TypedStorage)
+        unwrapped = _torch.typed_storage_untyped(typed)
+    assert type(typed) is torch.TypedStorage and typed.dtype == torch.float64, (
+        "TypedStorage(wrap_storage=, dtype=, _internal=True) changed: fix _torch.typed_storage"
+    )
+    assert unwrapped is untyped, "TypedStorage._untyped_storage is no longer the wrapped UntypedStorage: fix _torch.typed_storage_untyped"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a legacy class warns whatever we pass (reading its dtype)
+        legacy = _torch.typed_storage(untyped, torch.float32, torch.DoubleStorage)  # a legacy class keeps its own dtype
+        is_legacy = isinstance(legacy, torch.DoubleStorage)
+    assert is_legacy and legacy.dtype == torch.float64, (
+        "a legacy storage class's (wrap_storage=, _internal=True) changed: fix _torch.typed_storage"
+    )
+    assert _torch.typed_storage_untyped(legacy) is untyped, "TypedStorage._untyped_storage of a legacy storage is not the wrapped storage"
+
+
+def test_storage_and_tensor_classes_are_torchs_own_lists():
+    _require(torch, "_storage_classes", "storage_classes")
+    _require(torch, "_tensor_classes", "tensor_classes")
+    storages = _torch.storage_classes()
+    assert {torch.UntypedStorage, torch.TypedStorage, torch.FloatStorage, torch.DoubleStorage} <= set(storages), (
+        "torch._storage_classes no longer lists UntypedStorage, TypedStorage and the legacy storage classes"
+    )
+    assert all(issubclass(cls, (torch.UntypedStorage, torch.TypedStorage)) for cls in storages), (
+        "torch._storage_classes now holds something that is not a storage class"
+    )
+    assert {torch.FloatTensor, torch.LongTensor} <= set(_torch.tensor_classes()), (
+        "torch._tensor_classes no longer lists the legacy tensor classes (torch.FloatTensor ...)"
+    )
