@@ -1,0 +1,528 @@
+"""Recycled pools of shared memory (shmreduce/pool.py, issue 12), across real processes:
+a sender reuses its segments once nobody holds them, never while anyone does (a
+receiver, a fork child, a stale handle), within about a second with nothing else sent,
+after a receiver was SIGKILLed; the pool cap, idle trim and kept mappings follow their
+settings; segment sizes and bounds, unit by unit."""
+
+from __future__ import annotations
+
+import gc
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+import torch
+
+import shmreduce
+from shmreduce import pool, program, transfer
+from shmreduce.cache import cache
+
+from helpers import forget_mappings, let_go_now, run_in_child, wait_for
+
+CTX = mp.get_context("fork")
+MIB = 1 << 20
+BIG = MIB // 4  # float32 elements of a 1 MiB tensor: a segment of its own
+SMALL = 60 * 1024 // 4  # float32 elements of a 60 KiB tensor: packed in a slab
+ANSWER = 20.0  # seconds a child has to answer one message
+
+
+def _pool_stats(strategy: str) -> dict[str, int]:
+    """The counters of this process's pool for *strategy*, without their prefix."""
+    prefix = "fd_" if strategy == "file_descriptor" else "fs_"
+    return {k[len(prefix) :]: v for k, v in transfer.stats().items() if k.startswith(prefix)}
+
+
+def _connected() -> None:
+    """Connect to the broker before the test makes its segments. A connection made
+    afresh (after an earlier test's unregister() closed ours) retires the segments
+    alive at that moment (transfer._on_connect), and a file_descriptor segment is
+    made before the deposit that connects: the first one would never come back."""
+    assert bool(shmreduce.loads(shmreduce.dumps(torch.ones(1)))[0] == 1.0)
+
+
+def _answer(conn: Connection, timeout: float = ANSWER) -> Any:
+    assert conn.poll(timeout), "the child did not answer in time"
+    return conn.recv()
+
+
+@contextmanager
+def _child(target: Callable[..., None], *args: Any, exitcode: int | None = 0) -> Iterator[tuple[Connection, Any]]:
+    """A fork child running target(conn, *args); yields (our end of the pipe, the
+    process). Joined (killed if it hangs) on the way out; its exit code checked
+    unless *exitcode* is None."""
+    ours, theirs = CTX.Pipe()
+    proc = CTX.Process(target=target, args=(theirs, *args))
+    proc.start()
+    theirs.close()
+    try:
+        yield ours, proc
+        proc.join(ANSWER)
+        assert not proc.is_alive(), "the child did not exit"
+        if exitcode is not None:
+            assert proc.exitcode == exitcode
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(ANSWER)
+        ours.close()
+
+
+# -- receivers (fork children) ---------------------------------------------------------
+# Each starts with torch.set_num_threads(1): a fork child must not use the OpenMP pool
+# the parent already started (GNU OpenMP hangs after fork), as DataLoader workers do.
+
+
+def _check_and_drop(conn: Connection) -> None:
+    """Check each message's values (message i holds i everywhere) and drop it."""
+    torch.set_num_threads(1)
+    while (msg := conn.recv()) is not None:
+        i, tensors = msg
+        ok = all(bool((t == float(i)).all()) for t in tensors)
+        del msg, tensors
+        conn.send(ok)
+
+
+def _keep_first(conn: Connection) -> None:
+    """Keep message 0's big tensor and its first small one, drop the others; at the
+    end, say whether the kept ones still hold message 0's values."""
+    torch.set_num_threads(1)
+    _, first = conn.recv()
+    kept_big, kept_small = first[0], first[1]
+    del first
+    conn.send(True)
+    oks = []
+    while (msg := conn.recv()) is not None:
+        i, tensors = msg
+        oks.append(all(bool((t == float(i)).all()) for t in tensors))
+        del msg, tensors
+        conn.send(True)
+    conn.send((all(oks), bool((kept_big == 0.0).all()), bool((kept_small == 0.0).all())))
+
+
+def _hold_then_drop(conn: Connection, count: int) -> None:
+    """Receive *count* tensors, all held at once, then drop them; stay quiet until told."""
+    torch.set_num_threads(1)
+    held = [conn.recv() for _ in range(count)]
+    ok = all(bool((t == float(i)).all()) for i, t in enumerate(held))
+    del held
+    gc.collect()
+    conn.send(ok)
+    conn.recv()
+
+
+def _hold_forever(conn: Connection, count: int) -> None:
+    torch.set_num_threads(1)
+    held = [conn.recv() for _ in range(count)]
+    conn.send(all(bool((t == float(i)).all()) for i, t in enumerate(held)))
+    conn.recv()  # until killed
+
+
+def _message(i: int, smalls: int = 0) -> tuple[int, list[torch.Tensor]]:
+    """Message *i*: a 1 MiB tensor and *smalls* 60 KiB ones, all holding i."""
+    return i, [torch.full((BIG,), float(i))] + [torch.full((SMALL,), float(i)) for _ in range(smalls)]
+
+
+# -- reuse -----------------------------------------------------------------------------
+
+
+def test_a_steady_sender_reuses_its_segments(strategy: str) -> None:
+    _connected()
+    before = _pool_stats(strategy)
+    with _child(_check_and_drop) as (conn, _):
+        for i in range(30):
+            conn.send(_message(i))  # a new tensor each time, dropped once sent
+            assert _answer(conn) is True, f"message {i} arrived with wrong values"
+        conn.send(None)
+    after = _pool_stats(strategy)
+    made = after["segments_made"] - before["segments_made"]
+    reused = after["segments_reused"] - before["segments_reused"]
+    assert made <= 6, f"{made} segments made for 30 messages: {after}"
+    assert reused >= 20, f"{reused} reuses for 30 messages: {after}"
+
+
+def test_memory_a_receiver_holds_is_never_reused(strategy: str) -> None:
+    _connected()
+    # Two 60 KiB tensors a message fill a 1 MiB slab every 8 messages: slabs and
+    # large segments both come round again while the receiver keeps message 0's.
+    before = _pool_stats(strategy)
+    with _child(_keep_first) as (conn, _):
+        for i in range(31):
+            conn.send(_message(i, smalls=2))
+            assert _answer(conn) is True
+        conn.send(None)
+        others_ok, big_ok, small_ok = _answer(conn)
+    reused = _pool_stats(strategy)["segments_reused"] - before["segments_reused"]
+    assert others_ok, "a message arrived with wrong values"
+    assert big_ok, "the large tensor the receiver kept was overwritten"
+    assert small_ok, "the small tensor the receiver kept (in a slab) was overwritten"
+    assert reused >= 10, f"too little reuse for the test to prove anything: {reused}"
+
+
+def test_free_within_about_a_second_without_further_sends(strategy: str) -> None:
+    _connected()
+    transfer.let_go()  # from an empty pool: what turns up free below is this test's
+    assert _pool_stats(strategy)["segments_free"] == 0
+    with _child(_hold_then_drop, 3) as (conn, _):
+        for i in range(3):
+            conn.send(torch.full((BIG,), float(i)))
+        assert _answer(conn) is True
+        # Nothing is sent or received from here on, and collect() is not called here:
+        # the collector threads (transfer._Collector, every PURGE_EVERY = 0.5 s) of both
+        # processes let go of the dead generations, and the sender's takes in the
+        # broker's free notices.
+        freed = wait_for(lambda: (s := _pool_stats(strategy))["segments_free"] > 0 and s["segments_waiting"] == 0, 5.0)
+        stats = _pool_stats(strategy)
+        conn.send("done")
+    assert freed, f"segments not free within 5 s of the last user letting go: {stats}"
+    assert stats["segments_free"] == 3, stats
+
+
+# -- stale handles ---------------------------------------------------------------------
+
+
+def _load_check_drop(data: bytes) -> bool:
+    torch.set_num_threads(1)
+    t = shmreduce.loads(data)
+    ok = bool((t == 3.0).all())
+    del t
+    let_go_now()
+    return ok
+
+
+def _load_again(data: bytes) -> str:
+    torch.set_num_threads(1)
+    forget_mappings()  # as a process that never mapped the segment
+    t = shmreduce.loads(data)
+    return f"loaded, values {t[:4].tolist()}"
+
+
+def test_a_stale_handle_is_refused_not_read(strategy: str) -> None:
+    _connected()
+    t = torch.full((BIG,), 3.0)
+    data = shmreduce.dumps(t)
+    del t
+    free = _pool_stats(strategy)["segments_free"]
+    assert run_in_child(_load_check_drop, data) == ("ok", True)
+
+    def freed() -> bool:
+        let_go_now()
+        return _pool_stats(strategy)["segments_free"] > free
+
+    assert wait_for(freed, 5.0), f"the segment did not come back: {_pool_stats(strategy)}"
+    # The segment is free, its header cleared: filled again it would hold other bytes.
+    kind, message = run_in_child(_load_again, data)
+    assert kind == "SharingError", message
+    if strategy == "file_system":
+        # The file is still there (kept in the pool): its header tells the generation is over.
+        assert "generation" in message and "is over" in message, message
+    else:
+        # The broker gave the message's descriptors to its first receiver only.
+        assert "already received" in message and "send it again" in message, message
+
+
+# -- fork ------------------------------------------------------------------------------
+
+
+def _use_after_fork(conn: Connection, big: torch.Tensor, small: torch.Tensor) -> None:
+    """The fork child: receive and check what the parent sends, then check the
+    storages it inherited."""
+    _check_and_drop(conn)
+    conn.send((bool((big == 7.0).all()), bool((small == -7.0).all())))
+
+
+def test_segments_alive_at_a_fork_are_never_reused(strategy: str) -> None:
+    _connected()
+    big = torch.full((BIG,), 7.0)
+    small = torch.full((SMALL,), -7.0)
+    big.share_memory_()
+    small.share_memory_()
+    assert cache.place_of(big.untyped_storage()) is not None
+    assert cache.place_of(small.untyped_storage()) is not None
+    before = _pool_stats(strategy)
+    with _child(_use_after_fork, big, small) as (conn, _):
+        del big, small  # the parent lets go; only the fork child uses them now
+        gc.collect()
+        for i in range(1, 21):
+            conn.send(_message(i, smalls=2))
+            assert _answer(conn) is True
+        conn.send(None)
+        big_ok, small_ok = _answer(conn)
+    reused = _pool_stats(strategy)["segments_reused"] - before["segments_reused"]
+    assert big_ok, "a large segment alive at the fork was reused"
+    assert small_ok, "a slab alive at the fork was reused"
+    assert reused >= 10, f"too little reuse for the test to prove anything: {reused}"
+
+
+def _all_equal(t: torch.Tensor, value: float) -> bool:
+    torch.set_num_threads(1)
+    return bool((t == value).all())
+
+
+def test_a_retired_file_goes_once_free() -> None:
+    # A segment alive at a fork is never reused: once free it is closed, and under
+    # file_system its file goes (pool.py: "retired: never reused: closed once free").
+    with shmreduce.registered(strategy="file_system"):
+        big = torch.full((BIG,), 7.0)
+        big.share_memory_()
+        place = cache.place_of(big.untyped_storage())
+        assert place is not None
+        name, directory = place.segment.name, place.segment.directory
+        assert run_in_child(_all_equal, big, 7.0) == ("ok", True)  # the fork retires its segment
+        del big, place
+
+        def gone() -> bool:
+            let_go_now()
+            return name not in os.listdir(directory)
+
+        assert wait_for(gone, 5.0), f"{name} still in {directory} after its last user let go"
+
+
+# -- a receiver killed -------------------------------------------------------------------
+
+
+def test_a_killed_receivers_holds_go_with_it(strategy: str) -> None:
+    _connected()
+    transfer.let_go()
+    assert _pool_stats(strategy)["segments_free"] == 0
+    with _child(_hold_forever, 3, exitcode=-signal.SIGKILL) as (conn, proc):
+        for i in range(3):
+            conn.send(torch.full((BIG,), float(i)))
+        assert _answer(conn) is True
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(ANSWER)
+        # No collect() here either: the collector takes in the broker's notices.
+        freed = wait_for(lambda: _pool_stats(strategy)["segments_free"] > 0, 10.0)
+        assert freed, f"nothing came back after the receiver was killed: {_pool_stats(strategy)}"
+        assert wait_for(lambda: (s := _pool_stats(strategy))["segments_free"] == 3 and s["segments_waiting"] == 0, 10.0), _pool_stats(
+            strategy
+        )
+
+
+# -- settings (a fresh interpreter each) ---------------------------------------------------
+
+_SETTINGS_SCRIPT = textwrap.dedent(
+    """
+    import gc, json, multiprocessing as mp, sys, threading, time
+    import torch
+    import shmreduce
+    from shmreduce import pool, transfer
+
+    CAP = 4 << 20
+    strategy = sys.argv[1]
+    prefix = "fd_" if strategy == "file_descriptor" else "fs_"
+    report = {"settings": [pool.POOL_BYTES, pool.POOL_IDLE, pool.KEPT_SEGMENTS]}
+    shmreduce.register(strategy=strategy)
+
+
+    def receiver(conn):
+        torch.set_num_threads(1)  # GNU OpenMP hangs in a fork child of a process that used it
+        while (batch := conn.recv()) is not None:
+            ok = all(bool((t == float(t.numel())).all()) for t in batch)
+            del batch
+            gc.collect()
+            deadline = time.monotonic() + 3  # the cache lets go of dead entries every 0.5 s
+            while transfer.stats()["segments_mapped"] > 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            s = transfer.stats()
+            conn.send((ok, s["segments_kept"], s["segments_mapped"], s["descriptors"]))
+
+
+    worst = [0, 0]  # largest free_bytes seen, and how often it was above 0
+    stop = threading.Event()
+
+
+    def sample():
+        while not stop.is_set():
+            free = transfer.stats()[prefix + "free_bytes"]
+            worst[0] = max(worst[0], free)
+            worst[1] += free > 0
+            time.sleep(0.002)
+
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    ctx = mp.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    child = ctx.Process(target=receiver, args=(theirs,))
+    child.start()
+    theirs.close()
+    report["child"] = []
+    mib = 1 << 20
+
+
+    def send(sizes):
+        ours.send([torch.full((n // 4,), float(n // 4)) for n in sizes])
+        assert ours.poll(20)
+        report["child"].append(ours.recv())
+
+
+    def wait(cond, timeout=5):
+        deadline = time.monotonic() + timeout
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return cond()
+
+
+    def stat(name):
+        return transfer.stats()[prefix + name]
+
+
+    # Batches larger than the cap, of different sizes, then of one size.
+    for sizes in ([mib, 3 * mib // 2, 2 * mib, 5 * mib // 2, 3 * mib], [mib] * 5):
+        send(sizes)
+        assert wait(lambda: stat("segments_waiting") == 0)
+    # A batch under the cap: its segments come back and stay free until idle.
+    send([mib, mib])
+    report["back"] = wait(lambda: stat("segments_free") == 2 and stat("segments_waiting") == 0)
+    start = time.monotonic()
+    wait(lambda: stat("segments_free") == 0 and stat("free_bytes") == 0)
+    report["idle_s"] = time.monotonic() - start
+    report["end"] = transfer.stats()
+    stop.set()
+    sampler.join()
+    report["worst"] = worst
+    ours.send(None)
+    child.join(20)
+    report["exitcode"] = child.exitcode
+    print(json.dumps(report))
+    """
+)
+
+
+def test_pool_cap_idle_trim_and_kept_mappings_follow_their_settings(strategy: str) -> None:
+    base = tempfile.mkdtemp(prefix="pool-settings-", dir=os.environ["SHMREDUCE_SHM_DIR"])
+    env = dict(
+        os.environ,
+        SHMREDUCE_SHM_DIR=base,
+        SHMREDUCE_POOL_BYTES=str(4 * MIB),
+        SHMREDUCE_POOL_IDLE="0.5",
+        SHMREDUCE_KEPT_SEGMENTS="2",
+    )
+    try:
+        done = subprocess.run([sys.executable, "-c", _SETTINGS_SCRIPT, strategy], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr[-3000:]
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+        assert report["settings"] == [4 * MIB, 0.5, 2]
+        assert report["exitcode"] == 0
+        prefix = "fd_" if strategy == "file_descriptor" else "fs_"
+        for ok, kept, mapped, descriptors in report["child"]:
+            assert ok, "a tensor arrived with wrong values"
+            # The receiver keeps its 2 latest mappings once their storages died, no more.
+            assert kept <= 2 and mapped <= 2, report["child"]
+            assert descriptors <= (2 if strategy == "file_descriptor" else 0), report["child"]
+        largest, seen = report["worst"]
+        assert 0 < largest <= 4 * MIB, f"free bytes above the 4 MiB cap: {largest}"
+        assert seen > 0
+        assert report["end"][prefix + "segments_reused"] > 0, report["end"]
+        # The last batch came back free; idle for POOL_IDLE (0.5 s), it was closed by
+        # a collector pass (every 0.5 s), never before.
+        assert report["back"], report["end"]
+        assert 0.3 <= report["idle_s"] < 3.0, report
+        assert report["end"][prefix + "segments_free"] == 0 and report["end"][prefix + "free_bytes"] == 0, report["end"]
+        # Its broker exits once its clients are gone and removes its directory.
+        assert wait_for(lambda: not os.listdir(base), 10.0), os.listdir(base)
+    finally:
+        for root, dirs, files in os.walk(base, topdown=False):
+            for name in files:
+                os.unlink(os.path.join(root, name))
+            for name in dirs:
+                os.rmdir(os.path.join(root, name))
+        os.rmdir(base)
+
+
+def test_over_the_cap_a_pool_closes_its_oldest_free_segments_not_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    # In process, no broker: segments a pool made, given back one by one. Room for 3
+    # of them under the cap: a 4th closes the oldest, the newest 3 stay reusable.
+    size = pool.class_size(MIB)
+    monkeypatch.setattr(pool, "POOL_BYTES", 3 * size + size // 2)
+    fds = pool.FdPool(lambda: "", lambda: [])
+    try:
+        segs = [fds.take(size) for _ in range(5)]
+        for i, seg in enumerate(segs):
+            fds.give_back(seg)
+            stats = fds.stats()
+            assert stats["free_bytes"] <= pool.POOL_BYTES
+            assert stats["segments_free"] == min(i + 1, 3), f"after giving back {i + 1}: {stats}"
+        assert [s for segs_ in fds.free.values() for s in segs_] == segs[2:], "not the newest kept"
+        del segs
+        for _ in range(3):
+            fds.take(size)
+        assert fds.stats()["segments_reused"] == 3
+    finally:
+        fds.let_go()
+
+
+# -- sizes and bounds ---------------------------------------------------------------------
+
+
+def test_class_size() -> None:
+    page = os.sysconf("SC_PAGE_SIZE")
+    sizes = [1, 63, 64, 4096 - pool.HEADER, 4096, 65536, 65537, 100_000, MIB - pool.HEADER, MIB, 3 * MIB + 1, 1 << 30, (1 << 34) + 12345]
+    sizes += [int(1.07**k) for k in range(10, 400)]
+    for n in sizes:
+        size = pool.class_size(n)
+        need = n + pool.HEADER
+        assert size >= need, n  # the header included
+        assert size % page == 0, n
+        if need >= 8 * page:
+            assert size - need <= need // 8, f"{n}: {size} wastes more than 1/8"
+        else:
+            assert size - need < page, n
+        assert pool.class_size(size - pool.HEADER) == size, n  # a class is its own class
+    assert pool.class_size(MIB) == MIB + MIB // 8
+    assert pool.class_size(pool.SLAB_SIZE - pool.HEADER) == pool.SLAB_SIZE
+    # Eight classes per doubling, sizes never shrinking as storages grow.
+    for k in (16, 20, 27):
+        classes = [pool.class_size(n - pool.HEADER) for n in range((1 << k) + 1, (1 << (k + 1)) + 1, 1 << (k - 6))]
+        assert classes == sorted(classes)
+        assert len(set(classes)) == 8, (k, sorted(set(classes)))
+
+
+def test_a_segment_view_out_of_bounds_is_a_sharing_error(strategy: str) -> None:
+    t = torch.arange(1000, dtype=torch.int32)
+    t.share_memory_()
+    place = cache.place_of(t.untyped_storage())
+    assert place is not None
+    seg, gen, offset, nbytes = place
+    assert gen and offset >= pool.HEADER and nbytes == 4000
+    token = seg.live_token(gen)
+    assert token is not None
+    view = seg.view(token, offset, nbytes)
+    assert torch.equal(torch.frombuffer(bytearray(bytes(view)), dtype=torch.int32), t)
+    for bad_offset, bad_nbytes in [
+        (seg.size - 8, 16),
+        (seg.size, 1),
+        (0, 8),  # the header is no storage's
+        (pool.HEADER - 1, 8),
+        (offset, 0),
+        (offset, -1),
+        (-8, 16),
+        (offset, seg.size),
+        (1 << 62, 1 << 62),
+    ]:
+        with pytest.raises(shmreduce.SharingError, match="out of bounds"):
+            seg.view(token, bad_offset, bad_nbytes)
+    assert seg.view(token, seg.size - 8, 8).nbytes() == 8  # the last bytes are fine
+
+
+def test_opening_a_missing_segment_file_is_a_sharing_error() -> None:
+    with shmreduce.registered(strategy="file_system"):
+        t = torch.ones(10)
+        t.share_memory_()  # the program directory and its broker exist
+        directory = program.current().directory
+        with pytest.raises(shmreduce.SharingError, match="is gone"):
+            pool.open_file(directory, "seg-" + "0" * 24)
+        with pytest.raises(shmreduce.SharingError, match="not a shmreduce segment"):
+            pool.open_file(directory, "../" + "seg-" + "0" * 24)
+        del t
