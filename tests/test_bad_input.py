@@ -238,7 +238,7 @@ def test_missing_file_is_gone_and_never_created():
         assert not os.path.exists(os.path.join(directory, name))
 
 
-_CORRUPTIONS = {
+_CORRUPTIONS: dict[str, list[object]] = {
     "kind": [None, b"fd", 0],
     "program": [None, b"/dev/shm", "", "\x00"],
     "message": [None, "k" * 16, b"\x00" * 15],

@@ -95,7 +95,7 @@ def test_file_system_message_of_3000_storages_arrives_and_leaves_nothing():
 
 
 def _check_rounds(conn, rounds):
-    out = []
+    out: list[int | str] = []
     for r in range(rounds):
         try:
             items = conn.recv()

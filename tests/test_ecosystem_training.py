@@ -21,7 +21,7 @@ TIMEOUT = 60
 # -- hogwild -------------------------------------------------------------------------
 
 
-def mark_rows(rank: int, model: nn.Module, steps: int) -> None:
+def mark_rows(rank: int, model: nn.Linear, steps: int) -> None:
     # Disjoint writes: each worker owns row `rank` of the weight, so the result is exact.
     with torch.no_grad():
         for _ in range(steps):

@@ -36,7 +36,8 @@ def _limited_receiver(conn, hard_limit, results):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, hard_limit), hard_limit))
     shmreduce.register()  # raises soft to hard: our lowered hard limit stays the cap
-    held, outcomes = [], []
+    held: list[torch.Tensor] = []
+    outcomes: list[tuple[object, ...]] = []
     while True:
         if not conn.poll(TIMEOUT):
             break
@@ -232,7 +233,7 @@ def run_load(producers, per_producer, report=None):
     procs = [ctx.Process(target=_load_producer, args=(q, k, per_producer, 1000 + k)) for k in range(producers)]
     for p in procs:
         p.start()
-    seen = set()
+    seen: set[tuple[int, int]] = set()
     total = producers * per_producer
     samples = []
     t0 = time.monotonic()

@@ -3,6 +3,7 @@
 import multiprocessing as mp
 import pickle
 from multiprocessing.reduction import ForkingPickler
+from typing import cast
 
 import pytest
 import torch
@@ -169,14 +170,15 @@ def test_cuda_storage_refusal_message():
     from shmreduce.reductions import reduce_storage
 
     with pytest.raises(SharingError, match="pickle the CUDA tensor instead, or move it to CPU"):
-        reduce_storage(FakeCuda())
+        reduce_storage(cast(torch.UntypedStorage, FakeCuda()))  # a stand-in on purpose
 
 
 def _sparse_cases():
     dense = torch.tensor([[0.0, 1.5, 0.0, 2.0], [3.0, 0.0, 0.0, 0.0], [0.0, 0.0, 4.0, 5.0], [0.0, 6.0, 0.0, 0.0]])
     return {
         "coo": dense.to_sparse(),
-        "coo_uncoalesced": torch.sparse_coo_tensor([[0, 0], [1, 1]], [1.0, 2.0], (2, 2)),
+        # torch accepts nested lists here; its stub says Tensor only
+        "coo_uncoalesced": torch.sparse_coo_tensor([[0, 0], [1, 1]], [1.0, 2.0], (2, 2)),  # type: ignore[arg-type]
         "csr": dense.to_sparse_csr(),
         "csc": dense.to_sparse_csc(),
         "bsr": dense.to_sparse_bsr((2, 2)),

@@ -60,7 +60,8 @@ def make(kind: str, consolidated: bool, start: float = 0.0) -> Any:
         # a nested tensordict holds a view of the same tensor too
         obj = TensorDict({"obs": base, "window": base[4:8], "reward": reward, "next": {"obs": base[8:12]}}, batch_size=[])
     else:
-        obj = Transition(obs=base, window=base[4:8], reward=reward, batch_size=[])
+        # tensorclass adds batch_size to the constructor at runtime; its stub does not
+        obj = Transition(obs=base, window=base[4:8], reward=reward, batch_size=[])  # type: ignore[call-arg]
     return obj.consolidate() if consolidated else obj
 
 
@@ -114,7 +115,8 @@ def _child(q_in: Any, q_out: Any) -> None:
             leaves(arg)["obs"][0] = 1000.0  # the parent must see this write
             q_out.put(reply)
         elif op == "make":
-            made = make(*arg, start=50.0)
+            kind, consolidated = arg
+            made = make(kind, consolidated, start=50.0)
             q_out.put(made)
         elif op == "read":
             assert made is not None

@@ -13,7 +13,7 @@ from shmreduce import _torch
 
 # A storage torch itself shared by descriptor (what segments.adopt_fd meets), and
 # a shared storage to swap memory with.
-_new_shared_fd = torch.UntypedStorage._new_shared_fd_cpu
+_new_shared_fd = torch.UntypedStorage._new_shared_fd_cpu  # type: ignore[attr-defined]  # private, not in torch's stub: pinned on purpose
 
 
 def test_new_shared_fd_dups_and_is_shared():
@@ -54,7 +54,9 @@ def test_weak_storage_tracks_the_storage_impl():
     t = torch.zeros(4)
     weak = _torch.WeakStorage(t.untyped_storage())
     assert not weak.expired()
-    assert weak.get()._cdata == t.untyped_storage()._cdata
+    got = weak.get()
+    assert got is not None and got._cdata == t.untyped_storage()._cdata
+    del got  # no reference may outlive this line: the storage must expire below
     del t
     assert weak.expired() and weak.get() is None
 
