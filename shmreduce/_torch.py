@@ -6,7 +6,8 @@ release changes any of them.
 
 from __future__ import annotations
 
-from typing import Callable, cast
+from collections.abc import Callable
+from typing import cast
 
 import torch
 

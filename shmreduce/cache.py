@@ -1,117 +1,114 @@
-"""Weak-reference storage cache: sender ``storage -> segment``, receiver ``segment -> storage``.
+"""Weak-reference storage cache: ``storage -> Place`` (where it lies in a shared
+segment) and ``Place -> storage`` (so a storage received twice is one storage).
 
 Owns the only record of which shared segment backs which live storage in this
 process. Entries hold torch weak pointers to the StorageImpl (``_torch.WeakStorage``),
-never the storage itself, so caching never keeps memory alive. Dead entries are
-purged in batches; the ``file_system`` names they held are returned to the caller,
-who releases them at the broker. Fork-safe: the lock is replaced in the child.
+never the storage itself, so caching never keeps memory alive (the ``Segment`` a
+place names stays mapped until its entry is purged: dead entries go in batches, at
+the latest every ``transfer.PURGE_EVERY``). It never talks to the broker: what a
+storage's death lets go of is the business of its segment generation (``pool``).
+Fork-safe: the lock is replaced in the child.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
-from shmreduce._torch import WeakStorage
+from shmreduce._torch import WeakStorage, storage_key
 
 PURGE_MIN_ENTRIES = 128
-PURGE_BYTES = 64 << 20  # purge at least every 64 MiB of new segments: frees fs files promptly
 
 
-class Segment(NamedTuple):
-    """A piece of shared memory backing exactly one storage.
+class Place(NamedTuple):
+    """Where a storage lies: *nbytes* at *offset* of generation *gen* of *segment*
+    (a ``pool.Segment``). *gen* 0: a segment shmreduce does not pool (a storage
+    torch shared by descriptor), at offset 0."""
 
-    kind "fd": an anonymous memfd, *name* is its "dev:ino" identity, *program* is "".
-    kind "fs": a file *name* in the program directory *program*, held at its broker.
-    """
-
-    kind: str
-    program: str
-    name: str
+    segment: Any
+    gen: int
+    offset: int
     nbytes: int
+
+    @property
+    def key(self) -> tuple:
+        """The place's identity in every process that maps it."""
+        return (self.segment.kind, self.segment.key, self.gen, self.offset)
 
 
 class StorageCache:
     def __init__(self) -> None:
-        self._by_cdata: dict[int, tuple[WeakStorage, Segment]] = {}
-        self._by_segment: dict[tuple[str, str, str], WeakStorage] = {}
+        self._by_storage: dict[int, tuple[WeakStorage, Place]] = {}
+        self._by_place: dict[tuple, WeakStorage] = {}
         self._limit = PURGE_MIN_ENTRIES
-        self._bytes_since_purge = 0
         self._after_fork()
         os.register_at_fork(after_in_child=self._after_fork)
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()
 
-    def segment_of(self, storage: torch.UntypedStorage) -> Segment | None:
-        entry = self._by_cdata.get(storage._cdata)
+    def place_of(self, storage: torch.UntypedStorage) -> Place | None:
+        entry = self._by_storage.get(storage_key(storage))
         if entry is None or entry[0].expired():
             return None
         return entry[1]
 
-    def storage_of(self, segment: Segment) -> torch.UntypedStorage | None:
-        weak = self._by_segment.get(segment[:3])
+    def storage_at(self, key: tuple) -> torch.UntypedStorage | None:
+        weak = self._by_place.get(key)
         return None if weak is None else weak.get()
 
-    def remember(self, storage: torch.UntypedStorage, segment: Segment) -> dict[str, list[str]]:
-        """Record the pair; return fs names to release, by program, if a purge ran."""
+    def remember(self, storage: torch.UntypedStorage, place: Place) -> None:
+        """Record the pair (purging dead entries once they outnumber live ones)."""
         weak = WeakStorage(storage)
         with self._lock:
-            self._by_cdata[storage._cdata] = (weak, segment)
-            self._by_segment[segment[:3]] = weak
-            self._bytes_since_purge += segment.nbytes
-            if len(self._by_cdata) < self._limit and self._bytes_since_purge < PURGE_BYTES:
-                return {}
-            return self._purge_locked()
+            self._by_storage[storage_key(storage)] = (weak, place)
+            self._by_place[place.key] = weak
+            if len(self._by_storage) >= self._limit:
+                self._purge_locked()
 
-    def purge(self) -> dict[str, list[str]]:
+    def purge(self) -> None:
         with self._lock:
-            return self._purge_locked()
+            self._purge_locked()
 
-    def _purge_locked(self) -> dict[str, list[str]]:
-        released: dict[str, list[str]] = {}
-        for cdata, (weak, segment) in list(self._by_cdata.items()):
-            if not weak.expired():
-                continue
-            del self._by_cdata[cdata]
-            key = segment[:3]
-            if self._by_segment.get(key) is weak:
-                del self._by_segment[key]
-                if segment.kind == "fs":
-                    released.setdefault(segment.program, []).append(segment.name)
-        self._limit = max(PURGE_MIN_ENTRIES, 2 * len(self._by_cdata))
-        self._bytes_since_purge = 0
-        return released
+    def _purge_locked(self) -> None:
+        for cdata, (weak, place) in list(self._by_storage.items()):
+            if weak.expired():
+                del self._by_storage[cdata]
+                key = place.key
+                if self._by_place.get(key) is weak:
+                    del self._by_place[key]
+        self._limit = max(PURGE_MIN_ENTRIES, 2 * len(self._by_storage))
 
-    def live_names(self, program: str) -> list[str]:
-        """The fs segment names of *program* that some live storage here still maps."""
+    def forget(self, gone: Callable[[Place], bool]) -> None:
+        """Drop the places *gone* says no longer exist (files that went with a broker
+        that died): their storages are shared anew if sent again."""
         with self._lock:
-            return [
-                seg.name
-                for weak, seg in self._by_cdata.values()
-                if seg.kind == "fs" and seg.program == program and not weak.expired()
-            ]
+            for cdata, (weak, place) in list(self._by_storage.items()):
+                if gone(place):
+                    del self._by_storage[cdata]
+                    if self._by_place.get(place.key) is weak:
+                        del self._by_place[place.key]
 
-    def forget(self, program: str, names: list[str]) -> None:
-        """Drop the fs segments *names* of *program* (their files are gone): the
-        storages that map them are shared anew if sent again."""
-        gone = set(names)
+    def live_places(self) -> list[Place]:
         with self._lock:
-            for cdata, (weak, seg) in list(self._by_cdata.items()):
-                if seg.kind == "fs" and seg.program == program and seg.name in gone:
-                    del self._by_cdata[cdata]
-                    if self._by_segment.get(seg[:3]) is weak:
-                        del self._by_segment[seg[:3]]
+            return [place for weak, place in self._by_storage.values() if not weak.expired()]
 
     def live_count(self) -> int:
         with self._lock:
-            return sum(1 for weak, _ in self._by_cdata.values() if not weak.expired())
+            return sum(1 for weak, _ in self._by_storage.values() if not weak.expired())
+
+    def clear(self) -> None:
+        """Forget everything (a test acting as a process that never saw these storages)."""
+        with self._lock:
+            self._by_storage.clear()
+            self._by_place.clear()
 
     def __len__(self) -> int:
-        return len(self._by_cdata)
+        return len(self._by_storage)
 
 
 cache = StorageCache()

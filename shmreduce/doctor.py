@@ -71,10 +71,7 @@ def _connected(socket_path: str) -> int:
 def orphan_brokers() -> list[tuple[int, str, int]]:
     """Brokers whose program root process is gone and that no process is connected
     to (they normally exit on their own; one still in use serves live processes)."""
-    return [
-        p for p in _broker_procs()
-        if not os.path.exists(f"/proc/{p[2]}") and not _connected(os.path.join(p[1], P.SOCKET_NAME))
-    ]
+    return [p for p in _broker_procs() if not os.path.exists(f"/proc/{p[2]}") and not _connected(os.path.join(p[1], P.SOCKET_NAME))]
 
 
 def _check_broker(base: str) -> tuple[bool, str]:
@@ -123,10 +120,13 @@ def doctor() -> int:
             free >= MIN_SHM_BYTES,
             "shm mount",
             f"{base}: {_fmt(size)} total, {_fmt(free)} free"
-            + ("" if free >= MIN_SHM_BYTES else
-               f" (under {_fmt(MIN_SHM_BYTES)}: 'file_system' sends will fail; use 'file_descriptor' "
-               "(memfd, not limited by this mount), or set SHMREDUCE_SHM_DIR to a larger tmpfs, "
-               "or give the container --shm-size)"),
+            + (
+                ""
+                if free >= MIN_SHM_BYTES
+                else f" (under {_fmt(MIN_SHM_BYTES)}: 'file_system' sends will fail; use 'file_descriptor' "
+                "(memfd, not limited by this mount), or set SHMREDUCE_SHM_DIR to a larger tmpfs, "
+                "or give the container --shm-size)"
+            ),
         )
     except OSError as exc:
         report(False, "shm mount", f"{base}: {exc}; set SHMREDUCE_SHM_DIR to a writable tmpfs")
@@ -136,9 +136,12 @@ def doctor() -> int:
         usable >= MIN_NOFILE,
         "descriptor limit",
         f"soft {soft}, hard {hard} (register() raises soft to hard)"
-        + ("" if usable >= MIN_NOFILE else
-           f"; under {MIN_NOFILE}: receivers holding many tensors with 'file_descriptor' will hit "
-           "'out of file descriptors'; raise ulimit -Hn or use 'file_system'"),
+        + (
+            ""
+            if usable >= MIN_NOFILE
+            else f"; under {MIN_NOFILE}: receivers holding many tensors with 'file_descriptor' will hit "
+            "'out of file descriptors'; raise ulimit -Hn or use 'file_system'"
+        ),
     )
     try:
         fd = os.memfd_create("shmreduce-doctor", os.MFD_CLOEXEC)
@@ -149,11 +152,13 @@ def doctor() -> int:
         report(False, "memfd", f"memfd_create failed ({exc}); use the 'file_system' strategy")
     # Stale state first: starting the throwaway broker sweeps stale directories.
     stale = stale_dirs(base)
-    report(not stale, "stale program directories",
-           "none" if not stale else f"{len(stale)} ({', '.join(stale[:5])}); run: python -m shmreduce cleanup --yes")
+    report(
+        not stale,
+        "stale program directories",
+        "none" if not stale else f"{len(stale)} ({', '.join(stale[:5])}); run: python -m shmreduce cleanup --yes",
+    )
     orphans = orphan_brokers()
-    report(not orphans, "orphan brokers",
-           "none" if not orphans else f"{[p[0] for p in orphans]}; run: python -m shmreduce cleanup --yes")
+    report(not orphans, "orphan brokers", "none" if not orphans else f"{[p[0] for p in orphans]}; run: python -m shmreduce cleanup --yes")
     ok, detail = _check_broker(base)
     report(ok, "broker", detail)
     print("all good" if not problems else f"{problems} problem(s) found")

@@ -107,7 +107,7 @@ def _set(owner: type, name: str, value: Any) -> None:
 
 
 def _is_shared(self: torch.UntypedStorage) -> bool:
-    return bool(_torch_is_shared[0](self)) or cache.segment_of(self) is not None
+    return bool(_torch_is_shared[0](self)) or cache.place_of(self) is not None
 
 
 def _share_memory_(self: torch.UntypedStorage, *args: Any, **kwargs: Any) -> torch.UntypedStorage:

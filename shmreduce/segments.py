@@ -1,13 +1,11 @@
-"""file_system segments (create them, move a storage into one in place, map them),
-the adoption of storages torch already shared by descriptor, and the
-descriptor-level helpers both kinds use (``fill``, ``fd_identity``, ``os_error``).
+"""Descriptor-level helpers for shared segments (``pool`` owns the segments):
+file names, creating and opening file_system files, writing bytes through a
+descriptor (``fill``), identities, and the errors they raise.
 
-A file_system segment is a named file, mode 0600, in the program directory (the
-file_descriptor kind, memfd slabs, is ``slabs``). A storage moves in by writing its
-bytes through the new file's descriptor, then swapping its memory for a mapping of
-the file: every page is allocated by that write, so a full mount is a
-``SharingError`` now rather than a SIGBUS later. Descriptors opened here are closed
-here; torch's storages keep their own.
+A file_system segment is a named file, mode 0600, in the program directory; a
+file_descriptor segment is a memfd. Bytes go in through the descriptor, never a
+fresh mapping: every page is allocated by that write, so a full mount is a
+``SharingError`` now rather than a SIGBUS later.
 """
 
 from __future__ import annotations
@@ -19,10 +17,7 @@ import os
 
 import torch
 
-from shmreduce import _torch
-from shmreduce._platform import HAVE_PROC_FD
 from shmreduce.broker.protocol import DIR_PREFIX, SEG_PREFIX, is_segment_name
-from shmreduce.cache import Segment
 from shmreduce.errors import SharingError, out_of_shm, too_many_files
 
 
@@ -50,10 +45,10 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def fd_identity(fd: int) -> tuple[str, int]:
-    """The "dev:ino" identity of the file *fd* is open on, and its size."""
+def fd_identity(fd: int) -> tuple[int, int]:
+    """The inode of the file *fd* is open on (memfds share one device), and its size."""
     st = os.fstat(fd)
-    return f"{st.st_dev}:{st.st_ino}", st.st_size
+    return st.st_ino, st.st_size
 
 
 def os_error(exc: OSError, what: str) -> SharingError:
@@ -84,53 +79,52 @@ def fill(fd: int, nbytes: int, source: torch.UntypedStorage | None, offset: int 
             done += os.pwrite(fd, view[done:], offset + done)
 
 
-def _file(program: str, name: str, nbytes: int, source: torch.UntypedStorage | None) -> tuple[Segment, torch.UntypedStorage]:
-    """A new file *name* of *program*, mode 0600, holding *source*'s bytes (or zeros), and its mapping."""
-    path = f"{program}/{name}"
+def create_file(directory: str, name: str, size: int) -> int:
+    """A new file *name* of *directory*, mode 0600, *size* bytes long (no memory
+    until written), its first page allocated; its descriptor."""
+    path = f"{directory}/{name}"
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     except FileNotFoundError:
-        raise ProgramDirectoryGone(f"program directory {program} is gone (its broker died)") from None
+        raise ProgramDirectoryGone(f"program directory {directory} is gone (its broker died)") from None
     except OSError as exc:
         raise os_error(exc, f"creating {path}") from exc
     try:
-        fill(fd, nbytes, source)
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, min(size, 4096))
     except OSError as exc:
+        os.close(fd)
         os.unlink(path)
         if exc.errno in (errno.ENOSPC, errno.EFBIG):
-            raise out_of_shm(program, nbytes, exc.strerror or str(exc)) from exc
-        raise os_error(exc, f"filling {path}") from exc
-    finally:
+            raise out_of_shm(directory, size, exc.strerror or str(exc)) from exc
+        raise os_error(exc, f"sizing {path}") from exc
+    return fd
+
+
+def open_file(directory: str, name: str) -> int:
+    """A descriptor of the existing segment file *name* of *directory* (its handle's
+    tag already checked: transfer.fs_tag), checked to be this user's.
+
+    Opened, never created: a file unlinked a moment ago is a SharingError, not
+    fresh zeros."""
+    if not is_segment_name(name):
+        raise SharingError(f"refusing segment name {name!r}: not a shmreduce segment (forged message?)")
+    path = f"{directory}/{name}"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise SharingError(f"shared-memory file {path} is gone: its program exited or the message is stale; send it again") from None
+    except OSError as exc:
+        raise os_error(exc, f"opening {path}") from exc
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
         os.close(fd)
-    try:
-        return Segment("fs", program, name, nbytes), _torch.map_file(path, nbytes)
-    except RuntimeError as exc:
-        os.unlink(path)
-        raise SharingError(f"mapping {path} failed: {exc}") from exc
-
-
-def move_to_file(storage: torch.UntypedStorage, program: str, name: str) -> Segment:
-    """Move *storage* into a new file *name* of *program* in place."""
-    segment, shared = _file(program, name, storage.nbytes(), storage)
-    _torch.swap_memory(storage, shared)
-    return segment
-
-
-def new_file(nbytes: int, program: str, name: str) -> tuple[Segment, torch.UntypedStorage]:
-    """A new zero-filled storage of *nbytes* in a file *name* of *program*, its space reserved."""
-    return _file(program, name, nbytes, None)
-
-
-def adopt_fd(storage: torch.UntypedStorage) -> Segment | None:
-    """The segment of a storage torch already put in fd-backed shared memory, if any."""
-    try:
-        fd = _torch.storage_fd(storage)
-    except RuntimeError:
-        return None
-    if fd < 0:
-        return None
-    name, _ = fd_identity(fd)
-    return Segment("fd", "", f"{name}/0", storage.nbytes())
+        raise os_error(exc, f"opening {path}") from exc
+    if st.st_uid != os.getuid() or st.st_size <= 0:
+        os.close(fd)
+        raise SharingError(f"shared-memory file {path} does not match its handle (owner or size): forged message?")
+    return fd
 
 
 def refuse_foreign_file(storage: torch.UntypedStorage) -> None:
@@ -148,32 +142,3 @@ def refuse_foreign_file(storage: torch.UntypedStorage) -> None:
         "sharing moves a storage into shmreduce's shared memory, which would detach it "
         "from its file. Send a copy (tensor.clone()), or map the file in the receiver too"
     )
-
-
-def map_file(segment: Segment) -> torch.UntypedStorage:
-    """Map a file_system segment (its handle's tag already checked: transfer.fs_tag).
-
-    The file is opened here and torch maps it through /proc/self/fd: torch's
-    from_file *creates* a missing path, so mapping by name could turn a file unlinked
-    a moment ago into fresh zeros; the descriptor pins the file that was checked.
-    """
-    if not is_segment_name(segment.name):
-        raise SharingError(f"refusing segment name {segment.name!r}: not a shmreduce segment (forged message?)")
-    path = f"{segment.program}/{segment.name}"
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise SharingError(
-            f"shared-memory file {path} is gone: its program exited or the message is stale; send it again"
-        ) from None
-    except OSError as exc:
-        raise os_error(exc, f"opening {path}") from exc
-    try:
-        st = os.fstat(fd)
-        if st.st_uid != os.getuid() or st.st_size < segment.nbytes:
-            raise SharingError(f"shared-memory file {path} does not match its handle (owner or size): forged message?")
-        return _torch.map_file(f"/proc/self/fd/{fd}" if HAVE_PROC_FD else path, segment.nbytes)
-    except RuntimeError as exc:
-        raise SharingError(f"mapping {path} failed: {exc}") from exc
-    finally:
-        os.close(fd)

@@ -12,16 +12,23 @@ from shmreduce.cache import cache
 def stats() -> dict[str, Any]:
     """Counters for this process.
 
-    storages_shared / bytes_shared: storages moved into new shared segments here;
+    storages_shared / bytes_shared: storages moved into shared segments here;
     storages_reused: sends that found the storage already shared (no copy);
-    storages_received / bytes_received: segments mapped here;
-    messages_sent / messages_received: deposits made / fetched;
+    storages_received / bytes_received: storages received here;
+    messages_sent / messages_received: deposits made / received;
     round_trips: request-reply exchanges with a broker (a file_descriptor message
-    costs one only if it uses a slab this process does not map yet);
-    live_segments: cached segments whose storage is alive here;
-    fds_held: descriptors open in this process.
+    costs one only if it uses a segment this process does not map yet);
+    live_segments: cached storages alive here;
+    fds_held: descriptors open in this process;
+    segments_mapped / bytes_mapped / descriptors / segments_kept: the shared
+    segments this process maps, the descriptors they keep, those kept mapped for
+    reuse after their last storage died;
+    {fd,fs}_segments_made / _reused / _free / _waiting, {fd,fs}_free_bytes: this
+    process's pools (see ``shmreduce.pool``): segments made, reused, free for reuse,
+    waiting for the broker's free notice, and the bytes of the free ones.
     """
     result: dict[str, Any] = transfer.counters()
+    result.update(transfer.stats())
     clients = broker.existing_clients()
     result["round_trips"] = sum(c.round_trips for c in clients)
     result["live_segments"] = cache.live_count()

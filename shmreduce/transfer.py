@@ -1,18 +1,21 @@
-"""One pickled message = one deposit at the broker, then one claim or fetch by its receiver.
+"""One pickled message = one deposit at the broker, then one claim (and at most one
+fetch) by its receiver.
 
-``share(storage)`` (sender) returns the ``SegmentRef`` a pickle carries, as a plain tuple;
-``receive(ref)`` (receiver) turns it back into a storage. Inside a ``sending()``
-scope (opened by ``registry``'s ``ForkingPickler.dumps`` and by ``shmreduce.dumps``)
-every storage of the message joins one deposit, sent when the scope closes; outside
-a scope (a plain ``ForkingPickler(file).dump()``, e.g. spawn's process object) each
-storage is deposited on its own. A file_descriptor receiver fetches a message's
-descriptors only for a slab it does not map yet, and claims the message when its
-``receiving()`` scope closes if it never did; ``receiving()`` scopes also close
-whatever a failed or partial load left over.
+``share(storage)`` (sender) moves a storage into this process's pool (``pool``) once
+and returns the ``SegmentRef`` a pickle carries, as a plain tuple; ``receive(ref)``
+(receiver) turns it back into a storage. Inside a ``sending()`` scope (opened by
+``registry``'s ``ForkingPickler.dumps`` and by ``shmreduce.dumps``) every storage of
+the message joins one deposit, sent when the scope closes; outside a scope (a plain
+``ForkingPickler(file).dump()``, e.g. spawn's process object) each storage is
+deposited on its own. A file_descriptor receiver fetches a message's descriptors
+only for a segment it does not map yet; it claims the message, naming the
+generations it keeps, when its ``receiving()`` scope closes. ``collect()`` then lets
+go of what died, at most every PURGE_EVERY seconds in a quiet process.
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import itertools
 import multiprocessing
@@ -20,14 +23,15 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Callable, NamedTuple, TypeVar
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-from shmreduce import _torch, program, segments, slabs
+from shmreduce import _torch, pool, program, segments
 from shmreduce.broker import client as broker
-from shmreduce.broker.protocol import KEY_LEN, is_program_dir
-from shmreduce.cache import Segment, cache
+from shmreduce.broker.protocol import KEY_LEN, gen_name, is_program_dir
+from shmreduce.cache import Place, cache
 from shmreduce.errors import OutOfSharedMemory, SharingError, stale_message
 from shmreduce.strategy import get_sharing_strategy
 
@@ -38,31 +42,34 @@ MAX_PENDING = 64  # fetched messages whose refs have not all been rebuilt yet
 
 class SegmentRef(NamedTuple):
     """What a pickle carries for one shared storage: names the fields of the plain
-    tuple ``share`` returns (plain tuples pickle and load in C, on the hot path)."""
+    tuple ``share`` returns (plain tuples pickle and load in C, on the hot path).
+    Checked in one place, ``_checked``."""
 
     kind: str  # "fd" | "fs"
     program: str  # broker directory the message was deposited with
     message: bytes  # deposit key
-    name: str  # segment identity (see cache.Segment)
+    segment: int | str  # fd: the memfd's inode; fs: the file's name
+    gen: int  # the segment's generation (0: a segment shmreduce does not pool)
+    offset: int
     nbytes: int
     # fd: index of the descriptor in the deposit. fs: the handle's tag, a keyed hash
-    # of (message, name, nbytes) under the program's authkey (see fs_tag): nothing
-    # asks the broker before a file is mapped, so the receiver checks the tag instead.
+    # of the rest under the program's authkey (see fs_tag): nothing asks the broker
+    # before a file is mapped, so the receiver checks the tag instead.
     slot: int
 
 
-def fs_tag(directory: str, message: bytes, name: str, nbytes: int) -> int:
+def fs_tag(directory: str, message: bytes, name: str, gen: int, offset: int, nbytes: int) -> int:
     """The tag of a file_system handle: refuses forged or mixed-up directories, keys,
-    names, sizes."""
+    names, generations, offsets, sizes."""
     h = _tagger().copy()
-    h.update(b"%s/%s%s/%d" % (directory.encode(), message, name.encode(), nbytes))
+    h.update(b"%s/%s%s/%d/%d/%d" % (directory.encode(), message, name.encode(), gen, offset, nbytes))
     return int.from_bytes(h.digest(), "little")
 
 
-_taggers: dict[bytes, "hashlib.blake2b"] = {}
+_taggers: dict[bytes, hashlib.blake2b] = {}
 
 
-def _tagger() -> "hashlib.blake2b":
+def _tagger() -> hashlib.blake2b:
     """A keyed blake2b, key already absorbed, for this process's authkey (copied per tag)."""
     authkey = multiprocessing.current_process().authkey  # an AuthenticationString: hashable bytes
     tagger = _taggers.get(authkey)
@@ -87,6 +94,79 @@ def counters() -> dict[str, int]:
     return dict(_counters)
 
 
+# -- pools -------------------------------------------------------------------------
+
+
+def _notices(directory: Callable[[], str]) -> Callable[[], list[str]]:
+    def read() -> list[str]:
+        client = broker.connected_client(directory())
+        return client.notices() if client is not None else []
+
+    return read
+
+
+def _program_dir() -> str:
+    return program.current().directory
+
+
+def _release_files(directory: str, names: list[str]) -> None:
+    client = broker.connected_client(directory)
+    if client is not None:
+        try:
+            client.release(names)
+        except SharingError:
+            pass  # that broker is gone, and with it every hold
+
+
+def _make_file(size: int) -> pool.Segment:
+    """A new file_system segment: a file in the program directory, its broker live,
+    its name held there before the file exists (a sender killed mid-pickle leaves
+    nothing: issue 11, item 17).
+
+    If that broker died after the check, its directory may be gone: check again (a
+    new broker makes it) and try once more. A full mount may be full of segments
+    nobody uses any more: let go of them, and try once more.
+    """
+    try:
+        return _new_file(size)
+    except segments.ProgramDirectoryGone:
+        return _new_file(size)
+    except OutOfSharedMemory:
+        _fs_full()
+        return _new_file(size)
+
+
+def _fs_full() -> None:
+    """The file_system mount is full: let go of every file this process does not use
+    (free notices taken in first), and wait until the broker has unlinked them."""
+    prog = program.current()
+    client = broker.client_for(prog.directory, prog.root_pid)
+    collect()
+    client.ping()  # barrier: our releases are in, the notices they caused are out
+    collect()
+    _fs_pool.trim(idle=-1.0)
+    client.ping()  # barrier: the broker unlinked the files nobody holds
+
+
+def _new_file(size: int) -> pool.Segment:
+    prog = _live_program()
+    name = _names.take(prog.directory, prog.root_pid)
+    fd = segments.create_file(prog.directory, name, size)
+    try:
+        return pool.Segment("fs", name, prog.directory, fd, size, fd)
+    except OSError as exc:
+        os.close(fd)
+        raise segments.os_error(exc, f"mapping {prog.directory}/{name}") from exc
+
+
+_fd_pool = pool.FdPool(_program_dir, _notices(_program_dir))
+_fs_pool = pool.FilePool(_make_file, _program_dir, _notices(_program_dir), _release_files, lambda: _fs_full())
+
+
+def pools() -> tuple[pool.Pool, pool.Pool]:
+    return _fd_pool, _fs_pool
+
+
 # -- sending -----------------------------------------------------------------------
 
 
@@ -101,136 +181,88 @@ def _new_key() -> bytes:
 
 
 class _Outgoing:
-    """The deposit a message is building, per broker it touches."""
+    """The deposit a message is building: its descriptors (file_descriptor) and the
+    names it holds until received, per broker directory it touches."""
 
-    __slots__ = ("key", "program", "root", "fds", "nbytes", "slots", "buffers", "keep", "holds", "inflight", "files")
+    __slots__ = ("key", "program", "root", "fds", "slots", "keep", "names", "gens", "holds", "announced", "files")
 
     def __init__(self) -> None:
         self.key = _new_key()
         prog = program.current()
         self.program, self.root = prog.directory, prog.root_pid
-        self.fds: list[int] = []  # the deposit's descriptors (one per slab), by slot
-        self.nbytes = 0  # the memory behind the storages torch shared among them
-        self.slots: dict[str, int] = {}  # slab identity -> slot
-        self.buffers: list[Any] = []  # the slabs among them (their mappings own the fds)
+        self.fds: list[int] = []  # the deposit's descriptors, one per memfd, by slot
+        self.slots: dict[int, int] = {}  # memfd inode -> slot
         self.keep: list[torch.UntypedStorage] = []  # keeps torch's descriptors valid until the deposit
-        self.holds: dict[str, list[str]] = {}  # new fs files, by program: held by this process
-        self.inflight: dict[str, dict[str, None]] = {}  # fs names the receiver will hold
-        self.files = ""  # the program directory new fs files go to, once its broker is live
+        self.names: dict[str, dict[str, None]] = {}  # directory -> names the message holds
+        self.gens: set[int] = set()  # generations among them
+        self.holds: dict[str, list[str]] = {}  # directory -> generations this process starts holding
+        self.announced: list[pool.Segment] = []
+        self.files = False  # the fs program directory's broker was checked live
 
     def add(self, storage: torch.UntypedStorage) -> tuple:
         """The storage's ref (a ``SegmentRef`` as a plain tuple) in this message."""
-        segment = cache.segment_of(storage)
-        if segment is not None and segment.kind == "fs" and not self.files:
-            # Its files went with a broker that died since: checking the broker
-            # forgets them, and the storage is shared again (issue 11, item 5).
-            self._files_dir()
-            segment = cache.segment_of(storage)
-        if segment is None:
-            segment = _move_once(storage, self._new_segment)
+        place = cache.place_of(storage)
+        if place is not None and place.segment.kind == "fs" and not self.files:
+            # Its file may have gone with a broker that died since: checking the
+            # broker forgets such files, and the storage is shared again (issue 11, item 5).
+            self.files = True
+            _live_program()
+            place = cache.place_of(storage)
+        if place is None:
+            place = _move_once(storage, _move)
         else:
             _counters["storages_reused"] += 1
-        kind, directory, name, nbytes = segment
-        if kind == "fs":
-            self.inflight.setdefault(directory, {})[name] = None
-            return ("fs", directory, self.key, name, nbytes, fs_tag(directory, self.key, name, nbytes))
-        ident = name.rpartition("/")[0]
-        slot = self.slots.get(ident)
+        seg, gen, offset, nbytes = place
+        if seg.kind == "fs":
+            directory = seg.directory
+            self._hold(directory, seg, gen)
+            self.names.setdefault(directory, {})[seg.key] = None
+            return ("fs", directory, self.key, seg.key, gen, offset, nbytes, fs_tag(directory, self.key, seg.key, gen, offset, nbytes))
+        if gen:
+            self._hold(self.program, seg, gen)
+        slot = self.slots.get(seg.key)
         if slot is None:
-            slot = self._slot(ident, storage)
-        return ("fd", self.program, self.key, name, nbytes, slot)
+            slot = self.slots[seg.key] = len(self.fds)
+            if seg.fd is None:  # a storage torch shared keeps its own descriptor
+                self.fds.append(_torch.storage_fd(storage))
+                self.keep.append(storage)
+            else:
+                self.fds.append(seg.fd)
+        return ("fd", self.program, self.key, seg.key, gen, offset, nbytes, slot)
 
-    def _slot(self, ident: str, storage: torch.UntypedStorage) -> int:
-        """Add the descriptor of slab *ident* (or of a storage torch shared) to the deposit."""
-        buffer = slabs.lookup(ident)
-        if buffer is not None:
-            fd = slabs.descriptor(buffer)
-            self.buffers.append(buffer)
-        else:
-            fd = _torch.storage_fd(storage)  # a storage torch shared keeps its own descriptor
-            self.nbytes += storage.nbytes()
-            self.keep.append(storage)
-        slot = self.slots[ident] = len(self.fds)
-        self.fds.append(fd)
-        return slot
-
-    def _new_segment(self, storage: torch.UntypedStorage) -> Segment:
-        """The segment of a storage the cache does not know (moved into one if need be)."""
-        if storage.is_shared():
-            segment = segments.adopt_fd(storage)
-            if segment is not None:
-                _remember(storage, segment)
-                return segment
-            segments.refuse_foreign_file(storage)
-        if get_sharing_strategy() == "file_system":
-            segment = self._in_file(segments.move_to_file, storage)
-        else:
-            nbytes = storage.nbytes()
-            slab = _slab_for(nbytes)
-            offset = slab.move(storage)
-            segment = Segment("fd", "", f"{slab.ident}/{offset}", nbytes)
-        self._created(storage, segment)
-        return segment
-
-    def _files_dir(self) -> str:
-        """The program directory of this message's fs segments, its broker checked live
-        once per message (a connected client keeps it, and so the directory, alive)."""
-        if not self.files:
-            self.files = _live_program().directory
-        return self.files
-
-    def _in_file(self, make: Callable[[Any, str, str], _T], arg: Any) -> _T:
-        """``make(arg, directory, name)``: a new file in the program directory, its
-        broker live, its name held there before the file exists.
-
-        If that broker died after the check, its directory may be gone: check again
-        (a new broker makes it) and try once more. A full mount may be full of files
-        whose storages died since the last purge: release them and try once more.
-        """
-        try:
-            return self._new_file(make, arg)
-        except segments.ProgramDirectoryGone:
-            self.files = ""  # check the broker again
-            return self._new_file(make, arg)
-        except OutOfSharedMemory:
-            _release(cache.purge())
-            broker.client_for(self.files, self.root).ping()  # barrier: the broker unlinked them
-            return self._new_file(make, arg)
-
-    def _new_file(self, make: Callable[[Any, str, str], _T], arg: Any) -> _T:
-        directory = self._files_dir()
-        return make(arg, directory, _names.take(directory, self.root))
-
-    def _created(self, storage: torch.UntypedStorage, segment: Segment) -> None:
-        """Account for a segment this process just made for *storage*: a new fs file
-        is held by this process (sent with the deposit, or as a hold)."""
-        if segment.kind == "fs":
-            self.holds.setdefault(segment.program, []).append(segment.name)
-        _counters["storages_shared"] += 1
-        _counters["bytes_shared"] += segment.nbytes
-        _remember(storage, segment)
+    def _hold(self, directory: str, seg: pool.Segment, gen: int) -> None:
+        """The message holds generation *gen*; its owner too, from its first send on."""
+        if gen in self.gens:
+            return
+        self.gens.add(gen)
+        name = gen_name(gen)
+        self.names.setdefault(directory, {})[name] = None
+        if seg.pool is not None and not seg.announced and seg.gen == gen and seg.pid == os.getpid():
+            seg.announced = True
+            self.announced.append(seg)
+            self.holds.setdefault(directory, []).append(name)
 
     def flush(self, deliver: bool = True) -> None:
-        """Send the deposit (or, if not *deliver*, only the holds of new fs files)."""
+        """Send the deposit (or, if not *deliver*, nothing: the generations it would
+        have announced are this process's alone again)."""
         try:
             if not deliver:
-                for directory, holds in self.holds.items():
-                    broker.client_for(directory, self.root).hold(holds)
+                for seg in self.announced:
+                    seg.announced = False
                 return
-            targets = self.holds.keys() | self.inflight.keys()
+            targets = set(self.names)
             if self.fds:
                 targets.add(self.program)
+            releases = _take_releases()
             for directory in targets:
                 fds = self.fds if directory == self.program else []
-                holds = self.holds.get(directory, [])
-                inflight = list(self.inflight.get(directory, ()))
-                nbytes = self.nbytes + sum(map(slabs.extent, self.buffers)) if fds else 0
-                broker.client_for(directory, self.root if directory == self.program else None).deposit(self.key, fds, holds, inflight, nbytes)
-            if self.fds or self.inflight:
-                _counters["messages_sent"] += 1
+                client = broker.client_for(directory, self.root if directory == self.program else None)
+                _send_releases(releases, directory, client)
+                client.deposit(self.key, fds, self.holds.get(directory, []), list(self.names.get(directory, ())))
+            _send_releases(releases)
+            _counters["messages_sent"] += 1
         finally:
             self.keep.clear()
-            self.buffers.clear()
 
 
 class _NameReserve:
@@ -257,7 +289,7 @@ class _NameReserve:
         self.names.pop(directory, None)
 
 
-RESERVED_NAMES = 64
+RESERVED_NAMES = 16
 _names = _NameReserve()
 
 _local = threading.local()
@@ -269,8 +301,8 @@ _OPEN = object()  # _local.out of a sending scope that has no storage yet
 class sending:
     """``with sending():`` groups every storage pickled inside into one deposit, sent
     when the scope closes (nested scopes join the outer one). If the block raises,
-    nothing is delivered; new fs files are still held by this process. A scope that
-    shared nothing (most of multiprocessing's own messages) costs no deposit."""
+    nothing is delivered. A scope that shared nothing (most of multiprocessing's own
+    messages) costs no deposit."""
 
     __slots__ = ("outer",)
 
@@ -305,14 +337,14 @@ def share(storage: torch.UntypedStorage) -> tuple:
 # not copy from memory this one is swapping away (issue 11: EFAULT, wrong bytes, lost
 # writes). torch guards its own moves alike (torch/storage.py,
 # _share_memory_lock_protected).
-_moving: dict[int, list] = {}  # storage _cdata -> [lock, threads using it]
+_moving: dict[int, list] = {}  # storage key -> [lock, threads using it]
 _moving_guard = threading.Lock()
 
 
-def _move_once(storage: torch.UntypedStorage, move: Callable[[torch.UntypedStorage], Segment]) -> Segment:
-    """*storage*'s segment: ``move(storage)`` by the first thread to get here, the
-    segment it made for every thread that waited meanwhile."""
-    key = storage._cdata
+def _move_once(storage: torch.UntypedStorage, move: Callable[[torch.UntypedStorage], Place]) -> Place:
+    """*storage*'s place: ``move(storage)`` by the first thread to get here, the
+    place it made for every thread that waited meanwhile."""
+    key = _torch.storage_key(storage)
     with _moving_guard:
         entry = _moving.get(key)
         if entry is None:
@@ -320,10 +352,10 @@ def _move_once(storage: torch.UntypedStorage, move: Callable[[torch.UntypedStora
         entry[1] += 1
     try:
         with entry[0]:
-            segment = cache.segment_of(storage)
-            if segment is not None:
+            place = cache.place_of(storage)
+            if place is not None:
                 _counters["storages_reused"] += 1
-                return segment
+                return place
             return move(storage)
     finally:
         with _moving_guard:
@@ -332,19 +364,39 @@ def _move_once(storage: torch.UntypedStorage, move: Callable[[torch.UntypedStora
                 del _moving[key]
 
 
-def share_in_place(storage: torch.UntypedStorage) -> None:
-    """Move *storage* into a shared segment now, outside any message (``share_memory_``).
+def _current_pool() -> pool.Pool:
+    return _fs_pool if get_sharing_strategy() == "file_system" else _fd_pool
 
-    A new ``file_system`` file is held by this process at its broker, as it would be
-    after a send.
-    """
-    if cache.segment_of(storage) is not None:
-        return
-    out = _Outgoing()
-    try:
-        _move_once(storage, out._new_segment)
-    finally:
-        out.flush(deliver=False)
+
+def _move(storage: torch.UntypedStorage) -> Place:
+    """The place of a storage the cache does not know: moved into this process's pool
+    (in place: every tensor viewing it sees the shared memory), or, for a storage torch
+    shared by descriptor, where it is."""
+    nbytes = storage.nbytes()
+    if storage.is_shared():
+        seg = pool.adopt(storage)
+        if seg is not None:
+            place = Place(seg, 0, 0, nbytes)
+            cache.remember(storage, place)
+            return place
+        segments.refuse_foreign_file(storage)
+    seg, gen, offset, shared = _current_pool().place(nbytes, storage)
+    _torch.swap_memory(storage, shared)
+    return _placed(storage, Place(seg, gen, offset, nbytes))
+
+
+def _placed(storage: torch.UntypedStorage, place: Place) -> Place:
+    _counters["storages_shared"] += 1
+    _counters["bytes_shared"] += place.nbytes
+    cache.remember(storage, place)
+    _collector.ensure()
+    return place
+
+
+def share_in_place(storage: torch.UntypedStorage) -> None:
+    """Move *storage* into a shared segment now, outside any message (``share_memory_``)."""
+    if cache.place_of(storage) is None:
+        _move_once(storage, _move)
 
 
 def new_shared(nbytes: int) -> torch.UntypedStorage:
@@ -352,42 +404,31 @@ def new_shared(nbytes: int) -> torch.UntypedStorage:
 
     What torch's ``UntypedStorage._new_shared`` does with its own shared memory; a
     DataLoader worker's collate allocates each batch with it, so the batch is then
-    sent without another copy. A new ``file_system`` file is held by this process.
+    sent without another copy.
     """
     if nbytes <= 0:
         return torch.UntypedStorage(0)
-    out = _Outgoing()
-    try:
-        if get_sharing_strategy() == "file_system":
-            segment, storage = out._in_file(segments.new_file, nbytes)
-        else:
-            slab = _slab_for(nbytes)
-            offset, storage = slab.new(nbytes)
-            segment = Segment("fd", "", f"{slab.ident}/{offset}", nbytes)
-        out._created(storage, segment)
-    finally:
-        out.flush(deliver=False)
+    seg, gen, offset, storage = _current_pool().place(nbytes, None)
+    _placed(storage, Place(seg, gen, offset, nbytes))
     return storage
 
 
-def _slab_for(nbytes: int) -> slabs.Writer:
-    """The slab a new storage of *nbytes* goes to: this thread's current slab, filled
-    across messages until full (so a steady receiver maps it once, and needs no round
-    trip for the messages after), or one of its own for a large storage. Per thread:
-    feeder threads pickle at once, and a forked child starts its own."""
-    if nbytes > slabs.SLAB_ITEM_MAX:
-        return slabs.Writer(nbytes)
-    slab = getattr(_local, "slab", None)
-    if slab is None or not slab.fits(nbytes):
-        slab = _local.slab = slabs.Writer(slabs.SLAB_WINDOW)
-    return slab
+def let_go_slabs() -> None:
+    """End this thread's current slabs: their generations end with their last storages."""
+    for p in (_fd_pool, _fs_pool):
+        p.local.__dict__.pop("slab", None)
 
 
 def let_go() -> None:
-    """Stop keeping memory for later messages: this thread's current slab, and the
-    slabs kept mapped for reuse (``unregister()``). Storages still alive keep theirs."""
-    _local.__dict__.pop("slab", None)
-    slabs.drop_kept()
+    """Stop keeping memory for later messages: this thread's current slabs, the free
+    segments of the pools, the segments kept mapped for reuse (``unregister()``).
+    Storages still alive keep theirs."""
+    gc.collect()  # storages in reference cycles die now, not at some later collection
+    let_go_slabs()
+    collect()
+    _fd_pool.let_go()
+    _fs_pool.let_go()
+    pool.drop_kept()
 
 
 def _live_program() -> program.Program:
@@ -400,57 +441,84 @@ def _live_program() -> program.Program:
     return prog
 
 
-def _remember(storage: torch.UntypedStorage, segment: Segment) -> None:
-    """Record the pair in the cache; release the fs names a purge it ran freed."""
-    if segment.kind == "fs" and not _purger.started:
-        _purger.start()
-    released = cache.remember(storage, segment)
-    if released:
-        _release(released)
+# -- letting go --------------------------------------------------------------------
+
+PURGE_EVERY = 0.5  # seconds between two looks for what died, in a process that is quiet
+
+_releases_lock = threading.Lock()
 
 
-PURGE_EVERY = 0.5  # seconds between two looks for file_system files whose storages died
+def _unclaimed(directory: str, key: bytes) -> bool:
+    entry = _pending.get((directory, key))
+    return entry is not None and bool(entry.keep)
 
 
-class _Purger:
-    """A daemon thread that releases, every PURGE_EVERY, the file_system files whose
-    storages died in this process, whether or not anything else is shared: a file
-    goes within about a second of the last process letting go (its broker unlinks it
-    once nobody holds it), instead of at some later share's purge (issue 12).
-    Started with this process's first file_system segment, again in a forked child."""
+def _take_releases() -> pool.Releases:
+    releases = pool.Releases()
+    if pool.has_dead():
+        with _releases_lock:
+            pool.settle(releases, _unclaimed)
+    return releases
+
+
+def _send_releases(releases: pool.Releases, directory: str | None = None, client: broker.BrokerClient | None = None) -> None:
+    """Send what *releases* holds for *directory* (every directory if None)."""
+    for held_dir in [d for d in releases.held if directory is None or d == directory]:
+        names = releases.held.pop(held_dir)
+        target = client or broker.connected_client(held_dir)
+        if target is not None:
+            _quietly(target.release, names)
+    for msg_dir, key in [k for k in releases.kept if directory is None or k[0] == directory]:
+        names = releases.kept.pop((msg_dir, key))
+        target = client or broker.connected_client(msg_dir)
+        if target is not None:
+            _quietly(target.release, names, key)
+
+
+def _quietly(send: Callable[..., None], *args: Any) -> None:
+    # Holds belong to a connection: once it closed (unregister(), a broker that died)
+    # the broker dropped them, and a new connection holds none of these.
+    try:
+        send(*args)
+    except SharingError:
+        pass
+
+
+def collect() -> None:
+    """Let go now of what died here: generations (at the broker, or back to the pool),
+    free notices taken in, idle segments closed, dead cache entries dropped."""
+    cache.purge()
+    _send_releases(_take_releases())
+    for p in (_fd_pool, _fs_pool):
+        if p.waiting:
+            p.reap()
+        p.trim()
+
+
+class _Collector:
+    """A daemon thread that runs ``collect`` every PURGE_EVERY, whether or not anything
+    else is sent or received: memory is reusable (or returned) within about a second
+    of the last process letting go (issue 12). Started with this process's first
+    segment, again in a forked child."""
 
     def __init__(self) -> None:
         self.started = False
 
-    def start(self) -> None:
-        self.started = True
-        threading.Thread(target=self._run, name="shmreduce-purge", daemon=True).start()
+    def ensure(self) -> None:
+        if not self.started:
+            self.started = True
+            threading.Thread(target=self._run, name="shmreduce-collect", daemon=True).start()
 
     def _run(self) -> None:
         while True:
             time.sleep(PURGE_EVERY)
             try:
-                released = cache.purge()
-                if released:
-                    _release(released)
+                collect()
             except Exception:  # noqa: BLE001  interpreter shutdown tears modules down under it
                 return
 
 
-_purger = _Purger()
-
-
-def _release(released: dict[str, list[str]]) -> None:
-    for directory, names in released.items():
-        # Holds belong to a connection: once it closed (unregister(), a broker that
-        # died) the broker dropped them, and a new connection holds none of these.
-        client = broker.connected_client(directory)
-        if client is None:
-            continue
-        try:
-            client.release(names)
-        except SharingError:
-            pass  # that broker is gone, and with it every hold
+_collector = _Collector()
 
 
 # -- receiving ---------------------------------------------------------------------
@@ -460,114 +528,116 @@ class _Incoming:
     """A message this process has started to receive.
 
     Inside a ``receiving()`` scope the broker hears of it at most twice: a fetch of
-    its descriptors (one round trip) only for a file_descriptor slab this process
-    does not map yet, and, if there was none, a claim when the load ends
-    (fire-and-forget: the message's file_system files become this process's, its
-    descriptors are closed). Outside a scope (see ``_incoming``) it is settled at its
-    first reference.
+    its descriptors (one round trip) only for a memfd this process does not map yet,
+    and a claim when the load ends (fire-and-forget), naming what this process keeps
+    through the message: the generations (and files) of the storages it made
+    anew. Outside a scope (see ``_incoming``) each reference is claimed at once.
     """
 
-    __slots__ = ("client", "message", "fds", "idents", "fetched", "claimed")
+    __slots__ = ("client", "message", "fds", "inos", "fetched", "delivered", "claimed", "keep")
 
     def __init__(self, client: broker.BrokerClient, message: bytes) -> None:
         self.client, self.message = client, message
         self.fds: list[int | None] = []  # fetched, by slot, until mapped or closed
-        self.idents: dict[int, str] = {}  # slot -> slab identity, once its fd is used
-        self.fetched = False  # its descriptors (and names) came with a fetch
-        self.claimed = False  # the broker was told its names are ours
+        self.inos: dict[int, int] = {}  # slot -> memfd inode, once its fd is mapped
+        self.fetched = False
+        self.delivered = False  # the broker was told it reached this process
+        self.claimed = False  # its final claim was sent
+        self.keep: list[str] = []  # names to keep, not yet claimed
 
     def fetch(self) -> None:
-        """The message's descriptors, once (one round trip; its names come too)."""
+        """The message's descriptors, once (one round trip)."""
         if not self.fetched:
-            self.fetched = self.claimed = True
+            self.fetched = self.delivered = True
             self.fds = list(self.client.fetch(self.message) or ())
 
-    def slab(self, slot: int, ident: str) -> Any:
-        """This process's new mapping of the slab in *slot*, which must be *ident*,
-        fetching the message's descriptors first if need be (the mapping owns its fd)."""
+    def segment(self, slot: int, ino: int) -> pool.Segment:
+        """This process's new mapping of the memfd in *slot*, which must be *ino*,
+        fetching the message's descriptors first if need be."""
         self.fetch()
         if not 0 <= slot < len(self.fds):
-            raise stale_message(f"cannot receive segment {ident}")
-        known = self.idents.get(slot)
+            raise stale_message(f"cannot receive segment {ino}")
+        known = self.inos.get(slot)
         if known is not None:
-            if known != ident:
-                raise _not_in_slot(ident, slot)
-            buffer = slabs.lookup(ident)
-            if buffer is None:  # every storage of it died during the load
-                raise stale_message(f"cannot receive segment {ident}")
-            return buffer
+            if known != ino:
+                raise _not_in_slot(ino, slot)
+            seg = pool.lookup("fd", ino)
+            if seg is None:  # every storage of it died during the load
+                raise stale_message(f"cannot receive segment {ino}")
+            return seg
         fd = self.fds[slot]
         if fd is None:
-            raise stale_message(f"cannot receive segment {ident}")
-        buffer = slabs.receive(fd, ident)  # checks the identity; owns fd from now on
+            raise stale_message(f"cannot receive segment {ino}")
         self.fds[slot] = None
-        self.idents[slot] = ident
-        return buffer
+        seg = pool.open_fd(fd, ino)  # checks the identity; owns fd from now on
+        self.inos[slot] = ino
+        return seg
 
     def known(self, slot: int) -> None:
-        """A ref of *slot* in a slab this process maps already: if the message was
+        """A ref of *slot* in a segment this process maps already: if the message was
         fetched, that slot's descriptor is not needed."""
-        if 0 <= slot < len(self.fds) and slot not in self.idents:
+        if 0 <= slot < len(self.fds) and slot not in self.inos:
             fd = self.fds[slot]
             if fd is not None:
                 os.close(fd)
                 self.fds[slot] = None
 
+    def claim_now(self) -> None:
+        """Outside a scope: claim what this reference keeps now, the message not done
+        (delivered: it goes with this process's connections at the latest)."""
+        if self.keep or not self.delivered:
+            keep, self.keep = self.keep, []
+            self.delivered = True
+            try:
+                self.client.claim(self.message, done=False, keep=keep)
+            except SharingError:
+                pass
+
     def close(self) -> None:
-        """Close the descriptors no storage took; claim the message, done, if the
-        broker has not heard of this receipt (it then closes its descriptors)."""
+        """Close the descriptors no storage took; claim the message, done."""
         for i, fd in enumerate(self.fds):
             if fd is not None:
                 os.close(fd)
                 self.fds[i] = None
         if not self.claimed:
             self.claimed = True
+            keep, self.keep = self.keep, []
             try:
-                self.client.claim(self.message, done=True)
+                self.client.claim(self.message, done=True, keep=keep)
             except SharingError:
                 pass  # that broker is gone, and the message with it
 
 
-def _not_in_slot(ident: str, slot: int) -> SharingError:
-    return SharingError(f"segment {ident} is not in slot {slot} of its message: forged or corrupted message")
+def _not_in_slot(ino: int, slot: int) -> SharingError:
+    return SharingError(f"segment {ino} is not in slot {slot} of its message: forged or corrupted message")
 
 
-_pending: "OrderedDict[tuple[str, bytes], _Incoming]" = OrderedDict()
+_pending: OrderedDict[tuple[str, bytes], _Incoming] = OrderedDict()
 _pending_lock = threading.Lock()
 
 
-def _incoming(directory: str, message: bytes, kind: str) -> _Incoming:
-    """The pending entry of a message, starting its receipt on its first reference.
-
-    Its file_system files exist while the message holds them, so they are mapped
-    at once; the claim that makes them this process's comes when the load ends (see
-    ``_Incoming``).
-    """
+def _incoming(directory: str, message: bytes, kind: str) -> tuple[_Incoming, bool]:
+    """The pending entry of a message, starting its receipt on its first reference;
+    and whether it is in a ``receiving()`` scope."""
     key = (directory, message)
     entry = _pending.get(key)
+    scope = getattr(_local, "incoming", None)
     if entry is not None:
-        return entry
+        return entry, scope is not None
     client = broker.client_for(directory)
-    if not client.connected():
+    if not client.connected() and not client.broker_pid:
         # A directory named by a pickle could be anywhere: only one shmreduce made,
-        # in this machine's shm base, is ever connected to (a connected broker has
-        # proved itself in its handshake). A receiver never starts a broker.
+        # in this machine's shm base, is ever connected to (a broker connected to
+        # once has proved itself in its handshake). A receiver never starts a broker.
         if not os.path.isdir(directory):
             raise stale_message(f"cannot receive from {directory!r}: no such program directory")
         if not is_program_dir(directory, program.shm_base()):
             raise SharingError(f"refusing handle for {directory!r}: not a shmreduce program directory (forged message?)")
     entry = _Incoming(client, message)
-    scope = getattr(_local, "incoming", None)
-    if scope is None:
+    if scope is None and kind == "fd":
         # Outside a receiving() scope (a plain pickle.load, e.g. spawn's process
-        # object) nothing tells when the message ends: settle it now. file_system:
-        # claim its files, leaving any descriptors for a later fd ref's fetch;
-        # file_descriptor: fetch them (one round trip).
-        if kind == "fs":
-            entry.claimed = True
-            client.claim(message)
-        else:
-            entry.fetch()
+        # object) nothing tells when the message ends: its descriptors come now.
+        entry.fetch()
     _counters["messages_received"] += 1
     with _pending_lock:
         _pending[key] = entry
@@ -575,7 +645,8 @@ def _incoming(directory: str, message: bytes, kind: str) -> _Incoming:
             scope.append(key)
         while len(_pending) > MAX_PENDING:
             _pending.popitem(last=False)[1].close()
-    return entry
+    _collector.ensure()
+    return entry, scope is not None
 
 
 def _forget(key: tuple[str, bytes]) -> None:
@@ -587,27 +658,48 @@ def _forget(key: tuple[str, bytes]) -> None:
 
 def receive(ref: tuple) -> torch.UntypedStorage:
     """The storage *ref* (a ``SegmentRef`` or its plain tuple) names: from the cache
-    if this process maps it already."""
-    kind, directory, message, name, nbytes, slot = _checked(ref)
-    entry = _incoming(directory, message, kind)
-    segment = Segment(kind, "" if kind == "fd" else directory, name, nbytes)
-    storage = cache.storage_of(segment)
-    if storage is not None:
+    if this process has it already."""
+    kind, directory, message, segkey, gen, offset, nbytes, slot = _checked(ref)
+    entry, scoped = _incoming(directory, message, kind)
+    storage = cache.storage_at((kind, segkey, gen, offset))
+    if storage is not None and storage.nbytes() == nbytes:
         if kind == "fd":
             entry.known(slot)
+        if not scoped:
+            entry.claim_now()
         return storage
+    seg = pool.lookup(kind, segkey)
     if kind == "fd":
-        storage = _map_slab_item(entry, name, nbytes, slot)
+        if seg is None:
+            seg = entry.segment(slot, segkey)
+        else:
+            entry.known(slot)
     else:
-        if slot != fs_tag(directory, message, name, nbytes):
+        if slot != fs_tag(directory, message, segkey, gen, offset, nbytes):
             raise SharingError(
-                f"refusing file_system handle {name!r}: its tag does not match its handle "
+                f"refusing file_system handle {segkey!r}: its tag does not match its handle "
                 "(forged or corrupted message, or another program's)"
             )
-        storage = segments.map_file(segment)
+        if seg is None or seg.directory != directory:
+            seg = pool.open_file(directory, segkey)
+    token = seg.live_token(gen)
+    if token is None:
+        if gen:
+            if seg.header() != gen & 0xFFFFFFFFFFFFFFFF:
+                raise stale_message(f"segment {segkey!r} holds other data now (generation {gen:x} is over)")
+            kept = [gen_name(gen), segkey] if kind == "fs" else [gen_name(gen)]
+            token = seg.new_token(gen, (directory, message, kept))
+            entry.keep.extend(kept)
+        else:
+            token = seg.new_token(0, None)
+        if seg.pool is None:
+            pool.keep(seg)
+    storage = seg.view(token, offset, nbytes)
+    if not scoped:
+        entry.claim_now()
     _counters["storages_received"] += 1
     _counters["bytes_received"] += nbytes
-    _remember(storage, segment)
+    cache.remember(storage, Place(seg, gen, offset, nbytes))
     return storage
 
 
@@ -615,7 +707,7 @@ def _checked(ref: Any) -> tuple:
     """*ref*'s fields, each of the type and range a ``SegmentRef`` has, or
     SharingError: the one place a handle from a pickle is checked before use."""
     try:
-        kind, directory, message, name, nbytes, slot = ref
+        kind, directory, message, segkey, gen, offset, nbytes, slot = ref
     except (TypeError, ValueError):
         raise SharingError(f"not a shmreduce segment handle: {ref!r}") from None
     if (
@@ -623,7 +715,11 @@ def _checked(ref: Any) -> tuple:
         or type(directory) is not str
         or type(message) is not bytes
         or len(message) != KEY_LEN
-        or type(name) is not str
+        or type(segkey) is not (int if kind == "fd" else str)
+        or type(gen) is not int
+        or not 0 <= gen < 1 << 96
+        or type(offset) is not int
+        or offset < 0
         or type(nbytes) is not int
         or nbytes <= 0
         or type(slot) is not int
@@ -633,26 +729,10 @@ def _checked(ref: Any) -> tuple:
     return ref
 
 
-def _map_slab_item(entry: _Incoming, name: str, nbytes: int, slot: int) -> torch.UntypedStorage:
-    """The storage named "dev:ino/offset": in a slab this process maps already, or in
-    the slab of *slot* of the message's descriptors."""
-    ident, _, offset = name.rpartition("/")
-    if not ident or not (offset.isascii() and offset.isdigit()):
-        raise SharingError(f"not a shmreduce segment handle: {name!r} of {nbytes!r} bytes (forged message?)")
-    buffer = slabs.lookup(ident)
-    if buffer is None:
-        buffer = entry.slab(slot, ident)
-    else:
-        entry.known(slot)
-    start = int(offset)
-    if start + nbytes > slabs.extent(buffer):
-        raise SharingError(f"segment {name} of {nbytes} bytes does not match its handle (beyond its slab): forged or corrupted message")
-    return slabs.view(buffer, start, nbytes)
-
-
 class receiving:
-    """``with receiving():`` closes whatever the messages loaded inside left unclaimed
-    (nested scopes join the outer one)."""
+    """``with receiving():`` claims the messages loaded inside when the load ends, and
+    closes whatever a failed or partial load left over (nested scopes join the outer
+    one). Then lets go of what died since the last message."""
 
     __slots__ = ("outer",)
 
@@ -666,48 +746,77 @@ class receiving:
             keys, _local.incoming = _local.incoming, None
             for key in keys:
                 _forget(key)
+            if pool.has_dead():
+                _send_releases(_take_releases())
 
 
 def pending_count() -> int:
     return len(_pending)
 
 
+def stats() -> dict[str, int]:
+    """This process's pools and mappings (see ``shmreduce.stats``)."""
+    result = pool.mapped_stats()
+    for p in (_fd_pool, _fs_pool):
+        for name, value in p.stats().items():
+            result[f"{p.kind}_{name}"] = value
+    return result
+
+
+def _before_fork() -> None:
+    # The child may use the storages alive now without the broker knowing: their
+    # segments are never reused.
+    _fd_pool.retire_all()
+    _fs_pool.retire_all()
+
+
 def _after_fork_in_child() -> None:
-    global _pending_lock, _key_prefix, _moving_guard
+    global _pending_lock, _key_prefix, _moving_guard, _releases_lock
     _key_prefix = os.urandom(KEY_LEN - 8)
     _pending_lock = threading.Lock()
     _moving_guard = threading.Lock()
+    _releases_lock = threading.Lock()
     _moving.clear()
     _names.names.clear()  # the parent's holds, not ours
-    _purger.started = False  # its thread did not come along
+    _collector.started = False  # its thread did not come along
+    _fd_pool.reset_after_fork()
+    _fs_pool.reset_after_fork()
     for entry in _pending.values():
         entry.claimed = True  # the parent's to fetch or claim, not ours
         entry.close()
     _pending.clear()
     _local.__dict__.clear()
+    _connected_before.clear()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
-def _hold_live_names(client: broker.BrokerClient) -> None:
-    # A new connection (first use, after fork, after a broker restart) holds again
-    # every file_system segment this process still maps. Files that went with a
-    # broker that died are forgotten: their storages are shared anew when sent again.
-    _names.drop(client.directory)
-    names = cache.live_names(client.directory)
-    if not names:
+_connected_before: set[str] = set()
+
+
+def _on_connect(client: broker.BrokerClient) -> None:
+    # A new connection (first use, after fork, after a broker restart). After a
+    # restart, the broker that knew who holds what is gone: nothing sent through it
+    # is reused, and files that went with it are forgotten (their storages are shared
+    # anew when sent again).
+    directory = client.directory
+    _names.drop(directory)
+    if directory not in _connected_before:
+        _connected_before.add(directory)
         return
+    _fd_pool.retire_all(announced_only=True)
+    _fs_pool.retire_all(announced_only=True)
     try:
-        present = set(os.listdir(client.directory))
+        present = set(os.listdir(directory))
     except OSError:
         present = set()
-    gone = [name for name in names if name not in present]
-    if gone:
-        cache.forget(client.directory, gone)
-    held = [name for name in names if name in present]
-    if held:
-        client.hold(held)
+
+    def file_gone(seg: pool.Segment) -> bool:
+        return seg.kind == "fs" and seg.directory == directory and seg.key not in present
+
+    _fs_pool.retire_where(file_gone)
+    cache.forget(lambda p: file_gone(p.segment))
 
 
-broker.on_connect.append(_hold_live_names)
+broker.on_connect.append(_on_connect)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import gc
 import os
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import shmreduce
 from shmreduce import program
@@ -69,9 +70,12 @@ def open_fds() -> set[str]:
 
 def shutdown_and_check_leaks(fds_before: set[str], timeout: float = 15.0) -> None:
     """Drop our connections and assert no shm files, brokers or descriptors remain."""
+    from shmreduce import transfer
+
     shmreduce.unregister()
     broker_client.close_all()
     gc.collect()
+    transfer.collect()  # what died since (the collector thread would within 0.5 s)
     assert wait_for(lambda: not broker_pids(), timeout), f"broker still running: {broker_pids()}"
     assert wait_for(lambda: not shm_entries(), timeout), f"left in shm dir: {sorted(shm_entries())}"
     leaked = {fd for fd in open_fds() - fds_before if "memfd:shmreduce" in fd or "shmreduce" in fd or "socket:" in fd}
@@ -138,15 +142,29 @@ def pipe_echo(ctx, timeout: float = 30.0) -> Iterator[Callable[[Any], Any]]:
     assert proc.exitcode == 0
 
 
-
 def forget_mappings() -> None:
     """In a forked child: forget the segments inherited from the parent (its storage
     cache, its file_descriptor slabs), so the child receives like a process that never
     saw them."""
-    from shmreduce import slabs
+    from shmreduce import pool
     from shmreduce.cache import cache
 
-    cache._by_segment.clear()
-    cache._by_cdata.clear()
-    slabs.drop_kept()
-    slabs._slabs.clear()
+    cache.clear()
+    pool.forget_mappings()
+
+
+def let_go_now() -> None:
+    """Let go at once of what died in this process, and wait until the broker has
+    heard and answered (its free notices taken in): what the collector thread does
+    within a second."""
+    import gc
+
+    from shmreduce import program, transfer
+    from shmreduce.broker.client import connected_client
+
+    gc.collect()
+    transfer.collect()
+    client = connected_client(program.current().directory)
+    if client is not None:
+        client.ping()
+    transfer.collect()

@@ -14,7 +14,6 @@ and the rest of the message is consumed: load it again and you get SharingError
 
 from __future__ import annotations
 
-import gc
 import os
 import pickle
 import subprocess
@@ -27,9 +26,8 @@ import torch
 import shmreduce
 from shmreduce import program, reductions, transfer
 from shmreduce.broker.client import client_for
-from shmreduce.cache import cache
 
-from helpers import forget_mappings, open_fds, run_in_child, shm_base, wait_for
+from helpers import forget_mappings, let_go_now, open_fds, run_in_child, shm_base, wait_for
 
 TIMEOUT = 20.0
 
@@ -93,10 +91,10 @@ def test_bad_key_length_and_kind_refused(strat):
 def test_wrong_size_refused(strat):
     t = torch.ones(16)
     ref = _shared_ref(t)
-    from shmreduce.slabs import SLAB_WINDOW
+    from shmreduce.pool import SLAB_SIZE
 
-    result = run_in_child(_rebuild_sum, ref._replace(nbytes=SLAB_WINDOW + 4))  # beyond its slab, or its file
-    _assert_sharing_error(result, "does not match its handle")
+    result = run_in_child(_rebuild_sum, ref._replace(nbytes=SLAB_SIZE + 4))  # beyond its segment
+    _assert_sharing_error(result, "does not match")
     _next_message_works()
 
 
@@ -104,9 +102,9 @@ def test_wrong_fd_slot_or_identity_refused(registered_fd):
     ref = _shared_ref(torch.ones(16))
     _assert_sharing_error(run_in_child(_rebuild_sum, ref._replace(slot=5)), "cannot receive")
     ref = _shared_ref(torch.ones(16))
-    _assert_sharing_error(run_in_child(_rebuild_sum, ref._replace(name="1:2/0")), "does not match its handle")
+    _assert_sharing_error(run_in_child(_rebuild_sum, ref._replace(segment=12345)), "does not match its handle")
     ref = _shared_ref(torch.ones(16))
-    _assert_sharing_error(run_in_child(_rebuild_sum, ref._replace(name="1:2")), "not a shmreduce segment handle")
+    _assert_sharing_error(run_in_child(_rebuild_sum, ref._replace(segment="1:2")), "not a shmreduce segment handle")
     _next_message_works()
 
 
@@ -117,7 +115,7 @@ def test_wrong_fd_slot_or_identity_refused(registered_fd):
 def test_names_outside_program_dir_refused(name):
     with shmreduce.registered(strategy="file_system"):
         ref = _shared_ref(torch.ones(4))
-        result = run_in_child(_rebuild_sum, ref._replace(name=name))
+        result = run_in_child(_rebuild_sum, ref._replace(segment=name))
         status, message = result
         assert status == "SharingError", result
         assert "forged" in message or "gone" in message or "stale" in message, message
@@ -167,23 +165,26 @@ def test_stale_handle_program_gone(strat):
 def test_stale_handle_already_received(strat):
     t = torch.full((32,), 2.0)
     data = shmreduce.dumps(t)
-    load = lambda b: float(shmreduce.loads(b).sum())  # noqa: E731
+
+    def load(b: bytes) -> float:
+        forget_mappings()  # a fork child inherits this process's mappings: receive as a stranger
+        return float(shmreduce.loads(b).sum())
+
     assert run_in_child(load, data) == ("ok", 64.0)
     if strat == "file_descriptor":
-        # the descriptors went to the first receiver (and a fork child of this
-        # process would find t's storage in the cache it inherits: drop it first)
-        del t
-        gc.collect()
+        # the descriptors went to the first receiver
         _assert_sharing_error(run_in_child(load, data), "already received")
     else:
         # file_system: the bytes load again while a process holds the files ...
         assert run_in_child(load, data) == ("ok", 64.0)
         # ... and are stale once the last holder (this process, the sender) lets go
+        # (the thread's current slab is dropped: its generation would go on otherwise)
         del t
-        gc.collect()
-        transfer._release(cache.purge())
-        client_for(program.current().directory, os.getpid()).ping()  # barrier
-        _assert_sharing_error(run_in_child(load, data), "gone")
+        transfer.let_go()
+        let_go_now()
+        result = run_in_child(load, data)
+        _assert_sharing_error(result)
+        assert "gone" in result[1] or "generation" in result[1], result
     _next_message_works()
 
 
@@ -226,15 +227,14 @@ def test_broker_gone_is_sharing_error(registered_fd):
 def test_missing_file_is_gone_and_never_created():
     # torch's from_file would create a missing path full of zeros: map_file must not
     # let it (a file released a moment ago is an error, never silent zeros).
-    from shmreduce import segments
-    from shmreduce.cache import Segment
+    from shmreduce import pool
 
     with shmreduce.registered(strategy="file_system"):
         shmreduce.loads(shmreduce.dumps(torch.ones(4)))  # the program directory exists
         directory = program.current().directory
         name = "seg-" + "ab" * 12
         with pytest.raises(shmreduce.SharingError, match="gone"):
-            segments.map_file(Segment("fs", directory, name, 16))
+            pool.open_file(directory, name)
         assert not os.path.exists(os.path.join(directory, name))
 
 
@@ -242,7 +242,9 @@ _CORRUPTIONS: dict[str, list[object]] = {
     "kind": [None, b"fd", 0],
     "program": [None, b"/dev/shm", "", "\x00"],
     "message": [None, "k" * 16, b"\x00" * 15],
-    "name": [None, 7, b"seg-", "1:2/99999999999999999999", "1:2/\u00b2", "seg-\x00", ""],
+    "segment": [None, b"seg-", 2.5, "seg-\x00", "", 1 << 70],
+    "gen": [None, -1, 1 << 96, "1", 2.5, 12345],
+    "offset": [None, -1, 1 << 62, 2.5, 3],
     "nbytes": [None, -1, 0, 1 << 62, 2.5],
     "slot": [None, -1, 1 << 40, "0"],
 }

@@ -8,6 +8,7 @@ import torch
 import shmreduce
 from shmreduce import program
 from shmreduce.broker import client as broker_client
+
 from helpers import broker_pids, open_fds, wait_for
 
 
@@ -39,9 +40,12 @@ def test_file_system_segments_are_0600_and_unlinked_when_released():
         assert stat.S_IMODE(os.stat(os.path.join(directory, segs[0])).st_mode) == 0o600
         del t
         from shmreduce import transfer
-        from shmreduce.cache import cache
 
-        transfer._release(cache.purge())
+        from helpers import let_go_now
+
+        let_go_now()  # the file is free: kept in the pool for reuse ...
+        assert [n for n in os.listdir(directory) if n.startswith("seg-")]
+        transfer.let_go()  # ... until the pool lets go of it
         _client().ping()  # barrier: the release has been processed
         assert not [n for n in os.listdir(directory) if n.startswith("seg-")]
 
@@ -180,7 +184,7 @@ def test_a_receiver_fetches_once_per_slab_and_holds_one_descriptor_per_slab(regi
 
 
 def test_large_storages_cost_a_round_trip_each(registered_fd):
-    from shmreduce.slabs import SLAB_ITEM_MAX
+    from shmreduce.pool import SLAB_ITEM_MAX
 
     proc, conn, datas = _pending_from_a_child(5, numel=SLAB_ITEM_MAX // 4 + 1)
     try:

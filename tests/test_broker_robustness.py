@@ -26,9 +26,8 @@ import shmreduce
 from shmreduce import program, transfer
 from shmreduce.broker import client as broker_client
 from shmreduce.broker import protocol as P
-from shmreduce.cache import cache
 
-from helpers import broker_pids, forget_mappings, run_in_child, wait_for
+from helpers import broker_pids, forget_mappings, let_go_now, run_in_child, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 30.0
@@ -84,7 +83,8 @@ def test_file_system_message_of_3000_storages_arrives_and_leaves_nothing():
         assert proc.exitcode == 0
         directory = program.current().directory
         del tensors
-        transfer._release(cache.purge())
+        let_go_now()
+        transfer.let_go()
         _client().ping()  # barrier: the release has been read
         # The deposit was whole: the broker knew every file, and unlinked each once
         # neither the receiver (exited) nor the sender (released) held it.
@@ -176,8 +176,10 @@ def test_a_fetch_waits_for_the_last_deposit_record(registered_fd, monkeypatch):
         fds = fetched[0]
         try:
             assert fds is not None and len(fds) == count, None if fds is None else len(fds)
-            for i, fd in enumerate(fds):  # a slab of its own each, at offset 0
-                assert os.pread(fd, numel * 4, 0) == tensors[i].numpy().tobytes(), i
+            from shmreduce.pool import HEADER
+
+            for i, fd in enumerate(fds):  # a segment of its own each, after its header
+                assert os.pread(fd, numel * 4, HEADER) == tensors[i].numpy().tobytes(), i
         finally:
             for fd in fds or ():
                 os.close(fd)
@@ -290,7 +292,11 @@ def test_a_process_that_shared_exits_without_resource_warnings():
     for strategy in ("file_descriptor", "file_system"):
         out = subprocess.run(
             [sys.executable, "-X", "dev", "-W", "error::ResourceWarning", "-c", code.replace("STRATEGY", repr(strategy))],
-            capture_output=True, text=True, timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=ROOT),
         )
         assert out.returncode == 0 and "done" in out.stdout, out.stderr
         assert "ResourceWarning" not in out.stderr and "unclosed" not in out.stderr, out.stderr
@@ -343,7 +349,7 @@ def test_a_receiver_never_starts_a_broker(registered_fd, tmp_path):
 
 
 def test_descriptor_limit_at_the_broker_fails_the_fetch_quickly(registered_fd, broker_log):
-    from shmreduce.slabs import SLAB_ITEM_MAX
+    from shmreduce.pool import SLAB_ITEM_MAX
 
     assert shmreduce.loads(shmreduce.dumps(torch.ones(2))).sum().item() == 2
     pid = _client().broker_pid

@@ -45,7 +45,7 @@ IMAGE = (3, 48, 48)  # float32: 27 KiB a sample, 108 KiB a batch, above the 64 K
 
 # What may legitimately differ between epoch 1 and epoch 5, per measure:
 # - main descriptors: under file_descriptor a receiver keeps a few slabs it received
-#   mapped after their last storage died (SHMREDUCE_KEPT_SLABS, default 8, README
+#   mapped after their last storage died (SHMREDUCE_KEPT_SEGMENTS, default 8, README
 #   "Limits"), since their senders go on filling them; which ones are kept when an
 #   epoch ends depends on which worker's batch came last, so the count can move by a
 #   couple between epochs, never grow with them. 4 is far below what one epoch

@@ -59,8 +59,9 @@ def test_dataloader_workers_share_through_shmreduce(strategy, kind, pin):
     with warnings.catch_warnings():
         # CPU-only: torch warns that pin_memory has no accelerator and skips it.
         warnings.simplefilter("ignore", UserWarning)
-        loader = DataLoader(ds, batch_size=4, num_workers=2, pin_memory=pin, persistent_workers=True,
-                            multiprocessing_context="fork", timeout=30)
+        loader = DataLoader(
+            ds, batch_size=4, num_workers=2, pin_memory=pin, persistent_workers=True, multiprocessing_context="fork", timeout=30
+        )
         seen = run_epochs(loader, epochs=2)
     assert seen == [list(range(N))] * 2
     after = shmreduce.stats()
@@ -115,11 +116,11 @@ def test_worker_collate_allocates_batches_in_shmreduce_segments(strategy):
     tensors = [v for batch in batches for v in batch.values() if isinstance(v, torch.Tensor)]
     assert len(tensors) >= len(batches)
     for t in tensors:
-        segment = cache.segment_of(t.untyped_storage())
-        assert segment is not None and segment.kind == kind
+        place = cache.place_of(t.untyped_storage())
+        assert place is not None and place.segment.kind == kind
     # in this process too: a new shared storage is a shmreduce segment
     storage = torch.UntypedStorage._new_shared(64)
-    assert storage.is_shared() and cache.segment_of(storage).kind == kind
+    place = cache.place_of(storage)
+    assert storage.is_shared() and place is not None and place.segment.kind == kind
     del loader, batches, storage
     gc.collect()
-

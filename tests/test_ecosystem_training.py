@@ -74,13 +74,15 @@ def actor(rank: int, weights_q, traj_q) -> None:
     for step in range(STEPS):
         weights = weights_q.get(timeout=TIMEOUT)
         assert weights["w"].is_shared()
-        traj_q.put({
-            "rank": rank,
-            "step": step,
-            "version": int(weights["version"]),
-            "obs": torch.full((16, 4), float(rank * 100 + step)),
-            "act": weights["w"].sum(0).expand(16, 2).clone(),
-        })
+        traj_q.put(
+            {
+                "rank": rank,
+                "step": step,
+                "version": int(weights["version"]),
+                "obs": torch.full((16, 4), float(rank * 100 + step)),
+                "act": weights["w"].sum(0).expand(16, 2).clone(),
+            }
+        )
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
@@ -143,9 +145,9 @@ socks, files = sockets(), torch_files()
 model = torch.nn.Linear(4, 4)
 model.share_memory()
 assert model.weight.is_shared() and model.bias.is_shared()
-segment = cache.segment_of(model.weight.untyped_storage())
-assert segment is not None and segment.kind == "fs", segment
-assert os.path.exists(os.path.join(segment.program, segment.name)), segment
+place = cache.place_of(model.weight.untyped_storage())
+assert place is not None and place.segment.kind == "fs", place
+assert os.path.exists(os.path.join(place.segment.directory, place.segment.name)), place
 ours = {os.readlink(f"/proc/self/fd/{s.fileno()}") for c in client.existing_clients() for s in c.sockets()}
 new_files = torch_files() - files
 new_socks = sockets() - socks - ours
@@ -158,6 +160,5 @@ sys.exit(1 if new_files or new_socks else 0)
 def test_share_memory_under_file_system_stays_in_shmreduce():
     # Run in a fresh interpreter: libshm's socket and torch_shm_manager would otherwise
     # stay with the test process.
-    proc = subprocess.run([sys.executable, "-c", _SHARE_UNDER_FS], capture_output=True, text=True,
-                          timeout=60, env=dict(os.environ))
+    proc = subprocess.run([sys.executable, "-c", _SHARE_UNDER_FS], capture_output=True, text=True, timeout=60, env=dict(os.environ))
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -83,7 +83,7 @@ def _send_to_limited_receiver(messages):
 def _forty_storages():
     # 40 new storages a message, each above SLAB_ITEM_MAX: a slab, so a descriptor, each
     # (small storages share one slab a message, and would never reach the limit)
-    from shmreduce.slabs import SLAB_ITEM_MAX
+    from shmreduce.pool import SLAB_ITEM_MAX
 
     return [torch.full((SLAB_ITEM_MAX // 4 + 16,), float(i)) for i in range(40)]
 
@@ -167,8 +167,7 @@ def test_small_shm_mount(tmp_path):
     env = dict(os.environ, SHMREDUCE_SHM_DIR=str(mnt))
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__)))] + [env.get("PYTHONPATH", "")])
     cmd = (
-        f"mount --make-rprivate / && mount -t tmpfs -o size=64m tmpfs {mnt} && "
-        f"{sys.executable} {script}; rc=$?; umount -l {mnt}; exit $rc"
+        f"mount --make-rprivate / && mount -t tmpfs -o size=64m tmpfs {mnt} && {sys.executable} {script}; rc=$?; umount -l {mnt}; exit $rc"
     )
     proc = subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True, env=env, timeout=110)
     if "mount" in proc.stderr and "permission denied" in proc.stderr.lower():

@@ -11,7 +11,7 @@ import os
 import torch
 
 import shmreduce
-from shmreduce import program
+from shmreduce import program, transfer
 
 from helpers import wait_for
 
@@ -31,7 +31,7 @@ def _files(directory):
     return [n for n in os.listdir(directory) if n.startswith("seg-")]
 
 
-def test_files_go_within_a_second_of_the_last_user_without_further_shares():
+def test_files_are_reusable_within_a_second_of_the_last_user_without_further_shares():
     with shmreduce.registered(strategy="file_system"):
         ours, theirs = CTX.Pipe()
         proc = CTX.Process(target=_receive_and_drop, args=(theirs, 30))
@@ -41,7 +41,13 @@ def test_files_go_within_a_second_of_the_last_user_without_further_shares():
                 ours.send(torch.full((1024,), float(i)))  # dropped here at once
             assert ours.poll(30) and ours.recv() == "dropped"
             directory = program.current().directory
-            # Nothing is shared from here on: both processes are quiet.
+            assert len(_files(directory)) == 1  # 30 small storages: one slab file
+            transfer.let_go_slabs()  # this thread's current slab ends its generation
+            # Nothing is shared from here on: both processes are quiet, and their
+            # collector threads let go (issue 12: reusable within a second).
+            free = lambda: transfer.stats()["fs_segments_free"] == 1 and not transfer.stats()["fs_segments_waiting"]  # noqa: E731
+            assert wait_for(free, 3.0), transfer.stats()
+            transfer.let_go()  # the pool's free files go with unregister() (or after SHMREDUCE_POOL_IDLE)
             assert wait_for(lambda: not _files(directory), 3.0), _files(directory)
         finally:
             ours.send("done")

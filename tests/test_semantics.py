@@ -53,7 +53,7 @@ def test_views_in_one_message_and_in_separate_messages_share_one_storage(strateg
     assert len(cdatas) == 1
     later = _roundtrip(base[3])
     assert later.untyped_storage()._cdata in cdatas
-    for a, b in zip(views, out):
+    for a, b in zip(views, out, strict=True):
         assert a.shape == b.shape and a.stride() == b.stride()
         assert a.storage_offset() == b.storage_offset() and torch.equal(a, b)
 
@@ -71,10 +71,10 @@ def test_share_memory_moves_into_a_shmreduce_segment_then_sends_without_copy(ech
     ptr = t.data_ptr()
     t.share_memory_()
     assert t.is_shared() and t.data_ptr() != ptr and t.tolist() == list(map(float, range(12)))
-    segment = cache.segment_of(t.untyped_storage())
-    assert segment is not None and segment.kind == {"file_descriptor": "fd", "file_system": "fs"}[strategy]
+    place = cache.place_of(t.untyped_storage())
+    assert place is not None and place.segment.kind == {"file_descriptor": "fd", "file_system": "fs"}[strategy]
     t.share_memory_()  # a no-op the second time
-    assert cache.segment_of(t.untyped_storage()) == segment
+    assert cache.place_of(t.untyped_storage()) == place
     before = shmreduce.stats()
     back = echo(t)
     after = shmreduce.stats()
@@ -248,13 +248,10 @@ def _memfds():
 
 
 def _load_64_and_count_memfds(data):
-    from shmreduce.cache import cache
 
-    cache._by_segment.clear()  # a fork child: receive as a process that never saw them
-    cache._by_cdata.clear()
-    from shmreduce import slabs
+    from helpers import forget_mappings
 
-    slabs._slabs.clear()
+    forget_mappings()  # a fork child: receive as a process that never saw them
     before = _memfds()
     msg = pickle.loads(data)
     intact = all(torch.equal(msg[i], torch.full((256,), float(i))) for i in range(64))
@@ -265,9 +262,9 @@ def _load_64_and_count_memfds(data):
 def test_small_storages_of_a_message_travel_in_one_slab(registered_fd):
     # 64 small storages: one memfd, one descriptor in the deposit, one mapping in the
     # receiver, yet 64 distinct storages on both sides, each shared.
-    from helpers import run_in_child
-
     from shmreduce import transfer
+
+    from helpers import run_in_child
 
     transfer.let_go()  # no current slab: this message starts one
     msg = {i: torch.full((256,), float(i)) for i in range(64)}

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from shmreduce.broker import protocol as P
 from shmreduce.errors import SharingError, broker_gone, broker_out_of_files, stale_message, too_many_files
@@ -37,7 +37,7 @@ log = logging.getLogger("shmreduce")
 
 # Called with (client) after every (re)connection; the storage cache uses it to hold
 # again the segment names this process still maps.
-on_connect: list[Callable[["BrokerClient"], None]] = []
+on_connect: list[Callable[[BrokerClient], None]] = []
 
 
 def _timeval(seconds: float) -> bytes:
@@ -154,7 +154,9 @@ class BrokerClient:
             if self.broker_pid and pid != self.broker_pid:
                 log.warning(
                     "the shmreduce broker of %s restarted (pid %d, now %d): messages deposited with the old one are lost",
-                    self.directory, self.broker_pid, pid,
+                    self.directory,
+                    self.broker_pid,
+                    pid,
                 )
             self.broker_pid = pid
             return sock
@@ -249,21 +251,55 @@ class BrokerClient:
                 body = P.encode_deposit(holds[names], inflight[names], nbytes if i == 0 else 0, i == count - 1)
                 self._send(P.DEPOSIT, key, body, fds[i * P.MAX_FDS : (i + 1) * P.MAX_FDS], start=True, retry=i == 0)
 
-    def claim(self, key: bytes, done: bool = False) -> None:
-        """Take over the file_system names of message *key* (no reply: the files stay
-        until the broker reads this, held by the message); *done*: its descriptors
-        will not be fetched, the broker closes them."""
-        self._send(P.CLAIM, key, P.CLAIM_DONE if done else b"")
+    def claim(self, key: bytes, done: bool = False, keep: Iterable[str] = ()) -> None:
+        """Message *key* is this process's; it *keep*s these of its names (segment
+        files, generations) until it releases them under *key*. *done*: its
+        descriptors will not be fetched (the broker closes them) and the names not
+        kept go. No reply: the message holds everything until the broker reads this."""
+        keep = list(keep)
+        for i in range(0, max(len(keep), 1), P.NAMES_PER_RECORD):
+            last = i + P.NAMES_PER_RECORD >= len(keep)
+            # The first record may go to a fresh broker (the message may have been
+            # deposited with the successor of one that died since our last record).
+            self._send(P.CLAIM, key, P.encode_claim(done and last, keep[i : i + P.NAMES_PER_RECORD]), retry=i == 0)
 
     def hold(self, names: Iterable[str]) -> None:
-        self._send_names(P.HOLD, list(names), start=True)
+        self._send_names(P.HOLD, P.NO_KEY, list(names), start=True)
 
-    def release(self, names: Iterable[str]) -> None:
-        self._send_names(P.RELEASE, list(names), start=False)
+    def release(self, names: Iterable[str], key: bytes = P.NO_KEY) -> None:
+        """Let go of *names*: held by this process (no *key*), or kept through the
+        message *key*."""
+        self._send_names(P.RELEASE, key, list(names), start=False)
 
-    def _send_names(self, op: bytes, names: list[str], start: bool) -> None:
+    def _send_names(self, op: bytes, key: bytes, names: list[str], start: bool) -> None:
         for i in range(0, len(names), P.NAMES_PER_RECORD):
-            self._send(op, P.NO_KEY, P.encode_names(names[i : i + P.NAMES_PER_RECORD]), start=start)
+            self._send(op, key, P.encode_names(names[i : i + P.NAMES_PER_RECORD]), start=start)
+
+    def notices(self) -> list[str]:
+        """The generations of this process's segments the broker has said nobody
+        holds any more (read without waiting: no round trip)."""
+        with self.lock:
+            post = self.post
+            if post is None:
+                return []
+            freed: list[str] = []
+            while True:
+                try:
+                    record = P.recv_record(post, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    return freed
+                except (OSError, P.ProtocolError):
+                    return freed  # the next send finds out and reconnects
+                if record is None:
+                    return freed
+                op, _key, body, fds = record
+                for fd in fds:
+                    os.close(fd)
+                if op == P.NOTICE:
+                    try:
+                        freed.extend(P.decode_names(body))
+                    except P.ProtocolError:
+                        pass
 
     # -- round trips -----------------------------------------------------------
 

@@ -13,6 +13,19 @@ Where
     program) and the ``file_system`` strategy's segment files ``seg-<24 hex>`` (mode
     0600).
 
+Pools (``shmreduce/pool.py``)
+    A sender keeps its segments (memfds, or files here) and fills them anew, in
+    *generations*: a generation is a number unique in the program, its name here
+    ``gen-<24 hex>`` (``gen_name``). The broker counts holds on generation names as
+    on file names: its owner holds one from the first deposit that carries it (the
+    deposit's *holds*) until its own last storage of it dies; every undelivered
+    message holds the names of its storages; a receiver keeps, through the message
+    that brought it, each generation (and file) whose storages it made anew, until
+    its last storage of it dies (a release under that message's key). When a
+    generation's count reaches zero the broker posts a NOTICE to its owner (the
+    first client that held the name), which reads it without waiting when it next
+    needs a segment and reuses the segment. A file's count reaching zero unlinks it.
+
 Transport
     AF_UNIX, SOCK_SEQPACKET: every ``sendmsg`` is one record, delivered whole and in
     order, with its descriptors (SCM_RIGHTS) attached to it. Each client process has
@@ -41,7 +54,7 @@ Handshake (once per connection; the broker also checks SO_PEERCRED uid == its ow
 Records after the handshake: ``op (1 byte) + key (16 bytes) + body``, at most
 MAX_RECORD bytes
     D  deposit   key = message key. body = holds "|" inflight "|" nbytes "|" last:
-                 two "\\n"-joined lists of segment file names, the bytes of the
+                 two "\\n"-joined lists of names (files, generations), the bytes of the
                  descriptors attached (ASCII decimal, at most 20 digits) and "1" on
                  the deposit's last record, else "0". A deposit is as many records
                  as it takes for each to carry at most MAX_FDS descriptors and
@@ -54,32 +67,41 @@ MAX_RECORD bytes
                  *holds* get one reference owned by this client. No reply. A record
                  whose descriptors the kernel dropped (the broker at its descriptor
                  limit) makes the message *lost*: a fetch of it gets status 2.
-    C  claim     key = message key. The message's in-flight names become held by
-                 this client (file_system receivers map the files by name at once:
-                 the message holds them until then). body = CLAIM_DONE: the receiver
-                 is done with the message, its descriptors are closed unused (it maps
-                 every slab the message uses already); empty body: it may still
-                 fetch them (a load with no end in sight), and only a message without
-                 descriptors is done. A claim read before its deposit is complete is
-                 remembered for EARLY_CLAIM_TTL. No reply.
+    C  claim     key = message key. The message reached this client, which keeps
+                 the names listed. body = flag + names: flag "d" (done): its
+                 descriptors are closed (fetched, or not needed: the receiver maps
+                 every segment already) and the names not kept go; flag "p": it may
+                 still fetch them and claim more (a load with no end in sight, e.g.
+                 spawn's process object). Kept names stay with the message, bound to
+                 this client, until released under its key or until the client's
+                 connections all close. A claim from another client than the first
+                 receiver (bytes loaded twice) changes nothing. A claim read before
+                 its deposit is complete is remembered for EARLY_CLAIM_TTL. No reply.
     F  fetch     key = message key. The broker removes the message and replies with
                  one or more ``f`` records: body = status (u8) + total fds (u32);
-                 the descriptors ride on them, at most MAX_FDS a record. The
-                 message's in-flight names become held by the fetching client.
+                 the descriptors ride on them, at most MAX_FDS a record. The message
+                 is delivered to the fetching client; its names wait for its claim.
                  status 0 = ok, 1 = unknown key, 2 = lost (the broker could not take
                  its descriptors). A fetch first reads every queued post record;
                  one for a key not yet (wholly) deposited waits up to FETCH_WAIT
-                 seconds. A receiver fetches only for a slab it does not map yet: a
-                 sender fills its slab across messages, so a steady receiver fetches
-                 once per slab, not once per message.
-    H  hold      body = names; this client holds each name once. No reply.
-    R  release   body = names this client no longer holds. No reply.
-    P  ping      reply ``p`` with body = JSON of the broker's counters.
+                 seconds. A receiver fetches only for a segment it does not map yet:
+                 a sender fills and reuses its segments, so a steady receiver fetches
+                 once per segment, not once per message.
+    H  hold      key = NO_KEY, body = names; this client holds each name once. The
+                 first holder of a generation name is its owner. No reply.
+    R  release   body = names. key = NO_KEY: this client no longer holds them;
+                 key = a message key: it lets go of names it kept through that
+                 message (a message no name is left in is forgotten). No reply.
+    P  ping      reply ``p`` with body = JSON of the broker's counters (notices
+                 due are posted first: a barrier for them too).
+    N  notice    broker -> owner, on its post connection: body = generation names
+                 nobody holds any more. The owner reads them without waiting.
 
 Lifetimes
-    A segment file is unlinked when no client holds it and no undelivered
-    message names it. A client whose connections have all closed (its process
-    exited or was killed) drops its holds; its undelivered messages stay for
+    A segment file is unlinked, and a generation's owner notified, when no client
+    holds it and no message holds it. A client whose connections have all closed
+    (its process exited or was killed) drops its holds and what it kept through
+    messages; its undelivered messages stay for
     ``$SHMREDUCE_ORPHAN_TTL`` seconds (default 60), so a receiver can read what an
     exited sender put, and are then dropped (with a log line): a program whose
     workers come and go does not keep their unread messages for its whole life. The
@@ -113,6 +135,7 @@ LOCK_NAME = "broker.lock"
 MARKER_NAME = "shmreduce.program"
 DIR_PREFIX = "shmreduce-"
 SEG_PREFIX = "seg-"
+GEN_PREFIX = "gen-"
 
 MAGIC = b"SHMREDUCE1"
 NONCE_LEN = 32
@@ -134,13 +157,13 @@ POST_QUIET = 0.05  # seconds a post connection must stay quiet before a record w
 
 DEPOSIT = b"D"
 CLAIM = b"C"
-CLAIM_DONE = b"done"
 FETCH = b"F"
 FETCHED = b"f"
 HOLD = b"H"
 RELEASE = b"R"
 PING = b"P"
 PONG = b"p"
+NOTICE = b"N"
 
 STATUS_OK = 0
 STATUS_UNKNOWN = 1
@@ -164,11 +187,16 @@ class DescriptorsDropped(OSError):
 
 
 _SEGMENT_NAME = re.compile(SEG_PREFIX + "[0-9a-f]{24}")
-_NAME_LIST = re.compile(rb"(?:seg-[0-9a-f]{24})(?:\nseg-[0-9a-f]{24})*")
+_NAME_LIST = re.compile(rb"(?:(?:seg|gen)-[0-9a-f]{24})(?:\n(?:seg|gen)-[0-9a-f]{24})*")
 
 
 def is_segment_name(name: str) -> bool:
     return _SEGMENT_NAME.fullmatch(name) is not None
+
+
+def gen_name(gen: int) -> str:
+    """The broker's name of a segment generation (see Pools above)."""
+    return f"{GEN_PREFIX}{gen:024x}"
 
 
 def is_program_dir(path: str, base: str | None = None) -> bool:
@@ -189,8 +217,11 @@ def is_program_dir(path: str, base: str | None = None) -> bool:
         return False
     uid = os.getuid()
     return (
-        stat.S_ISDIR(st.st_mode) and st.st_uid == uid and stat.S_IMODE(st.st_mode) == 0o700
-        and stat.S_ISREG(marker.st_mode) and marker.st_uid == uid
+        stat.S_ISDIR(st.st_mode)
+        and st.st_uid == uid
+        and stat.S_IMODE(st.st_mode) == 0o700
+        and stat.S_ISREG(marker.st_mode)
+        and marker.st_uid == uid
     )
 
 
@@ -216,6 +247,17 @@ def decode_deposit(body: bytes) -> tuple[list[str], list[str], int, bool]:
     if len(parts) != 4 or not parts[2].isdigit() or len(parts[2]) > MAX_NBYTES_DIGITS or parts[3] not in (b"0", b"1"):
         raise ProtocolError(f"malformed deposit body {body[:80]!r}")
     return decode_names(parts[0]), decode_names(parts[1]), int(parts[2]), parts[3] == b"1"
+
+
+def encode_claim(done: bool, keep) -> bytes:
+    return (b"d" if done else b"p") + encode_names(keep)
+
+
+def decode_claim(body: bytes) -> tuple[bool, list[str]]:
+    """(done, names kept); raises ProtocolError if malformed."""
+    if body[:1] not in (b"d", b"p"):
+        raise ProtocolError(f"malformed claim body {body[:80]!r}")
+    return body[:1] == b"d", decode_names(body[1:])
 
 
 def encode_fetched(status: int, total: int) -> bytes:
@@ -311,16 +353,14 @@ def handshake_reply(authkey: bytes, nonce_b: bytes, answer: bytes) -> tuple[byte
     return role, token, _digest(authkey, nonce_c) + _PID.pack(os.getpid())
 
 
-def client_handshake(
-    sock: socket.socket, authkey: bytes, role: bytes = ROLE_REQUEST, token: bytes = bytes(TOKEN_LEN)
-) -> int:
+def client_handshake(sock: socket.socket, authkey: bytes, role: bytes = ROLE_REQUEST, token: bytes = bytes(TOKEN_LEN)) -> int:
     """Authenticate both ways, as *role* of the process identified by *token*; return
     the broker's pid."""
     hello = _recv_exact(sock, len(MAGIC) + NONCE_LEN)
     if not hello.startswith(MAGIC):
         raise ProtocolError("not a shmreduce broker")
     nonce_c = os.urandom(NONCE_LEN)
-    sock.sendall(_digest(authkey, hello[len(MAGIC):]) + nonce_c + role + token)
+    sock.sendall(_digest(authkey, hello[len(MAGIC) :]) + nonce_c + role + token)
     reply = sock.recv(32 + _PID.size)
     if len(reply) != 32 + _PID.size:
         raise ProtocolError("broker refused the authkey")

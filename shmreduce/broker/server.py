@@ -40,14 +40,18 @@ log = logging.getLogger("shmreduce.broker")
 
 
 class _Client:
-    """One client process: the names it holds, across its connections."""
+    """One client process: the names it holds, the messages it received and keeps
+    names of, across its connections."""
 
-    __slots__ = ("token", "holds", "conns")
+    __slots__ = ("token", "holds", "kept", "conns", "post", "notices")
 
     def __init__(self, token: bytes) -> None:
         self.token = token
         self.holds: set[str] = set()
+        self.kept: set[bytes] = set()  # keys of delivered messages whose names it keeps
         self.conns = 0
+        self.post: _Conn | None = None  # where its free notices go
+        self.notices: list[str] = []  # generations of its segments freed, not yet sent
 
 
 class _Conn:
@@ -75,15 +79,17 @@ class _Handshake:
 
 
 class _Message:
-    __slots__ = ("fds", "names", "sender", "nbytes", "complete", "lost")
+    __slots__ = ("fds", "names", "sender", "nbytes", "complete", "lost", "receiver", "done")
 
     def __init__(self, sender: bytes) -> None:
         self.fds: list[int] = []
-        self.names: list[str] = []
+        self.names: dict[str, bool] = {}  # name -> kept by its receiver
         self.nbytes = 0  # memory behind its fds, as its sender declared it
         self.sender = sender  # the depositing client's token
         self.complete = False  # its deposit's last record is in
         self.lost = False  # a deposit record came without its descriptors (EMFILE)
+        self.receiver: _Client | None = None  # once delivered (claimed or fetched)
+        self.done = False  # its receiver has all it needs: descriptors closed, names not kept dropped
 
     def close(self) -> None:
         """Close the broker's copies of its descriptors (given away or dropped)."""
@@ -108,8 +114,10 @@ class Broker:
         # Per sender token: its undelivered messages in deposit order.
         self.pending: dict[bytes, dict[bytes, None]] = {}
         self.refs: dict[str, int] = {}
+        self.owners: dict[str, _Client] = {}  # generation name -> the client told when it is free
+        self.notify: set[_Client] = set()  # clients with notices to send
         self.parked: list[tuple[float, _Conn, bytes]] = []
-        self.early_claims: dict[bytes, tuple[float, _Client, bool]] = {}
+        self.early_claims: dict[bytes, tuple[float, _Client, bool, set[str]]] = {}
         # Sender tokens whose connections all closed -> when their undelivered
         # messages expire (ORPHAN_TTL).
         self.orphans: dict[bytes, float] = {}
@@ -147,6 +155,13 @@ class Broker:
             self.refs[name] = count
             return
         self.refs.pop(name, None)
+        if name.startswith(P.GEN_PREFIX):
+            # Nobody holds this generation any more: its owner may reuse the segment.
+            owner = self.owners.pop(name, None)
+            if owner is not None and owner.post is not None:
+                owner.notices.append(name)
+                self.notify.add(owner)
+            return
         try:
             os.unlink(os.path.join(self.dir, name))
         except FileNotFoundError:
@@ -155,6 +170,8 @@ class Broker:
     def _hold(self, client: _Client, names) -> None:
         for name in names:
             if name not in client.holds:
+                if name.startswith(P.GEN_PREFIX) and name not in self.refs:
+                    self.owners[name] = client  # its first holder made it (see HOLD in protocol.py)
                 client.holds.add(name)
                 self._incref(name)
 
@@ -164,24 +181,82 @@ class Broker:
                 client.holds.discard(name)
                 self._decref(name)
 
-    def _give_names(self, client: _Client, msg: _Message) -> None:
-        """The message's in-flight names become *client*'s (dropped if it is gone)."""
+    def _deliver(self, client: _Client, key: bytes, msg: _Message) -> None:
+        """*msg* reached *client*: it is no longer its sender's to expire (an orphan's
+        undelivered messages), and goes with its receiver's connections instead."""
+        if msg.receiver is not None:
+            return
+        msg.receiver = client
+        keys = self.pending.get(msg.sender)
+        if keys is not None:
+            keys.pop(key, None)
+            if not keys:
+                del self.pending[msg.sender]
         if client.conns:
-            self._hold(client, msg.names)
-        for name in msg.names:
+            client.kept.add(key)
+        else:
+            self._finish(key, msg, ())
+
+    def _finish(self, key: bytes, msg: _Message, keep) -> None:
+        """Its receiver is done with *msg*: close its descriptors, drop the names it
+        does not *keep*; the message goes once no name is left."""
+        msg.done = True
+        msg.close()
+        msg.fds = []
+        for name in keep:
+            if name in msg.names:
+                msg.names[name] = True
+        for name in [n for n, kept in msg.names.items() if not kept]:
+            del msg.names[name]
             self._decref(name)
-        msg.names = []
+        if not msg.names:
+            self._forget(key, msg)
+
+    def _forget(self, key: bytes, msg: _Message) -> None:
+        self.messages.pop(key, None)
+        if msg.receiver is not None:
+            msg.receiver.kept.discard(key)
+
+    def _let_go(self, client: _Client, key: bytes, names) -> None:
+        """*client* lets go of *names* it kept through message *key*."""
+        msg = self.messages.get(key)
+        if msg is None or msg.receiver is not client:
+            return
+        for name in names:
+            if msg.names.pop(name, None) is not None:
+                self._decref(name)
+        if msg.done and not msg.names:
+            self._forget(key, msg)
+
+    def _flush_notices(self) -> None:
+        """Tell owners which generations of their segments nobody holds any more."""
+        for client in self.notify:
+            conn = client.post
+            names, client.notices = client.notices, []
+            if conn is None or not names:
+                continue
+            for i in range(0, len(names), P.NAMES_PER_RECORD):
+                try:
+                    P.send_record(conn.sock, P.NOTICE, P.NO_KEY, P.encode_names(names[i : i + P.NAMES_PER_RECORD]))
+                except BlockingIOError:
+                    client.notices.extend(names[i:])  # its socket is full: next time
+                    break
+                except OSError:
+                    break  # it is going; its segments with it
+        self.notify = {c for c in self.notify if c.notices}
 
     def counters(self) -> dict:
         return {
             "pid": os.getpid(),
             "clients": len(self.clients),
             "connections": len(self.conns),
-            "messages": len(self.messages),
+            "messages": sum(1 for m in self.messages.values() if m.receiver is None),
+            "kept_messages": sum(1 for m in self.messages.values() if m.receiver is not None),
+            "generations": sum(1 for name in self.refs if name.startswith(P.GEN_PREFIX)),
             "message_fds": sum(len(m.fds) for m in self.messages.values()),
-            "message_bytes": sum(m.nbytes for m in self.messages.values()),
+            "message_bytes": sum(m.nbytes for m in self.messages.values() if m.fds),
             "handshakes": len(self.handshakes),
-            "segment_files": len(self.refs),
+            "segment_files": sum(1 for name in self.refs if not name.startswith(P.GEN_PREFIX)),
             "root_alive": self.root_alive,
         }
 
@@ -244,6 +319,8 @@ class Broker:
         client.conns += 1
         conn = _Conn(shake.sock, client, role == P.ROLE_POST, shake.pid)
         self.conns[fd] = conn
+        if conn.post:
+            client.post = conn
         self.poller.modify(fd, _POST_EVENTS if conn.post else select.EPOLLIN)
         self.idle_since = None
 
@@ -259,9 +336,17 @@ class Broker:
         conn.sock.close()
         client = conn.client
         client.conns -= 1
+        if client.post is conn:
+            client.post = None
         if not client.conns:
             self.clients.pop(client.token, None)
             self._release(client, list(client.holds))
+            for key in list(client.kept):
+                msg = self.messages.get(key)
+                if msg is not None:
+                    self._let_go(client, key, list(msg.names))
+                    self._finish(key, msg, ())
+            client.kept.clear()
             self._orphan(client.token, conn.pid)
         if not self.conns:
             self.idle_since = time.monotonic()
@@ -285,7 +370,7 @@ class Broker:
         msg = self._remove(key)
         for name in msg.names:
             self._decref(name)
-        msg.names = []
+        msg.names = {}
         msg.close()
 
     def _serve(self, conn: _Conn) -> int:
@@ -306,6 +391,9 @@ class Broker:
                 # not. Keep the connection (the stream is in step); the message is lost.
                 record, lost = exc.record, True
                 log.warning("out of descriptors: a %r record of pid %d came without its descriptors", record[0], conn.pid)
+            except ConnectionResetError:
+                self._drop(conn)  # its process exited with free notices unread: a plain close
+                return -1
             except (OSError, P.ProtocolError) as exc:
                 self._drop(conn, str(exc) or type(exc).__name__)
                 return -1
@@ -372,11 +460,12 @@ class Broker:
                 self._deposit(client, key, fds, inflight, nbytes, last, lost)
                 fds = []
             elif op == P.CLAIM:
+                done, keep = P.decode_claim(body)
                 msg = self.messages.get(key)
                 if msg is not None and msg.complete:
-                    self._claim(client, key, body == P.CLAIM_DONE)
+                    self._claim(client, key, done, keep)
                 else:
-                    self.early_claims[key] = (time.monotonic() + EARLY_CLAIM_TTL, client, body == P.CLAIM_DONE)
+                    self.early_claims[key] = (time.monotonic() + EARLY_CLAIM_TTL, client, done, set(keep))
             elif op == P.FETCH:
                 msg = self.messages.get(key)
                 if msg is None or not msg.complete:
@@ -391,9 +480,17 @@ class Broker:
             elif op == P.HOLD:
                 self._hold(client, P.decode_names(body))
             elif op == P.RELEASE:
-                self._release(client, P.decode_names(body))
+                names = P.decode_names(body)
+                if key == P.NO_KEY:
+                    self._release(client, names)
+                elif key in self.messages:
+                    self._let_go(client, key, names)
+                elif key in self.early_claims:
+                    self.early_claims[key][3].difference_update(names)
             elif op == P.PING:
                 self._drain_posts()
+                if self.notify:
+                    self._flush_notices()  # a barrier for notices too
                 P.send_record(conn.sock, P.PONG, P.NO_KEY, json.dumps(self.counters()).encode())
             else:
                 raise P.ProtocolError(f"unknown op {op!r}")
@@ -409,9 +506,7 @@ class Broker:
             for fd in fds:
                 os.close(fd)
 
-    def _deposit(
-        self, client: _Client, key: bytes, fds: list[int], inflight: list[str], nbytes: int, last: bool, lost: bool
-    ) -> None:
+    def _deposit(self, client: _Client, key: bytes, fds: list[int], inflight: list[str], nbytes: int, last: bool, lost: bool) -> None:
         """One deposit record (it owns *fds* from now on); the message is delivered
         once its *last* record is in."""
         msg = self.messages.get(key)
@@ -425,8 +520,9 @@ class Broker:
         msg.fds.extend(fds)
         msg.nbytes += nbytes
         for name in inflight:
-            self._incref(name)
-        msg.names.extend(inflight)
+            if name not in msg.names:
+                msg.names[name] = False
+                self._incref(name)
         if lost and not msg.lost:
             msg.lost = True
         if msg.lost:
@@ -437,19 +533,26 @@ class Broker:
         msg.complete = True
         early = self.early_claims.pop(key, None) if self.early_claims else None
         if early is not None:
-            self._claim(early[1], key, early[2])
+            self._claim(early[1], key, early[2], early[3])
         if self.parked and key in self.messages:
             self._answer_parked(key)
 
-    def _claim(self, client: _Client, key: bytes, done: bool) -> None:
-        """The message's names become *client*'s. *done*: the receiver is done with
-        it, descriptors closed unused (it maps their slabs already); else it may still
-        fetch them, and a message without descriptors is done anyway."""
+    def _claim(self, client: _Client, key: bytes, done: bool, keep) -> None:
+        """*client* received the message and *keep*s these of its names (until it lets
+        go of them, or its connections close). *done*: it is done with the message:
+        descriptors closed unused, names it does not keep dropped; else it may still
+        fetch the descriptors and claim more names. A claim by another process than
+        the first receiver (bytes loaded twice) changes nothing."""
         msg = self.messages[key]
-        self._give_names(client, msg)
-        if done or not msg.fds:
-            self._remove(key)
-            msg.close()
+        self._deliver(client, key, msg)
+        if msg.receiver is not client:
+            return
+        if done:
+            self._finish(key, msg, keep)
+        else:
+            for name in keep:
+                if name in msg.names:
+                    msg.names[name] = True
 
     def _remove(self, key: bytes) -> _Message:
         msg = self.messages.pop(key)
@@ -465,18 +568,23 @@ class Broker:
             self._discard(key)
             P.send_record(conn.sock, P.FETCHED, key, P.encode_fetched(P.STATUS_LOST, 0))
             return
-        msg = self._remove(key)
+        msg = self.messages[key]
+        if msg.receiver is not None and (msg.receiver is not conn.client or msg.done):
+            self._reply_unknown(conn, key)  # another process's, or its descriptors are gone
+            return
+        # Delivered before anything can fail, so that a client dying mid-reply lets
+        # go of it through _drop. Its names stay until the receiver's claim says
+        # which it keeps.
+        self._deliver(conn.client, key, msg)
+        fds, msg.fds = msg.fds, []
         try:
-            # The names become this client's before anything can fail, so that a
-            # client dying mid-reply releases them through _drop.
-            self._give_names(conn.client, msg)
-            fds = msg.fds
             head = P.encode_fetched(P.STATUS_OK, len(fds))
             chunks = [fds[i : i + P.MAX_FDS] for i in range(0, len(fds), P.MAX_FDS)] or [[]]
             for chunk in chunks:
                 P.send_record(conn.sock, P.FETCHED, key, head, chunk)
         finally:
-            msg.close()
+            for fd in fds:
+                os.close(fd)
 
     def _reply_unknown(self, conn: _Conn, key: bytes) -> None:
         P.send_record(conn.sock, P.FETCHED, key, P.encode_fetched(P.STATUS_UNKNOWN, 0))
@@ -493,7 +601,7 @@ class Broker:
 
     def _expire(self, now: float) -> None:
         if self.early_claims:
-            for key in [k for k, (until, _c, _d) in self.early_claims.items() if until <= now]:
+            for key in [k for k, (until, *_rest) in self.early_claims.items() if until <= now]:
                 del self.early_claims[key]
         for fd in [fd for fd, shake in self.handshakes.items() if shake.deadline <= now]:
             shake = self.handshakes.pop(fd)
@@ -508,7 +616,8 @@ class Broker:
             if keys:
                 log.warning(
                     "dropped %d undelivered message(s) of a sender that exited %.0f s ago (SHMREDUCE_ORPHAN_TTL)",
-                    len(keys), ORPHAN_TTL,
+                    len(keys),
+                    ORPHAN_TTL,
                 )
         due = [p for p in self.parked if p[0] <= now]
         if not due:
@@ -565,6 +674,8 @@ class Broker:
                 self._end_window(now)
             if self.parked or self.early_claims or self.handshakes or self.orphans:
                 self._expire(now)
+            if self.notify:
+                self._flush_notices()
 
     def shutdown(self) -> None:
         for msg in self.messages.values():

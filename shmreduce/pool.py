@@ -1,0 +1,653 @@
+"""Recycled pools of shared memory: segments, their generations, and who holds them.
+
+A ``Segment`` is one piece of shared memory mapped in this process: a memfd
+(``file_descriptor``) or a file in the program directory (``file_system``). It owns
+its mapping, its bounds and, for a memfd, its descriptor. A sending process keeps a
+``Pool`` of the segments it made, one per strategy: small storages (up to
+``SLAB_ITEM_MAX``) are packed at offsets into its thread's current *slab*
+(``SLAB_SIZE`` bytes), across messages; a larger storage gets a segment of its size
+class (eight classes per doubling).
+
+Generations. A segment is filled anew in *generations*. A generation is a number
+unique in the program (``gen_name`` is its name at the broker), written into the
+segment's first ``HEADER`` bytes. In each process the storages of one generation are
+views of one *token*, a ctypes array over the mapping: the token, and so the mapping,
+lives exactly as long as any of those storages. When a token dies:
+
+- in the owner: the generation is over here. If it was never sent, the segment is
+  free at once; if it was, the owner lets go of its hold at the broker and waits.
+- in a receiver: it lets go of what it kept through the message that brought the
+  generation (its name, and a file's name under ``file_system``).
+
+The broker counts holds on every generation name (its owner's, from the first
+deposit that carries it; each undelivered message's; each receiver's). When the
+count reaches zero it posts a free notice to the owner, which reads it without
+waiting when it next needs a segment: a free segment is then reused, its pages
+already in memory (no page fault per page, no new descriptor, no new mapping in any
+process that keeps it mapped). Memory stays valid wherever it is mapped until every
+process has let go of every storage in it: aliasing holds as with torch.
+
+A receiver finds a segment it maps already by identity (a memfd's inode, a file's
+name) and checks the header against the handle's generation: a stale handle is a
+``SharingError``, never another message's bytes. It keeps its ``KEPT_SEGMENTS``
+latest mappings after their last storage dies (one descriptor each under
+``file_descriptor``, none under ``file_system``): the next message in one costs no
+round trip, no descriptor, no mapping.
+
+Memory bounds: a pool keeps at most ``POOL_BYTES`` of free segments (the
+``SHMREDUCE_POOL_BYTES`` setting) and closes any left free for ``POOL_IDLE``
+seconds; a closed memfd's memory returns to the system once no process maps it, a
+closed file's once the broker unlinks it. Segments alive at a ``fork()`` are never
+reused (the child may use their storages without the broker knowing), nor are
+those a broker that died had heard of.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import threading
+import time
+import weakref
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shmreduce import _torch, segments
+from shmreduce.broker.protocol import gen_name
+from shmreduce.errors import OutOfSharedMemory, SharingError, out_of_shm
+
+HEADER = 64  # a pooled segment's first bytes: its generation (u64); storages start after
+ALIGN = 64  # each storage starts on a cache line, as torch's CPU allocator aligns
+SLAB_ITEM_MAX = 64 << 10  # storages up to this size share their thread's current slab
+SLAB_SIZE = 1 << 20
+POOL_BYTES = int(os.environ.get("SHMREDUCE_POOL_BYTES", str(1 << 30)))
+POOL_IDLE = float(os.environ.get("SHMREDUCE_POOL_IDLE", "10"))
+KEPT_SEGMENTS = int(os.environ.get("SHMREDUCE_KEPT_SEGMENTS", "8"))
+_PAGE = mmap.PAGESIZE
+_GEN_MASK = (1 << 64) - 1
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_mmap = _libc.mmap
+_mmap.restype = ctypes.c_void_p
+_mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_munmap = _libc.munmap
+_munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_PROT = mmap.PROT_READ | mmap.PROT_WRITE
+_U8 = torch.uint8
+_U64 = ctypes.c_uint64
+_frombuffer = torch.frombuffer
+
+
+def class_size(nbytes: int) -> int:
+    """The size of the segment a storage of *nbytes* gets: header included, rounded
+    up to one of eight classes per doubling (at most 1/8 spare) and to pages."""
+    need = nbytes + HEADER
+    step = max(_PAGE, 1 << max(need.bit_length() - 4, 0))
+    return -(-need // step) * step
+
+
+# -- segments ----------------------------------------------------------------------
+
+# Every segment mapped in this process, by (kind, key): a memfd by its inode, a file
+# by its name. Weak: a segment is kept by its live tokens, its pool, the kept list.
+_mapped: weakref.WeakValueDictionary[tuple, Segment] = weakref.WeakValueDictionary()
+_kept: OrderedDict[tuple, Segment] = OrderedDict()
+
+
+class Segment:
+    """One shared-memory segment mapped in this process; unmapped (and its
+    descriptor closed) when the last reference goes. ``fd`` never changes."""
+
+    __slots__ = (
+        "kind",
+        "key",
+        "directory",
+        "fd",
+        "addr",
+        "size",
+        "array",
+        "pid",
+        "gen",
+        "token",
+        "pool",
+        "announced",
+        "retired",
+        "sealed",
+        "used",
+        "since",
+        "__weakref__",
+    )
+
+    def __init__(self, kind: str, key: int | str, directory: str, fd: int | None, size: int, map_fd: int) -> None:
+        addr = _mmap(None, size, _PROT, mmap.MAP_SHARED, map_fd, 0)
+        if addr is None or addr == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        self.kind, self.key, self.directory = kind, key, directory  # directory: fs only
+        self.fd, self.addr, self.size = fd, addr, size
+        self.array = ctypes.c_char * size
+        self.pid = os.getpid()
+        self.gen = 0  # the generation whose token lives here (or is being filled)
+        self.token: weakref.ref | None = None
+        self.pool: Pool | None = None  # the pool that made it, in its owner only
+        self.announced = False  # its owner holds the current generation at the broker
+        self.retired = False  # never reused: closed once free
+        self.sealed = False  # filled no further (its file went with a broker that died)
+        self.used = HEADER  # a slab's next free offset
+        self.since = 0.0  # when it became free
+        # Unmapped (and its descriptor closed) once the segment is gone: a weakref
+        # callback, run after every weak reference to it is cleared, never __del__,
+        # which runs while _mapped can still hand the dying segment to another thread.
+        weakref.finalize(self, _unmap_close, addr, size, fd).atexit = False  # at exit the OS does it, after any last use
+        _mapped[(kind, key)] = self
+
+    @property
+    def name(self) -> str:
+        """A file_system segment's file name."""
+        return str(self.key)
+
+    def header(self) -> int:
+        return int(_U64.from_address(self.addr).value)
+
+    def begin(self, gen: int) -> Any:
+        """Start generation *gen* (owner): header written, a new token, empty."""
+        assert self.fd is not None
+        try:
+            os.pwrite(self.fd, (gen & _GEN_MASK).to_bytes(8, "little"), 0)  # allocates the page if need be
+        except OSError as exc:
+            raise _no_memory(exc, "writing a segment header", HEADER) from exc
+        self.used = HEADER
+        self.announced = False
+        return self.new_token(gen, None)
+
+    def new_token(self, gen: int, kept: tuple | None) -> Any:
+        """The token of *gen* in this process: storages are views of it. *kept*: what
+        this process keeps at the broker through the message that brought it,
+        (directory, message key, names), let go of when the token dies."""
+        token: Any = self.array.from_address(self.addr)
+        token.segment = self  # every view keeps the mapping
+        ref = weakref.ref(token, _token_died)
+        _live[id(ref)] = (ref, self, gen, kept, os.getpid())  # the ref kept: its id stays unique
+        self.token, self.gen = ref, gen
+        return token
+
+    def live_token(self, gen: int) -> Any | None:
+        ref = self.token
+        token = ref() if ref is not None else None
+        return token if token is not None and self.gen == gen else None
+
+    def view(self, token: Any, offset: int, nbytes: int) -> torch.UntypedStorage:
+        """The storage of *nbytes* at *offset* of the segment, a view of *token*
+        (bounds checked here: beyond the segment is a SharingError, never a fault)."""
+        low = HEADER if self.gen else 0
+        if offset < low or nbytes <= 0 or offset + nbytes > self.size:
+            raise SharingError(
+                f"handle out of bounds ({nbytes} bytes at {offset} of a {self.size}-byte segment): it does not match its "
+                "segment (forged or corrupted message)"
+            )
+        return _frombuffer(token, dtype=_U8, count=nbytes, offset=offset).untyped_storage()
+
+    def write(self, offset: int, nbytes: int, source: torch.UntypedStorage | None) -> None:
+        """Write *source*'s bytes (or reserve zeros) at *offset*, through the descriptor:
+        the kernel allocates what pages are missing now, so a full memory limit is an
+        error here rather than a SIGBUS later, and a reused page is copied into as is."""
+        assert self.fd is not None
+        try:
+            segments.fill(self.fd, nbytes, source, offset)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                if self.kind == "fs":
+                    raise out_of_shm(self.directory, nbytes, exc.strerror or str(exc)) from exc
+                raise SharingError(f"out of memory for a {nbytes}-byte shared segment: {exc.strerror}") from exc
+            raise segments.os_error(exc, "filling a shared segment") from exc
+
+
+def _unmap_close(addr: int, size: int, fd: int | None) -> None:
+    _munmap(addr, size)
+    if fd is not None:
+        os.close(fd)
+
+
+def lookup(kind: str, key: int | str) -> Segment | None:
+    """This process's mapping of a segment, if it has one."""
+    seg = _mapped.get((kind, key))
+    if seg is not None and (kind, key) in _kept:
+        _kept.move_to_end((kind, key))
+    return seg
+
+
+def keep(seg: Segment) -> None:
+    """Keep a received segment mapped after its last storage dies (the latest
+    KEPT_SEGMENTS of them): its owner goes on filling or reusing it."""
+    if KEPT_SEGMENTS <= 0:
+        return
+    _kept[(seg.kind, seg.key)] = seg
+    _kept.move_to_end((seg.kind, seg.key))
+    while len(_kept) > KEPT_SEGMENTS:
+        _kept.popitem(last=False)
+
+
+def open_fd(fd: int, ino: int) -> Segment:
+    """Map a received memfd, which must be *ino*; the segment owns *fd* from now on."""
+    try:
+        got, size = segments.fd_identity(fd)
+    except OSError as exc:
+        os.close(fd)
+        raise segments.os_error(exc, "checking a received descriptor") from exc
+    if got != ino or size <= 0:
+        os.close(fd)
+        raise SharingError(f"received descriptor does not match its handle (inode {got}, expected {ino}): forged or corrupted message")
+    try:
+        return Segment("fd", ino, "", fd, size, fd)
+    except OSError as exc:
+        os.close(fd)
+        raise segments.os_error(exc, "mapping a received segment") from exc
+
+
+def open_file(directory: str, name: str) -> Segment:
+    """Map the file *name* of *directory* (no descriptor kept)."""
+    fd = segments.open_file(directory, name)
+    try:
+        size = os.fstat(fd).st_size
+        return Segment("fs", name, directory, None, size, fd)
+    except OSError as exc:
+        raise segments.os_error(exc, f"mapping {directory}/{name}") from exc
+    finally:
+        os.close(fd)
+
+
+def adopt(storage: torch.UntypedStorage) -> Segment | None:
+    """The segment of a storage torch already put in fd-backed shared memory: a
+    segment shmreduce does not pool (generation 0), kept while that storage lives."""
+    try:
+        fd = _torch.storage_fd(storage)
+    except RuntimeError:
+        return None
+    if fd < 0:
+        return None
+    ino, size = segments.fd_identity(fd)
+    seg = _mapped.get(("fd", ino))
+    if seg is None:
+        dup = os.dup(fd)
+        try:
+            seg = Segment("fd", ino, "", dup, size, dup)
+        except OSError as exc:
+            os.close(dup)
+            raise segments.os_error(exc, "mapping a shared storage") from exc
+    return seg
+
+
+# -- tokens ------------------------------------------------------------------------
+
+_live: dict[int, tuple[weakref.ref, Segment, int, tuple | None, int]] = {}
+_dead: deque[tuple[Segment, int, tuple | None, int]] = deque()
+
+
+def has_dead() -> bool:
+    return bool(_dead)
+
+
+def _token_died(ref: weakref.ref) -> None:
+    # Any thread, any time the last storage of a generation goes: only queue it.
+    entry = _live.pop(id(ref), None)
+    if entry is not None:
+        _dead.append(entry[1:])
+
+
+class Releases:
+    """What this process lets go of at brokers, queued until the next ``collect``."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, list[str]] = {}  # directory -> names it held itself
+        self.kept: dict[tuple[str, bytes], list[str]] = {}  # (directory, message) -> names kept through it
+
+    def __bool__(self) -> bool:
+        return bool(self.held or self.kept)
+
+
+def settle(releases: Releases, unclaimed: Callable[[str, bytes], bool]) -> None:
+    """Account for every generation whose last storage died here since the last call.
+
+    *unclaimed(directory, key)*: the message is still being received here, its claim
+    not yet sent; what was kept through it waits for the next call, so that the
+    broker never hears of a release before the claim it undoes.
+    """
+    pid = os.getpid()
+    later = []
+    while _dead:
+        entry = _dead.popleft()
+        seg, gen, kept, owner = entry
+        if owner != pid:
+            continue  # a forked child's copy of its parent's token: not ours to tell
+        if kept is not None:
+            directory, key, names = kept
+            if unclaimed(directory, key):
+                later.append(entry)
+                continue
+            releases.kept.setdefault((directory, key), []).extend(names)
+            continue
+        pool = seg.pool
+        if pool is None or seg.gen != gen:
+            continue
+        if seg.retired or not pool.active:
+            # Never reused (or unregister() since): no need to wait for the broker's notice.
+            if seg.announced:
+                releases.held.setdefault(seg.directory or pool.directory(), []).append(gen_name(gen))
+            pool.closed(seg)
+        elif seg.announced:
+            # Sent: the broker says when nobody holds it any more (a free notice).
+            releases.held.setdefault(seg.directory or pool.directory(), []).append(gen_name(gen))
+            pool.waiting[gen_name(gen)] = seg
+        else:
+            pool.give_back(seg)
+    _dead.extend(later)
+
+
+# -- generations -------------------------------------------------------------------
+
+# Generation numbers: a random per-process prefix and a counter, unique in the
+# program without a round trip; drawn again in a forked child.
+_gen_prefix = int.from_bytes(os.urandom(6), "little") << 48
+_gen_count = 0
+_gen_lock = threading.Lock()
+
+
+def new_gen() -> int:
+    global _gen_count
+    with _gen_lock:
+        _gen_count += 1
+        return _gen_prefix | (_gen_count & 0xFFFFFFFFFFFF)
+
+
+# -- pools -------------------------------------------------------------------------
+
+
+class Pool:
+    """The segments of one strategy this process made: free ones by size, those
+    waiting for the broker's free notice, the current slab of each thread."""
+
+    kind = ""
+
+    def __init__(self) -> None:
+        self.free: dict[int, list[Segment]] = {}
+        self.waiting: dict[str, Segment] = {}  # generation name -> segment
+        self.free_bytes = 0
+        self.made = 0  # segments made, for stats
+        self.reused = 0
+        self.active = True  # until let_go() (unregister()), and again from the next place(): free segments are kept
+        self.lock = threading.Lock()
+        self.local = threading.local()
+
+    # What a strategy provides.
+    def create(self, size: int) -> Segment:
+        raise NotImplementedError
+
+    def directory(self) -> str:
+        raise NotImplementedError
+
+    def notices(self) -> list[str]:
+        raise NotImplementedError
+
+    def full(self) -> None:
+        """The memory behind this pool is full: free what can be freed."""
+
+    # Placing storages.
+    def place(self, nbytes: int, source: torch.UntypedStorage | None) -> tuple[Segment, int, int, torch.UntypedStorage]:
+        """Put *source*'s bytes (or zeros) in a segment: (segment, generation, offset,
+        the new storage there)."""
+        self.active = True
+        if nbytes > SLAB_ITEM_MAX:
+            seg = self.take(class_size(nbytes))
+            token = seg.begin(new_gen())
+            offset = HEADER
+        else:
+            slab = getattr(self.local, "slab", None)
+            if slab is None or slab[0].used + nbytes > slab[0].size or slab[0].sealed:
+                seg = self.take(SLAB_SIZE)
+                # The thread keeps its current slab's token: a generation spans many
+                # messages, and ends only once the slab is full.
+                slab = self.local.slab = (seg, seg.begin(new_gen()))
+            seg, token = slab
+            offset = seg.used
+        try:
+            seg.write(offset, nbytes, source)
+        except OutOfSharedMemory:
+            # A full mount may be full of segments nobody uses any more: let go of
+            # them, and try once more.
+            self.full()
+            seg.write(offset, nbytes, source)
+        seg.used = (offset + nbytes + ALIGN - 1) & -ALIGN
+        return seg, seg.gen, offset, seg.view(token, offset, nbytes)
+
+    def take(self, size: int) -> Segment:
+        """A free segment of *size*, else a new one."""
+        free = self.free.get(size)
+        if not free and self.waiting:
+            self.reap()
+            free = self.free.get(size)
+        if free:
+            with self.lock:
+                if free:
+                    seg = free.pop()
+                    self.free_bytes -= seg.size
+                    self.reused += 1
+                    return seg
+        seg = self.create(size)
+        seg.pool = self
+        self.made += 1
+        return seg
+
+    def reap(self) -> None:
+        """Take in the broker's free notices: those segments are free."""
+        for name in self.notices():
+            seg = self.waiting.pop(name, None)
+            if seg is not None:
+                self.give_back(seg)
+
+    def give_back(self, seg: Segment) -> None:
+        """*seg* is free: nobody anywhere holds a storage in it."""
+        if seg.pid != os.getpid() or seg.fd is None:
+            return
+        if seg.retired or not self.active:
+            self.closed(seg)  # not reused: after unregister(), memory goes back as storages die
+            return
+        try:
+            os.pwrite(seg.fd, bytes(8), 0)  # its generation is over: a stale handle is refused
+        except OSError:
+            return
+        seg.since = time.monotonic()
+        with self.lock:
+            self.free.setdefault(seg.size, []).append(seg)
+            self.free_bytes += seg.size
+            if self.free_bytes > POOL_BYTES:
+                self._trim_locked(lambda s: False)  # the oldest, down to the cap
+
+    def trim(self, idle: float = POOL_IDLE) -> None:
+        """Close the segments free for more than *idle* seconds."""
+        if not self.free_bytes:
+            return
+        cutoff = time.monotonic() - idle
+        with self.lock:
+            self._trim_locked(lambda s: s.since <= cutoff)
+
+    def _trim_locked(self, due: Callable[[Segment], bool]) -> None:
+        oldest = sorted((s for segs in self.free.values() for s in segs), key=lambda s: s.since)
+        for seg in oldest:
+            if self.free_bytes <= POOL_BYTES and not due(seg):
+                continue
+            self.free[seg.size].remove(seg)
+            self.free_bytes -= seg.size
+            self.closed(seg)
+
+    def closed(self, seg: Segment) -> None:
+        """*seg* leaves the pool (its memory goes once nothing maps it)."""
+
+    def retire_all(self, announced_only: bool = False) -> None:
+        """Never reuse what is in use or awaited now: at a fork, everything in use;
+        after a broker died, what it had heard of (*announced_only*)."""
+        for entry in list(_live.values()):
+            seg = entry[1]
+            if seg.pool is self and (seg.announced or not announced_only):
+                seg.retired = True
+        self._drop_waiting()
+
+    def retire_where(self, gone: Callable[[Segment], bool]) -> None:
+        """Never use again the segments *gone* names (their files went with a broker
+        that died): in use, they are filled no further; free, they are closed."""
+        for entry in list(_live.values()):
+            seg = entry[1]
+            if seg.pool is self and gone(seg):
+                seg.retired = seg.sealed = True
+        with self.lock:
+            for segs in self.free.values():
+                for seg in [s for s in segs if gone(s)]:
+                    segs.remove(seg)
+                    self.free_bytes -= seg.size
+                    seg.retired = seg.sealed = True
+                    self.closed(seg)
+
+    def _drop_waiting(self) -> None:
+        """Stop waiting for the broker's notices: those segments are never reused (this
+        process lets go of its file holds now; others' holds keep the files)."""
+        waiting, self.waiting = self.waiting, {}
+        for seg in waiting.values():
+            seg.retired = True
+            self.closed(seg)
+
+    def let_go(self) -> None:
+        """Drop this thread's current slab, every free segment, and those waiting for
+        a free notice (never reused: ``unregister()``)."""
+        self.local.__dict__.pop("slab", None)
+        self.active = False
+        self._drop_waiting()
+        with self.lock:
+            self._trim_locked(lambda s: True)
+
+    def stats(self) -> dict[str, int]:
+        with self.lock:
+            free = sum(len(s) for s in self.free.values())
+        return {
+            "segments_made": self.made,
+            "segments_reused": self.reused,
+            "segments_free": free,
+            "free_bytes": self.free_bytes,
+            "segments_waiting": len(self.waiting),
+        }
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: the parent's segments are the parent's."""
+        self.free.clear()
+        self.waiting.clear()
+        self.free_bytes = 0
+        self.lock = threading.Lock()
+        self.local = threading.local()
+
+
+class FdPool(Pool):
+    """file_descriptor: memfds, not bounded by /dev/shm; a receiver gets each one's
+    descriptor once, through the broker, and keeps it while it maps the segment."""
+
+    kind = "fd"
+
+    def __init__(self, directory: Callable[[], str], notices: Callable[[], list[str]]) -> None:
+        super().__init__()
+        self._directory, self._notices = directory, notices
+
+    def directory(self) -> str:
+        return self._directory()
+
+    def notices(self) -> list[str]:
+        return self._notices()
+
+    def create(self, size: int) -> Segment:
+        try:
+            fd = os.memfd_create("shmreduce", os.MFD_CLOEXEC)
+        except OSError as exc:
+            raise _no_memory(exc, "memfd_create", size) from exc
+        try:
+            os.ftruncate(fd, size)  # no memory until written
+            ino, _ = segments.fd_identity(fd)
+            return Segment("fd", ino, "", fd, size, fd)
+        except OSError as exc:
+            os.close(fd)
+            raise _no_memory(exc, "mapping a new memfd", size) from exc
+
+
+class FilePool(Pool):
+    """file_system: files in the program directory, each held at the broker by this
+    process while in its pool; a receiver maps them by name and keeps no descriptor."""
+
+    kind = "fs"
+
+    def __init__(
+        self,
+        make: Callable[[int], Segment],
+        directory: Callable[[], str],
+        notices: Callable[[], list[str]],
+        release: Callable[[str, list[str]], None],
+        full: Callable[[], None],
+    ) -> None:
+        super().__init__()
+        self._make, self._directory, self._notices, self._release = make, directory, notices, release
+        self._full = full
+
+    def full(self) -> None:
+        self._full()
+
+    def directory(self) -> str:
+        return self._directory()
+
+    def notices(self) -> list[str]:
+        return self._notices()
+
+    def create(self, size: int) -> Segment:
+        return self._make(size)
+
+    def closed(self, seg: Segment) -> None:
+        self._release(seg.directory, [seg.name])
+
+
+def _no_memory(exc: OSError, what: str, nbytes: int) -> SharingError:
+    if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+        return SharingError(f"out of memory for a {nbytes}-byte shared segment: {exc.strerror}")
+    return segments.os_error(exc, what)
+
+
+def drop_kept() -> None:
+    _kept.clear()
+
+
+def forget_mappings() -> None:
+    """Forget every segment this process maps (they stay mapped while storages use
+    them): a forked child then receives like a process that never saw them."""
+    _kept.clear()
+    _mapped.clear()
+
+
+def mapped_stats() -> dict[str, int]:
+    segs = list(_mapped.values())
+    return {
+        "segments_mapped": len(segs),
+        "bytes_mapped": sum(s.size for s in segs),
+        "descriptors": sum(1 for s in segs if s.fd is not None),
+        "segments_kept": len(_kept),
+    }
+
+
+def _after_fork_in_child() -> None:
+    global _gen_prefix, _gen_count, _gen_lock
+    _gen_prefix = int.from_bytes(os.urandom(6), "little") << 48
+    _gen_count = 0
+    _gen_lock = threading.Lock()
+    _dead.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+__all__ = ["FdPool", "FilePool", "Pool", "Segment"]
