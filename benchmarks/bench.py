@@ -74,16 +74,17 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
+from multiprocessing.reduction import ForkingPickler
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 import torch.multiprocessing  # noqa: F401  (installs torch's reducers into ForkingPickler)
-from multiprocessing.reduction import ForkingPickler
 
 import shmreduce
 
@@ -100,9 +101,14 @@ KIB, MIB = 1024, 1024 * 1024
 
 IMPLS = ["shmreduce-fd", "torch-fd", "shmreduce-fs", "torch-fs", "by-value", "floor"]
 PEERS = ["shm-recipe", "tensordict-torch", "tensordict-shmreduce", "memcpy"]  # issue 12
-STRATEGY = {"shmreduce-fd": "file_descriptor", "torch-fd": "file_descriptor",
-            "shmreduce-fs": "file_system", "torch-fs": "file_system",
-            "tensordict-shmreduce": "file_descriptor", "tensordict-torch": "file_descriptor"}
+STRATEGY = {
+    "shmreduce-fd": "file_descriptor",
+    "torch-fd": "file_descriptor",
+    "shmreduce-fs": "file_system",
+    "torch-fs": "file_system",
+    "tensordict-shmreduce": "file_descriptor",
+    "tensordict-torch": "file_descriptor",
+}
 REGISTERED = {"shmreduce-fd", "shmreduce-fs", "tensordict-shmreduce"}  # rows with shmreduce.register()
 BASELINE = {"shmreduce-fd": "torch-fd", "shmreduce-fs": "torch-fs", "torch-fs": "torch-fs"}  # others: torch-fd
 TENSORDICT_ROWS = {"tensordict-torch", "tensordict-shmreduce"}
@@ -185,8 +191,8 @@ class RecipeMessage:
             end += -(-nbytes // 64) * 64
         shm = SharedMemory(create=True, size=max(end, 1))
         block = torch.frombuffer(shm.buf, dtype=torch.uint8)
-        for t, (offset, nbytes, _, _) in zip(tensors, layout):
-            block[offset:offset + nbytes].copy_(t.reshape(-1).view(torch.uint8))
+        for t, (offset, nbytes, _, _) in zip(tensors, layout, strict=True):
+            block[offset : offset + nbytes].copy_(t.reshape(-1).view(torch.uint8))
         del block  # releases the export of shm.buf, so that close() may unmap it
         shm.close()
         return cls(shm.name, keys, tuple(layout))
@@ -194,12 +200,11 @@ class RecipeMessage:
     def receive(self) -> torch.Tensor | dict[str, torch.Tensor]:
         shm = SharedMemory(name=self.name)
         block = torch.frombuffer(shm.buf, dtype=torch.uint8)
-        tensors = [block[offset:offset + nbytes].view(dtype).view(shape).clone()
-                   for offset, nbytes, dtype, shape in self.layout]
+        tensors = [block[offset : offset + nbytes].view(dtype).view(shape).clone() for offset, nbytes, dtype, shape in self.layout]
         del block
         shm.close()
         shm.unlink()
-        return tensors[0] if self.keys is None else dict(zip(self.keys, tensors))
+        return tensors[0] if self.keys is None else dict(zip(self.keys, tensors, strict=True))
 
     def unlink(self) -> None:
         shm = SharedMemory(name=self.name)
@@ -317,15 +322,22 @@ def consume(q: Any, stop: Any, seconds: float, nbytes: int) -> dict:
     stop.set()
     while decode(q.get(timeout=GET_TIMEOUT)) is not None:  # drain until the producer's sentinel
         pass  # (decoded: shm-recipe's consumer unlinks each block)
-    return {"msgs": count, "seconds": elapsed, "msg_per_s": count / elapsed,
-            "gb_per_s": count * nbytes / elapsed / 1e9, "round_trips_per_msg": rt / count}
+    return {
+        "msgs": count,
+        "seconds": elapsed,
+        "msg_per_s": count / elapsed,
+        "gb_per_s": count * nbytes / elapsed / 1e9,
+        "round_trips_per_msg": rt / count,
+    }
 
 
 def throughput_trial(impl: str, make: Callable[[int], Any], seconds: float, maxsize: int) -> dict:
     q, stop, done, results = CTX.Queue(maxsize), CTX.Event(), CTX.Event(), CTX.Queue()
     nbytes = MSG_BYTES[make]
-    procs = [CTX.Process(target=queue_producer, args=(impl, make, q, stop, done), daemon=True),
-             CTX.Process(target=queue_consumer, args=(q, stop, done, results, seconds, nbytes), daemon=True)]
+    procs = [
+        CTX.Process(target=queue_producer, args=(impl, make, q, stop, done), daemon=True),
+        CTX.Process(target=queue_consumer, args=(q, stop, done, results, seconds, nbytes), daemon=True),
+    ]
     run_children(*procs)
     return get_result(results, procs, seconds + JOIN_TIMEOUT)
 
@@ -404,16 +416,22 @@ def measure_unpickle(conn: Any) -> dict:
     rt = shmreduce_stat("round_trips") - (rt0 or 0)
     conn.send("done")
     ms = np.array(latencies) * 1e3
-    return {"msgs": count, "p50_ms": float(np.percentile(ms, 50)),
-            "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms.max()),
-            "round_trips_per_msg": rt / max(count, 1)}
+    return {
+        "msgs": count,
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "max_ms": float(ms.max()),
+        "round_trips_per_msg": rt / max(count, 1),
+    }
 
 
 def busy_trial(impl: str, count: int) -> dict:
     a, b = CTX.Pipe()
     results = CTX.Queue()
-    procs = [CTX.Process(target=busy_producer, args=(impl, a, count), daemon=True),
-             CTX.Process(target=busy_consumer, args=(b, results), daemon=True)]
+    procs = [
+        CTX.Process(target=busy_producer, args=(impl, a, count), daemon=True),
+        CTX.Process(target=busy_consumer, args=(b, results), daemon=True),
+    ]
     run_children(*procs)
     return get_result(results, procs, count * 0.01 + JOIN_TIMEOUT)
 
@@ -448,9 +466,9 @@ class ImageSamples(torch.utils.data.Dataset):
 
 
 def loader_trial(dataset_cls: type, seconds: float, max_batches: int) -> dict:
-    loader = torch.utils.data.DataLoader(dataset_cls(16 * (max_batches + 1)), batch_size=16,
-                                         num_workers=2, multiprocessing_context=CTX,
-                                         timeout=GET_TIMEOUT)
+    loader = torch.utils.data.DataLoader(
+        dataset_cls(16 * (max_batches + 1)), batch_size=16, num_workers=2, multiprocessing_context=CTX, timeout=GET_TIMEOUT
+    )
     it = iter(loader)
     next(it)  # warm-up: workers started
     rt0 = shmreduce_stat("round_trips")
@@ -541,8 +559,10 @@ def holding_trial(impl: str, count: int) -> dict:
     prod_ctl, prod_end = CTX.Pipe()
     cons_ctl, cons_end = CTX.Pipe()
     shm0, brokers0 = dev_shm_bytes(), set(broker_pids())
-    procs = [CTX.Process(target=holding_producer, args=(impl, q, prod_end, count), daemon=True),
-             CTX.Process(target=holding_consumer, args=(q, cons_end, count), daemon=True)]
+    procs = [
+        CTX.Process(target=holding_producer, args=(impl, q, prod_end, count), daemon=True),
+        CTX.Process(target=holding_consumer, args=(q, cons_end, count), daemon=True),
+    ]
     run_children(*procs)
     try:
         if not cons_ctl.poll(JOIN_TIMEOUT + count * 0.02):
@@ -551,9 +571,12 @@ def holding_trial(impl: str, count: int) -> dict:
         prod_ctl.send("report")
         producer = prod_ctl.recv() if prod_ctl.poll(JOIN_TIMEOUT) else {}
         brokers = [p for p in broker_pids() if p not in brokers0]
-        result = {"consumer": consumer, "producer": producer,
-                  "dev_shm_bytes": dev_shm_bytes() - shm0,
-                  "broker_fds": sum(fd_count(p) for p in brokers)}
+        result = {
+            "consumer": consumer,
+            "producer": producer,
+            "dev_shm_bytes": dev_shm_bytes() - shm0,
+            "broker_fds": sum(fd_count(p) for p in brokers),
+        }
         prod_ctl.send("exit")
         cons_ctl.send("exit")
         return result
@@ -572,7 +595,7 @@ class Scenario:
     unit: str
     higher_is_better: bool
     impls: tuple[str, ...]
-    run: Callable[[str, "Budget"], dict]
+    run: Callable[[str, Budget], dict]
 
 
 @dataclass(frozen=True)
@@ -585,30 +608,74 @@ class Budget:
 ALL = tuple(IMPLS)
 SHARED = ("shmreduce-fd", "torch-fd", "shmreduce-fs", "torch-fs")
 SCENARIOS = [
-    Scenario("1", "one 1 KiB tensor", "msg_per_s", "msg/s", True, ALL[:-1] + ("shm-recipe", "floor"),
-             lambda impl, b: throughput_trial(impl, one_small, b.seconds, 64)),
-    Scenario("2", "dict of 64 x 1 KiB tensors", "msg_per_s", "msg/s", True,
-             ALL[:-1] + ("shm-recipe", "tensordict-torch", "tensordict-shmreduce", "floor"),
-             lambda impl, b: throughput_trial(impl, dict_small, b.seconds * 1.5, 8)),
-    Scenario("3", "one 64 MiB tensor", "gb_per_s", "GB/s", True, ALL[:-1] + ("shm-recipe", "memcpy"),
-             lambda impl, b: large_trial(impl, b.seconds * 1.5)),
-    Scenario("4", "busy sender (2 ms spin), unpickle p99", "p99_ms", "ms", False, ALL,
-             lambda impl, b: busy_trial(impl, b.busy_msgs)),
-    Scenario("5a", "DataLoader: dicts of 32 small tensors", "batches_per_s", "batch/s", True, SHARED,
-             lambda impl, b: loader_trial(DictSamples, b.seconds * 1.5, 2000)),
-    Scenario("5b", "DataLoader: 3x224x224 uint8 images", "batches_per_s", "batch/s", True, SHARED,
-             lambda impl, b: loader_trial(ImageSamples, b.seconds * 1.5, 2000)),
-    Scenario("6", "keep 1,000 x 1 KiB tensors: consumer fds", "consumer_fds", "fds", False, ALL[:-1],
-             lambda impl, b: flatten_holding(holding_trial(impl, b.held))),
+    Scenario(
+        "1",
+        "one 1 KiB tensor",
+        "msg_per_s",
+        "msg/s",
+        True,
+        ALL[:-1] + ("shm-recipe", "floor"),
+        lambda impl, b: throughput_trial(impl, one_small, b.seconds, 64),
+    ),
+    Scenario(
+        "2",
+        "dict of 64 x 1 KiB tensors",
+        "msg_per_s",
+        "msg/s",
+        True,
+        ALL[:-1] + ("shm-recipe", "tensordict-torch", "tensordict-shmreduce", "floor"),
+        lambda impl, b: throughput_trial(impl, dict_small, b.seconds * 1.5, 8),
+    ),
+    Scenario(
+        "3",
+        "one 64 MiB tensor",
+        "gb_per_s",
+        "GB/s",
+        True,
+        ALL[:-1] + ("shm-recipe", "memcpy"),
+        lambda impl, b: large_trial(impl, b.seconds * 1.5),
+    ),
+    Scenario("4", "busy sender (2 ms spin), unpickle p99", "p99_ms", "ms", False, ALL, lambda impl, b: busy_trial(impl, b.busy_msgs)),
+    Scenario(
+        "5a",
+        "DataLoader: dicts of 32 small tensors",
+        "batches_per_s",
+        "batch/s",
+        True,
+        SHARED,
+        lambda impl, b: loader_trial(DictSamples, b.seconds * 1.5, 2000),
+    ),
+    Scenario(
+        "5b",
+        "DataLoader: 3x224x224 uint8 images",
+        "batches_per_s",
+        "batch/s",
+        True,
+        SHARED,
+        lambda impl, b: loader_trial(ImageSamples, b.seconds * 1.5, 2000),
+    ),
+    Scenario(
+        "6",
+        "keep 1,000 x 1 KiB tensors: consumer fds",
+        "consumer_fds",
+        "fds",
+        False,
+        ALL[:-1],
+        lambda impl, b: flatten_holding(holding_trial(impl, b.held)),
+    ),
 ]
 
 
 def flatten_holding(r: dict) -> dict:
-    return {"consumer_fds": r["consumer"]["fds"], "producer_fds": r["producer"].get("fds", -1),
-            "consumer_memfd_segments": r["consumer"]["memfd_segments"],
-            "consumer_memfd_bytes": r["consumer"]["memfd_bytes"],
-            "producer_memfd_segments": r["producer"].get("memfd_segments", -1),
-            "dev_shm_bytes": r["dev_shm_bytes"], "broker_fds": r["broker_fds"]}
+    return {
+        "consumer_fds": r["consumer"]["fds"],
+        "producer_fds": r["producer"].get("fds", -1),
+        "consumer_memfd_segments": r["consumer"]["memfd_segments"],
+        "consumer_memfd_bytes": r["consumer"]["memfd_bytes"],
+        "producer_memfd_segments": r["producer"].get("memfd_segments", -1),
+        "dev_shm_bytes": r["dev_shm_bytes"],
+        "broker_fds": r["broker_fds"],
+    }
 
 
 @dataclass(frozen=True)
@@ -657,11 +724,11 @@ def run_trial(scenario: Scenario, impl: str, budget: Budget) -> dict:
         gc.collect()
 
 
-def run_rounds(rounds: int, budget: Budget, only: set[str] | None,
-               absent: frozenset[str] = frozenset()) -> dict[str, dict[str, list[dict]]]:
+def run_rounds(
+    rounds: int, budget: Budget, only: set[str] | None, absent: frozenset[str] = frozenset()
+) -> dict[str, dict[str, list[dict]]]:
     """Every (scenario, row) once a round, rows alternating; ``absent`` rows are left out."""
-    raw: dict[str, dict[str, list[dict]]] = {
-        s.key: {i: [] for i in s.impls if i not in absent} for s in SCENARIOS}
+    raw: dict[str, dict[str, list[dict]]] = {s.key: {i: [] for i in s.impls if i not in absent} for s in SCENARIOS}
     failed: set[tuple[str, str]] = set()
     for r in range(rounds):
         for scenario in SCENARIOS:
@@ -677,11 +744,13 @@ def run_rounds(rounds: int, budget: Budget, only: set[str] | None,
                 raw[scenario.key][impl].append(result)
                 if "error" in result:
                     failed.add((scenario.key, impl))
-                    print(f"  ! scenario {scenario.key} {impl}: {result['error']} (skipped from now on)",
-                          file=sys.stderr)
+                    print(f"  ! scenario {scenario.key} {impl}: {result['error']} (skipped from now on)", file=sys.stderr)
                 value = result.get(scenario.metric, float("nan"))
-                print(f"round {r + 1}/{rounds} scenario {scenario.key:>2} {impl:<20} "
-                      f"{value:10.3f} {scenario.unit:<7} ({time.perf_counter() - t:.1f}s)", flush=True)
+                print(
+                    f"round {r + 1}/{rounds} scenario {scenario.key:>2} {impl:<20} "
+                    f"{value:10.3f} {scenario.unit:<7} ({time.perf_counter() - t:.1f}s)",
+                    flush=True,
+                )
     return raw
 
 
@@ -698,18 +767,26 @@ def summarize(raw: dict[str, dict[str, list[dict]]]) -> dict[str, dict[str, dict
             trials = raw[scenario.key][impl]
             if not trials:
                 continue
-            row = {"median": median_of(trials, scenario.metric),
-                   "round_trips_per_msg": median_of(trials, "round_trips_per_msg"),
-                   "errors": [t["error"] for t in trials if "error" in t]}
-            for extra in ("p50_ms", "max_ms", "producer_fds", "consumer_memfd_segments",
-                          "consumer_memfd_bytes", "dev_shm_bytes", "broker_fds"):
+            row = {
+                "median": median_of(trials, scenario.metric),
+                "round_trips_per_msg": median_of(trials, "round_trips_per_msg"),
+                "errors": [t["error"] for t in trials if "error" in t],
+            }
+            for extra in (
+                "p50_ms",
+                "max_ms",
+                "producer_fds",
+                "consumer_memfd_segments",
+                "consumer_memfd_bytes",
+                "dev_shm_bytes",
+                "broker_fds",
+            ):
                 if any(extra in t for t in trials):
                     row[extra] = median_of(trials, extra)
             rows[impl] = row
         for impl, row in rows.items():
             base = rows.get(BASELINE.get(impl, "torch-fd"))
-            row["ratio"] = ratio(row["median"], base["median"] if base else float("nan"),
-                                 scenario.higher_is_better)
+            row["ratio"] = ratio(row["median"], base["median"] if base else float("nan"), scenario.higher_is_better)
         if rows:
             summary[scenario.key] = rows
     return summary
@@ -722,8 +799,7 @@ def ratio(value: float, base: float, higher_is_better: bool) -> float:
     return value / base if higher_is_better else base / value
 
 
-def evaluate_goals(summary: dict, only: set[str] | None = None,
-                   absent: frozenset[str] = frozenset()) -> list[dict]:
+def evaluate_goals(summary: dict, only: set[str] | None = None, absent: frozenset[str] = frozenset()) -> list[dict]:
     """Each goal's verdict and number; goals of scenarios left out by ``--only`` are left out
     too. A goal against a row left out of the run (``absent``) has no verdict (pass None)."""
     higher = {s.key: s.higher_is_better for s in SCENARIOS}
@@ -745,9 +821,19 @@ def evaluate_goals(summary: dict, only: set[str] | None = None,
             ok = achieved >= g.bound
         if g.versus in absent:
             ok = None
-        goals.append({"scenario": g.scenario, "impl": g.impl, "goal": g.text, "versus": g.versus,
-                      "bound": g.bound, "achieved": achieved, "unit": unit, "value": value,
-                      "pass": ok})
+        goals.append(
+            {
+                "scenario": g.scenario,
+                "impl": g.impl,
+                "goal": g.text,
+                "versus": g.versus,
+                "bound": g.bound,
+                "achieved": achieved,
+                "unit": unit,
+                "value": value,
+                "pass": ok,
+            }
+        )
     return goals
 
 
@@ -780,16 +866,20 @@ def markdown_table(summary: dict, goals: list[dict]) -> str:
     for g in goals:
         number = "" if g["pass"] is None or g["versus"] is None else f"{fmt(g['achieved'])}x: "
         verdicts.setdefault((g["scenario"], g["impl"]), []).append(f"{verdict(g)} ({number}{g['goal']})")
-    lines = ["| scenario | implementation | median | unit | vs torch (same strategy) | round trips/msg | goal |",
-             "| --- | --- | ---: | --- | ---: | ---: | --- |"]
+    lines = [
+        "| scenario | implementation | median | unit | vs torch (same strategy) | round trips/msg | goal |",
+        "| --- | --- | ---: | --- | ---: | ---: | --- |",
+    ]
     for scenario in SCENARIOS:
         for impl, row in summary.get(scenario.key, {}).items():
             rt = fmt(row["round_trips_per_msg"]) if impl in REGISTERED else ""
             extra = f" (p50 {fmt(row['p50_ms'])})" if "p50_ms" in row else ""
             err = f" ⚠ {len(row['errors'])} failed" if row["errors"] else ""
             goal = "; ".join(verdicts.get((scenario.key, impl), []))
-            lines.append(f"| {scenario.key} {scenario.title} | {impl} | {fmt(row['median'])}{extra}{err} | "
-                         f"{scenario.unit} | {fmt(row['ratio'])}x | {rt} | {goal} |")
+            lines.append(
+                f"| {scenario.key} {scenario.title} | {impl} | {fmt(row['median'])}{extra}{err} | "
+                f"{scenario.unit} | {fmt(row['ratio'])}x | {rt} | {goal} |"
+            )
     return "\n".join(lines)
 
 
@@ -797,13 +887,17 @@ def holding_table(summary: dict) -> str:
     rows = summary.get("6")
     if not rows:
         return ""
-    lines = ["| scenario 6 (1,000 kept) | consumer fds | producer fds | consumer memfd segments / MiB "
-             "| /dev/shm growth MiB | broker fds |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| scenario 6 (1,000 kept) | consumer fds | producer fds | consumer memfd segments / MiB | /dev/shm growth MiB | broker fds |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for impl, r in rows.items():
-        lines.append(f"| {impl} | {fmt(r['median'])} | {fmt(r.get('producer_fds', float('nan')))} | "
-                     f"{fmt(r.get('consumer_memfd_segments', float('nan')))} / "
-                     f"{fmt(r.get('consumer_memfd_bytes', float('nan')) / MIB)} | "
-                     f"{fmt(r.get('dev_shm_bytes', float('nan')) / MIB)} | {fmt(r.get('broker_fds', float('nan')))} |")
+        lines.append(
+            f"| {impl} | {fmt(r['median'])} | {fmt(r.get('producer_fds', float('nan')))} | "
+            f"{fmt(r.get('consumer_memfd_segments', float('nan')))} / "
+            f"{fmt(r.get('consumer_memfd_bytes', float('nan')) / MIB)} | "
+            f"{fmt(r.get('dev_shm_bytes', float('nan')) / MIB)} | {fmt(r.get('broker_fds', float('nan')))} |"
+        )
     return "\n".join(lines)
 
 
@@ -815,11 +909,19 @@ def draw_chart(summary: dict, path: Path) -> None:
 
     shown = [s for s in SCENARIOS if s.key in summary]
     fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 4))
-    colors = {"shmreduce-fd": "#1f77b4", "shmreduce-fs": "#6baed6", "torch-fd": "#d62728",
-              "torch-fs": "#ff9896", "by-value": "#7f7f7f", "floor": "#c7c7c7",
-              "shm-recipe": "#2ca02c", "tensordict-torch": "#ff7f0e",
-              "tensordict-shmreduce": "#9467bd", "memcpy": "#000000"}
-    for ax, scenario in zip(axes, shown):
+    colors = {
+        "shmreduce-fd": "#1f77b4",
+        "shmreduce-fs": "#6baed6",
+        "torch-fd": "#d62728",
+        "torch-fs": "#ff9896",
+        "by-value": "#7f7f7f",
+        "floor": "#c7c7c7",
+        "shm-recipe": "#2ca02c",
+        "tensordict-torch": "#ff7f0e",
+        "tensordict-shmreduce": "#9467bd",
+        "memcpy": "#000000",
+    }
+    for ax, scenario in zip(axes, shown, strict=False):
         rows = summary[scenario.key]
         names = list(rows)
         ax.bar(range(len(names)), [rows[n]["median"] for n in names], color=[colors[n] for n in names])
@@ -834,19 +936,25 @@ def draw_chart(summary: dict, path: Path) -> None:
 
 
 def machine() -> dict:
-    return {"nproc": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "platform": platform.platform(), "start_method": "fork"}
+    return {
+        "nproc": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "start_method": "fork",
+    }
 
 
 def update_readme(table: str, holding: str, command: str, meta: dict, date: str) -> None:
     text = README.read_text() if README.exists() else ""
     if MARK_START not in text or MARK_END not in text:
-        print(f"warning: {README} has no {MARK_START} / {MARK_END} markers; README left unchanged",
-              file=sys.stderr)
+        print(f"warning: {README} has no {MARK_START} / {MARK_END} markers; README left unchanged", file=sys.stderr)
         return
-    body = (f"\n{table}\n\n{holding}\n\n![benchmark chart](benchmarks/results/chart.png)\n\n"
-            f"`{command}` on {date}; {meta['nproc']} cores, Python {meta['python']}, torch {meta['torch']}, "
-            f"start method {meta['start_method']}.\n")
+    body = (
+        f"\n{table}\n\n{holding}\n\n![benchmark chart](benchmarks/results/chart.png)\n\n"
+        f"`{command}` on {date}; {meta['nproc']} cores, Python {meta['python']}, torch {meta['torch']}, "
+        f"start method {meta['start_method']}.\n"
+    )
     pattern = re.compile(re.escape(MARK_START) + ".*?" + re.escape(MARK_END), re.S)
     README.write_text(pattern.sub(lambda _: MARK_START + body + MARK_END, text, count=1))
     print(f"updated {README}")
@@ -860,8 +968,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smoke run (a few minutes)")
     parser.add_argument("--rounds", type=int, help="alternating rounds (default 3, quick 1)")
     parser.add_argument("--only", help="comma-separated scenario keys, e.g. 1,2,5a")
-    parser.add_argument("--update-readme", action="store_true",
-                        help="rewrite README.md between the bench markers")
+    parser.add_argument("--update-readme", action="store_true", help="rewrite README.md between the bench markers")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
     return parser.parse_args(argv)
 
@@ -872,7 +979,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = Budget(0.25, 60, 200) if args.quick else Budget(1.0, 250, 1000)
     only = set(args.only.split(",")) if args.only else None
     command = " ".join(["python", "benchmarks/bench.py"] + (sys.argv[1:] if argv is None else argv))
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     meta = machine()
     print(f"shmreduce bench: {rounds} round(s), start method fork, {meta}", flush=True)
     started = time.perf_counter()
@@ -890,13 +997,25 @@ def main(argv: list[str] | None = None) -> int:
     for g in goals:
         print(goal_line(g))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(
-        {"command": command, "date": date, "machine": meta, "rounds": rounds, "budget": budget.__dict__,
-         "seconds": time.perf_counter() - started, "summary": summary, "goals": goals, "raw": raw},
-        indent=1, default=str))
+    (args.out / "results.json").write_text(
+        json.dumps(
+            {
+                "command": command,
+                "date": date,
+                "machine": meta,
+                "rounds": rounds,
+                "budget": budget.__dict__,
+                "seconds": time.perf_counter() - started,
+                "summary": summary,
+                "goals": goals,
+                "raw": raw,
+            },
+            indent=1,
+            default=str,
+        )
+    )
     draw_chart(summary, args.out / "chart.png")
-    print(f"wrote {args.out / 'results.json'} and {args.out / 'chart.png'} "
-          f"in {time.perf_counter() - started:.0f}s")
+    print(f"wrote {args.out / 'results.json'} and {args.out / 'chart.png'} in {time.perf_counter() - started:.0f}s")
     if args.update_readme:
         update_readme(table, holding, command, meta, date)
     return 0

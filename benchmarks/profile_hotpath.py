@@ -86,8 +86,10 @@ def consumer(conn, msgs: int, profile: bool, out) -> None:
 def run(make, msgs: int, profile: bool) -> dict:
     a, b = CTX.Pipe()
     out = CTX.Queue()
-    procs = [CTX.Process(target=producer, args=(make, a, msgs, profile, out), daemon=True),
-             CTX.Process(target=consumer, args=(b, msgs, profile, out), daemon=True)]
+    procs = [
+        CTX.Process(target=producer, args=(make, a, msgs, profile, out), daemon=True),
+        CTX.Process(target=consumer, args=(b, msgs, profile, out), daemon=True),
+    ]
     for p in procs:
         p.start()
     try:
@@ -110,8 +112,10 @@ def main() -> int:
             prof = run(make, msgs, profile=True)
             text = [f"scenario {key} ({make.__name__}), strategy {args.strategy}, {msgs} msgs, lock step"]
             for side in ("sender", "receiver"):
-                text.append(f"\n== {side}: {plain[side][0]:.1f} us/msg unprofiled "
-                            f"(dumps for sender, loads for receiver); under cProfile:\n{prof[side][1]}")
+                text.append(
+                    f"\n== {side}: {plain[side][0]:.1f} us/msg unprofiled "
+                    f"(dumps for sender, loads for receiver); under cProfile:\n{prof[side][1]}"
+                )
             body = "\n".join(text)
             print(body + "\n")
             (RESULTS / f"profile_{key}_{args.strategy}.txt").write_text(body + "\n")

@@ -22,18 +22,20 @@ TIMEOUT = 30.0
 def actor(rank: int, weights_q: mp.Queue, traj_q: mp.Queue) -> None:
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(rank)
-    for step in range(STEPS):
+    for _step in range(STEPS):
         weights = weights_q.get(timeout=TIMEOUT)  # shared, not copied
         obs = torch.randn(T, OBS, generator=g)
         logits = obs @ weights["w"]
-        traj_q.put({
-            "actor": torch.tensor(rank),
-            "version": weights["version"].clone(),
-            "obs": obs,
-            "actions": logits.argmax(dim=1),
-            "rewards": torch.rand(T, generator=g),
-            "logits": logits,
-        })
+        traj_q.put(
+            {
+                "actor": torch.tensor(rank),
+                "version": weights["version"].clone(),
+                "obs": obs,
+                "actions": logits.argmax(dim=1),
+                "rewards": torch.rand(T, generator=g),
+                "logits": logits,
+            }
+        )
 
 
 def main() -> None:
@@ -63,8 +65,10 @@ def main() -> None:
             p.join(TIMEOUT)
             assert p.exitcode == 0, p.exitcode
         s = shmreduce.stats()
-        print(f"learner: {sum(seen)} trajectories from {N_ACTORS} actors, final version {version}, "
-              f"{s['messages_received']} messages / {s['storages_received']} storages received")
+        print(
+            f"learner: {sum(seen)} trajectories from {N_ACTORS} actors, final version {version}, "
+            f"{s['messages_received']} messages / {s['storages_received']} storages received"
+        )
         assert seen == [STEPS] * N_ACTORS
     finally:
         shmreduce.unregister()

@@ -36,10 +36,11 @@ def main() -> None:
             with warnings.catch_warnings():
                 # pin_memory on a CPU-only machine: torch warns and skips pinning.
                 warnings.simplefilter("ignore", UserWarning)
-                loader = DataLoader(ManyFields(), batch_size=8, num_workers=2, persistent_workers=True,
-                                    pin_memory=torch.cuda.is_available())
+                loader = DataLoader(
+                    ManyFields(), batch_size=8, num_workers=2, persistent_workers=True, pin_memory=torch.cuda.is_available()
+                )
                 total = 0.0
-                for epoch in range(2):
+                for _epoch in range(2):
                     for batch in loader:
                         assert len(batch) == N_FIELDS and batch["field0"].shape == (8, 8)
                         total += sum(t.sum().item() for t in batch.values())
@@ -48,8 +49,10 @@ def main() -> None:
             got = after["messages_received"] - before["messages_received"]
             expected = 2 * sum(float(v) * 8 for v in range(64 * N_FIELDS))
             assert total == expected, (total, expected)
-            print(f"{strategy}: 16 batches of {N_FIELDS}-tensor dicts, {got} messages received, "
-                  f"{after['storages_received'] - before['storages_received']} storages mapped")
+            print(
+                f"{strategy}: 16 batches of {N_FIELDS}-tensor dicts, {got} messages received, "
+                f"{after['storages_received'] - before['storages_received']} storages mapped"
+            )
             assert got >= 16
     finally:
         shmreduce.unregister()

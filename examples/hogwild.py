@@ -47,8 +47,7 @@ def main() -> None:
         with torch.no_grad():
             after = nn.functional.mse_loss(model(x), y).item()
         print(f"loss before {before:.4f}, after hogwild training in 2 processes {after:.6f}")
-        print("learned weight", [round(v, 3) for v in model.weight.flatten().tolist()],
-              "bias", round(model.bias.item(), 3))
+        print("learned weight", [round(v, 3) for v in model.weight.flatten().tolist()], "bias", round(model.bias.item(), 3))
         assert after < before * 0.01, (before, after)
     finally:
         shmreduce.unregister()

@@ -29,8 +29,10 @@ def main() -> None:
         total += msg["obs"][0, 0, 0].item() + msg["reward"].item()
     proc.join(30)
     stats = shmreduce.stats()
-    print(f"received {stats['storages_received']} storages in {stats['messages_received']} messages, "
-          f"{stats['round_trips']} broker round trips; checksum {total}")
+    print(
+        f"received {stats['storages_received']} storages in {stats['messages_received']} messages, "
+        f"{stats['round_trips']} broker round trips; checksum {total}"
+    )
     shmreduce.unregister()
 
 
