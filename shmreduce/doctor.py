@@ -3,7 +3,11 @@
 Light by design: stdlib only, never imports torch. ``doctor`` checks what would bite a
 program that shares tensors here (shm mount size and free space, descriptor limits,
 memfd, starting and pinging a throwaway broker, stale program directories) and exits
-non-zero if something would. ``cleanup`` lists the program directories whose broker is
+non-zero if something would, then lists the running programs of this user (broker
+pid, root, connections, segment files and their bytes) in a table, or as JSON with
+``--json``. A program can print its own state, pools included, with
+``shmreduce.doctor.report()`` (``print_report()`` for the table). ``cleanup`` lists
+the program directories whose broker is
 dead (their lock is free, see ``server.stale_dirs``) and broker processes whose
 program root is gone and that no process uses any more; ``--yes`` removes them.
 Nothing else is touched: not a directory shmreduce did not make, not one that may
@@ -13,6 +17,7 @@ be starting, not a broker still in use.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import secrets
@@ -104,14 +109,87 @@ def _check_broker(base: str) -> tuple[bool, str]:
         del multiprocessing
 
 
-def doctor() -> int:
+def programs() -> list[dict]:
+    """The running programs of this user, seen from outside (no authkey needed): their
+    broker's pid and directory, whether their root lives, the connections the broker
+    holds, the segment files in their directory and the bytes those use."""
+    rows = []
+    found: dict[str, list[tuple[int, int]]] = {}
+    for pid, directory, root in _broker_procs():
+        found.setdefault(directory, []).append((pid, root))
+    for directory, procs in found.items():
+        # Two processes per broker: the janitor and the server it forked (see
+        # broker/server.py); the server is the one whose parent is the other.
+        pids = {pid for pid, _root in procs}
+        pid, root = next(((p, r) for p, r in procs if _parent(p) in pids), procs[0])
+        files, used = 0, 0
+        try:
+            with os.scandir(directory) as entries:
+                for entry in entries:
+                    if entry.name.startswith(P.SEG_PREFIX):
+                        files += 1
+                        used += entry.stat(follow_symlinks=False).st_blocks * 512
+        except OSError:
+            pass
+        rows.append(
+            {
+                "broker_pid": pid,
+                "directory": directory,
+                "root_pid": root,
+                "root_alive": os.path.exists(f"/proc/{root}"),
+                "connections": _connected(os.path.join(directory, P.SOCKET_NAME)),
+                "segment_files": files,
+                "segment_bytes": used,
+            }
+        )
+    return rows
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def report() -> dict:
+    """This process's sharing state, for a program to print about itself: its pools
+    (segments, bytes mapped, descriptors; ``shmreduce.stats()``) and, if it talks to
+    its broker, the broker's state (clients, messages pending, names held)."""
+    import shmreduce
+    from shmreduce.broker import client
+
+    result: dict = {"process": shmreduce.stats()}
+    live = client.connected_client(program.current().directory)
+    if live is not None:
+        try:
+            result["broker"] = live.ping()
+        except Exception as exc:  # noqa: BLE001  reported, not raised: a diagnostic
+            result["broker"] = {"error": str(exc)}
+    return result
+
+
+def print_report(data: dict | None = None) -> None:
+    """``report()`` as a table a person can read."""
+    data = report() if data is None else data
+    rows = [("process", key, value) for key, value in data["process"].items()]
+    rows += [("broker", key, value) for key, value in data.get("broker", {}).items()]
+    for section, key, value in rows:
+        print(f"{section:8} {key:26} {_fmt(value) if key.endswith('bytes') and isinstance(value, int) else value}")
+
+
+def doctor(as_json: bool = False) -> int:
     base = program.shm_base()
     problems = 0
+    checks: list[dict] = []
 
     def report(ok: bool, what: str, detail: str) -> None:
         nonlocal problems
         problems += not ok
-        print(f"[{'ok' if ok else 'PROBLEM'}] {what}: {detail}")
+        checks.append({"check": what, "ok": ok, "detail": detail})
+        if not as_json:
+            print(f"[{'ok' if ok else 'PROBLEM'}] {what}: {detail}")
 
     try:
         st = os.statvfs(base)
@@ -161,6 +239,19 @@ def doctor() -> int:
     report(not orphans, "orphan brokers", "none" if not orphans else f"{[p[0] for p in orphans]}; run: python -m shmreduce cleanup --yes")
     ok, detail = _check_broker(base)
     report(ok, "broker", detail)
+    running = programs()
+    if as_json:
+        print(json.dumps({"ok": not problems, "checks": checks, "programs": running}, indent=2))
+        return 1 if problems else 0
+    if running:
+        print(f"{'broker':>8} {'root':>8} {'alive':>5} {'conns':>5} {'files':>5} {'file bytes':>10}  directory")
+        for row in running:
+            print(
+                f"{row['broker_pid']:>8} {row['root_pid']:>8} {'yes' if row['root_alive'] else 'no':>5} {row['connections']:>5} "
+                f"{row['segment_files']:>5} {_fmt(row['segment_bytes']):>10}  {row['directory']}"
+            )
+    else:
+        print("no shmreduce program running for this user")
     print("all good" if not problems else f"{problems} problem(s) found")
     return 1 if problems else 0
 
@@ -194,10 +285,11 @@ def main(argv: list[str] | None = None, prog: str = "shmreduce") -> int:
     """The command line; the ``shmreduce`` console script calls it with no arguments (``sys.argv``)."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("doctor", help="check shm size, descriptor limits, memfd, the broker, stale state")
+    d = sub.add_parser("doctor", help="check shm size, descriptor limits, memfd, the broker, stale state; list running programs")
+    d.add_argument("--json", action="store_true", help="print the checks and the programs as JSON")
     c = sub.add_parser("cleanup", help="list (and with --yes remove) stale program dirs and orphan brokers")
     c.add_argument("--yes", action="store_true", help="remove what is listed")
     args = parser.parse_args(argv)
     if args.command == "doctor":
-        return doctor()
+        return doctor(as_json=args.json)
     return cleanup(args.yes)

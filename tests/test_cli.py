@@ -168,3 +168,59 @@ def test_cleanup_leaves_a_broker_in_use_whose_root_exited():
     finally:
         c.close()
     assert wait_for(lambda: not os.path.exists(directory), 10)  # it exits once unused
+
+
+_RUNNING_PROGRAM = """
+import sys, time, torch, shmreduce
+shmreduce.register(strategy="file_system")
+t = torch.ones(1 << 16)
+t.share_memory_()  # a file held at this program's broker
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_doctor_json_lists_running_programs_and_their_files():
+    import json
+
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    prog = subprocess.Popen([sys.executable, "-c", _RUNNING_PROGRAM], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert prog.stdout is not None and prog.stdout.readline().strip() == "ready"
+        out = _run("doctor", "--json")
+        assert out.returncode == 0, out.stdout + out.stderr
+        data = json.loads(out.stdout)
+        assert data["ok"] and {c["check"] for c in data["checks"]} >= {"shm mount", "memfd", "broker"}
+        rows = [r for r in data["programs"] if r["root_pid"] == prog.pid]
+        assert len(rows) == 1, data["programs"]
+        row = rows[0]
+        assert row["root_alive"] and row["connections"] >= 1 and row["segment_files"] >= 1 and row["segment_bytes"] >= 1 << 18
+        table = _run("doctor")
+        assert str(row["broker_pid"]) in table.stdout and row["directory"] in table.stdout
+    finally:
+        if prog.stdin is not None:
+            prog.stdin.write("\n")
+            prog.stdin.close()
+        prog.wait(30)
+        if prog.stdout is not None:
+            prog.stdout.close()
+    assert wait_for(lambda: not broker_pids(), 15)
+
+
+def test_report_gives_this_process_pools_and_its_broker_state(capsys):
+    import torch
+
+    import shmreduce
+    from shmreduce import doctor
+
+    with shmreduce.registered(strategy="file_descriptor"):
+        t = torch.ones(1 << 16)
+        back = shmreduce.loads(shmreduce.dumps(t))
+        data = doctor.report()
+        assert data["process"]["segments_mapped"] >= 1 and data["process"]["bytes_mapped"] >= 1 << 18
+        assert data["process"]["descriptors"] >= 1 and data["process"]["fd_segments_made"] >= 1
+        assert data["broker"]["clients"] >= 1 and "messages" in data["broker"] and "segment_files" in data["broker"]
+        doctor.print_report(data)
+        printed = capsys.readouterr().out
+        assert "segments_mapped" in printed and "clients" in printed
+        del t, back
