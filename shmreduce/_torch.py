@@ -32,6 +32,11 @@ def swap_memory(storage: torch.UntypedStorage, shared: torch.UntypedStorage) -> 
     storage._swap_data_ptr_(shared)  # type: ignore[attr-defined]
 
 
+# torch's own answer, bound at import: while registered, ``patches`` makes
+# UntypedStorage.is_shared also ask shmreduce's cache.
+torch_is_shared: Callable[[torch.UntypedStorage], bool] = UntypedStorage.is_shared
+
+
 def storage_key(storage: torch.UntypedStorage) -> int:
     """The identity of a storage's StorageImpl (``_cdata``): one per storage, whatever
     the Python wrappers of it."""

@@ -21,7 +21,7 @@ import torch
 
 from shmreduce._torch import WeakStorage, storage_key
 
-PURGE_MIN_ENTRIES = 128
+PURGE_MIN_ENTRIES = 1024  # a purge walks every entry: at most once per this many new ones
 
 
 class Place(NamedTuple):
@@ -51,8 +51,9 @@ class StorageCache:
     def _after_fork(self) -> None:
         self._lock = threading.Lock()
 
-    def place_of(self, storage: torch.UntypedStorage) -> Place | None:
-        entry = self._by_storage.get(storage_key(storage))
+    def place_of(self, storage: torch.UntypedStorage, key: int | None = None) -> Place | None:
+        """*storage*'s place, if it has one (*key*: its ``storage_key``, if known)."""
+        entry = self._by_storage.get(storage_key(storage) if key is None else key)
         if entry is None or entry[0].expired():
             return None
         return entry[1]
@@ -61,11 +62,11 @@ class StorageCache:
         weak = self._by_place.get(key)
         return None if weak is None else weak.get()
 
-    def remember(self, storage: torch.UntypedStorage, place: Place) -> None:
+    def remember(self, storage: torch.UntypedStorage, place: Place, key: int | None = None) -> None:
         """Record the pair (purging dead entries once they outnumber live ones)."""
         weak = WeakStorage(storage)
         with self._lock:
-            self._by_storage[storage_key(storage)] = (weak, place)
+            self._by_storage[storage_key(storage) if key is None else key] = (weak, place)
             self._by_place[place.key] = weak
             if len(self._by_storage) >= self._limit:
                 self._purge_locked()

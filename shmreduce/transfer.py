@@ -201,15 +201,16 @@ class _Outgoing:
 
     def add(self, storage: torch.UntypedStorage) -> tuple:
         """The storage's ref (a ``SegmentRef`` as a plain tuple) in this message."""
-        place = cache.place_of(storage)
+        key = _storage_key(storage)
+        place = cache.place_of(storage, key)
         if place is not None and place.segment.kind == "fs" and not self.files:
             # Its file may have gone with a broker that died since: checking the
             # broker forgets such files, and the storage is shared again (issue 11, item 5).
             self.files = True
             _live_program()
-            place = cache.place_of(storage)
+            place = cache.place_of(storage, key)
         if place is None:
-            place = _move_once(storage, _move)
+            place = _move_once(storage, key)
         else:
             _counters["storages_reused"] += 1
         seg, gen, offset, nbytes = place
@@ -337,66 +338,59 @@ def share(storage: torch.UntypedStorage) -> tuple:
 # not copy from memory this one is swapping away (issue 11: EFAULT, wrong bytes, lost
 # writes). torch guards its own moves alike (torch/storage.py,
 # _share_memory_lock_protected).
-_moving: dict[int, list] = {}  # storage key -> [lock, threads using it]
-_moving_guard = threading.Lock()
+# One lock of a fixed set per storage (by its key): two storages may share one, which
+# costs them a wait, never correctness; no lock is made per storage.
+_STRIPES = 64
+_stripes = [threading.Lock() for _ in range(_STRIPES)]
+_storage_key = _torch.storage_key
 
 
-def _move_once(storage: torch.UntypedStorage, move: Callable[[torch.UntypedStorage], Place]) -> Place:
-    """*storage*'s place: ``move(storage)`` by the first thread to get here, the
-    place it made for every thread that waited meanwhile."""
-    key = _torch.storage_key(storage)
-    with _moving_guard:
-        entry = _moving.get(key)
-        if entry is None:
-            entry = _moving[key] = [threading.Lock(), 0]
-        entry[1] += 1
-    try:
-        with entry[0]:
-            place = cache.place_of(storage)
-            if place is not None:
-                _counters["storages_reused"] += 1
-                return place
-            return move(storage)
-    finally:
-        with _moving_guard:
-            entry[1] -= 1
-            if not entry[1]:
-                del _moving[key]
+def _move_once(storage: torch.UntypedStorage, key: int) -> Place:
+    """*storage*'s place (*key*: its ``storage_key``): moved by the first thread to
+    get here, the place it made for every thread that waited meanwhile."""
+    with _stripes[(key >> 4) % _STRIPES]:
+        place = cache.place_of(storage, key)
+        if place is not None:
+            _counters["storages_reused"] += 1
+            return place
+        return _move(storage, key)
 
 
 def _current_pool() -> pool.Pool:
     return _fs_pool if get_sharing_strategy() == "file_system" else _fd_pool
 
 
-def _move(storage: torch.UntypedStorage) -> Place:
+def _move(storage: torch.UntypedStorage, key: int) -> Place:
     """The place of a storage the cache does not know: moved into this process's pool
     (in place: every tensor viewing it sees the shared memory), or, for a storage torch
     shared by descriptor, where it is."""
     nbytes = storage.nbytes()
-    if storage.is_shared():
+    if _torch.torch_is_shared(storage):  # the cache does not know it: torch's answer is the answer
         seg = pool.adopt(storage)
         if seg is not None:
             place = Place(seg, 0, 0, nbytes)
-            cache.remember(storage, place)
+            cache.remember(storage, place, key)
             return place
         segments.refuse_foreign_file(storage)
     seg, gen, offset, shared = _current_pool().place(nbytes, storage)
     _torch.swap_memory(storage, shared)
-    return _placed(storage, Place(seg, gen, offset, nbytes))
+    return _placed(storage, Place(seg, gen, offset, nbytes), key)
 
 
-def _placed(storage: torch.UntypedStorage, place: Place) -> Place:
+def _placed(storage: torch.UntypedStorage, place: Place, key: int | None = None) -> Place:
     _counters["storages_shared"] += 1
     _counters["bytes_shared"] += place.nbytes
-    cache.remember(storage, place)
-    _collector.ensure()
+    cache.remember(storage, place, key)
+    if not _collector.started:
+        _collector.ensure()
     return place
 
 
 def share_in_place(storage: torch.UntypedStorage) -> None:
     """Move *storage* into a shared segment now, outside any message (``share_memory_``)."""
-    if cache.place_of(storage) is None:
-        _move_once(storage, _move)
+    key = _storage_key(storage)
+    if cache.place_of(storage, key) is None:
+        _move_once(storage, key)
 
 
 def new_shared(nbytes: int) -> torch.UntypedStorage:
@@ -771,12 +765,11 @@ def _before_fork() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _pending_lock, _key_prefix, _moving_guard, _releases_lock
+    global _pending_lock, _key_prefix, _stripes, _releases_lock
     _key_prefix = os.urandom(KEY_LEN - 8)
     _pending_lock = threading.Lock()
-    _moving_guard = threading.Lock()
+    _stripes = [threading.Lock() for _ in range(_STRIPES)]  # a parent's thread may have held one
     _releases_lock = threading.Lock()
-    _moving.clear()
     _names.names.clear()  # the parent's holds, not ours
     _collector.started = False  # its thread did not come along
     _fd_pool.reset_after_fork()

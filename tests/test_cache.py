@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import torch
 
-from shmreduce.cache import Place, StorageCache
+from shmreduce.cache import PURGE_MIN_ENTRIES, Place, StorageCache
 
 
 def _segment(kind: str = "fs", key: object = "seg-" + "0" * 24) -> SimpleNamespace:
@@ -36,11 +36,12 @@ def test_cache_holds_no_strong_reference():
 
 def test_purge_runs_in_batches():
     cache = StorageCache()
-    for i in range(300):
+    n = 3 * PURGE_MIN_ENTRIES
+    for i in range(n):
         t = torch.ones(1)
         cache.remember(t.untyped_storage(), Place(_segment(), i + 1, 64, 4))
         del t
-    assert len(cache) < 300  # dead entries were purged along the way
+    assert len(cache) < n  # dead entries were purged along the way
 
 
 def test_forget_drops_places_that_are_gone():
