@@ -423,7 +423,10 @@ class Pool:
             self.full()
             seg.write(offset, nbytes, source)
         seg.used = (offset + nbytes + ALIGN - 1) & -ALIGN
-        return seg, seg.gen, offset, seg.view(token, offset, nbytes)
+        storage = seg.view(token, offset, nbytes)
+        if source is None:  # a reused segment holds an earlier generation's bytes
+            _frombuffer(token, dtype=_U8, count=nbytes, offset=offset).zero_()
+        return seg, seg.gen, offset, storage
 
     def take(self, size: int) -> Segment:
         """A free segment of *size*, else a new one."""

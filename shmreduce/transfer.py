@@ -447,9 +447,11 @@ def _unclaimed(directory: str, key: bytes) -> bool:
     return entry is not None and bool(entry.keep)
 
 
-def _take_releases() -> pool.Releases:
+def _take_releases(wait: bool = False) -> pool.Releases:
+    """What died since the last call; *wait*: also for a call running in another
+    thread (the collector's) to finish, so that its effects are seen on return."""
     releases = pool.Releases()
-    if pool.has_dead():
+    if wait or pool.has_dead():
         with _releases_lock:
             pool.settle(releases, _unclaimed)
     return releases
@@ -482,7 +484,7 @@ def collect() -> None:
     """Let go now of what died here: generations (at the broker, or back to the pool),
     free notices taken in, idle segments closed, dead cache entries dropped."""
     cache.purge()
-    _send_releases(_take_releases())
+    _send_releases(_take_releases(wait=True))
     for p in (_fd_pool, _fs_pool):
         if p.waiting:
             p.reap()
