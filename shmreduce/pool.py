@@ -307,9 +307,6 @@ class Releases:
         self.held: dict[str, list[str]] = {}  # directory -> names it held itself
         self.kept: dict[tuple[str, bytes], list[str]] = {}  # (directory, message) -> names kept through it
 
-    def __bool__(self) -> bool:
-        return bool(self.held or self.kept)
-
 
 def settle(releases: Releases, unclaimed: Callable[[str, bytes], bool]) -> None:
     """Account for every generation whose last storage died here since the last call.
@@ -335,17 +332,14 @@ def settle(releases: Releases, unclaimed: Callable[[str, bytes], bool]) -> None:
         pool = seg.pool
         if pool is None or seg.gen != gen:
             continue
-        if seg.retired or not pool.active:
-            # Never reused (or unregister() since): no need to wait for the broker's notice.
-            if seg.announced:
-                releases.held.setdefault(seg.directory or pool.directory(), []).append(gen_name(gen))
-            pool.closed(seg)
-        elif seg.announced:
-            # Sent: the broker says when nobody holds it any more (a free notice).
-            releases.held.setdefault(seg.directory or pool.directory(), []).append(gen_name(gen))
-            pool.waiting[gen_name(gen)] = seg
-        else:
-            pool.give_back(seg)
+        if seg.announced:
+            name = gen_name(gen)
+            releases.held.setdefault(seg.directory or pool.directory(), []).append(name)
+            if not seg.retired and pool.active:
+                # Sent: the broker says when nobody holds it any more (a free notice).
+                pool.waiting[name] = seg
+                continue
+        pool.give_back(seg)  # closes it instead if it is never to be reused
     _dead.extend(later)
 
 

@@ -97,25 +97,19 @@ def counters() -> dict[str, int]:
 # -- pools -------------------------------------------------------------------------
 
 
-def _notices(directory: Callable[[], str]) -> Callable[[], list[str]]:
-    def read() -> list[str]:
-        client = broker.connected_client(directory())
-        return client.notices() if client is not None else []
-
-    return read
-
-
 def _program_dir() -> str:
     return program.current().directory
+
+
+def _notices() -> list[str]:
+    client = broker.connected_client(_program_dir())
+    return client.notices() if client is not None else []
 
 
 def _release_files(directory: str, names: list[str]) -> None:
     client = broker.connected_client(directory)
     if client is not None:
-        try:
-            client.release(names)
-        except SharingError:
-            pass  # that broker is gone, and with it every hold
+        _quietly(client.release, names)
 
 
 def _make_file(size: int) -> pool.Segment:
@@ -159,12 +153,8 @@ def _new_file(size: int) -> pool.Segment:
         raise segments.os_error(exc, f"mapping {prog.directory}/{name}") from exc
 
 
-_fd_pool = pool.FdPool(_program_dir, _notices(_program_dir))
-_fs_pool = pool.FilePool(_make_file, _program_dir, _notices(_program_dir), _release_files, lambda: _fs_full())
-
-
-def pools() -> tuple[pool.Pool, pool.Pool]:
-    return _fd_pool, _fs_pool
+_fd_pool = pool.FdPool(_program_dir, _notices)
+_fs_pool = pool.FilePool(_make_file, _program_dir, _notices, _release_files, _fs_full)
 
 
 # -- sending -----------------------------------------------------------------------

@@ -91,6 +91,12 @@ class _Message:
         self.receiver: _Client | None = None  # once delivered (claimed or fetched)
         self.done = False  # its receiver has all it needs: descriptors closed, names not kept dropped
 
+    def keep(self, names) -> None:
+        """Its receiver keeps these of its names (those it has)."""
+        for name in names:
+            if name in self.names:
+                self.names[name] = True
+
     def close(self) -> None:
         """Close the broker's copies of its descriptors (given away or dropped)."""
         for fd in self.fds:
@@ -203,9 +209,7 @@ class Broker:
         msg.done = True
         msg.close()
         msg.fds = []
-        for name in keep:
-            if name in msg.names:
-                msg.names[name] = True
+        msg.keep(keep)
         for name in [n for n, kept in msg.names.items() if not kept]:
             del msg.names[name]
             self._decref(name)
@@ -550,9 +554,7 @@ class Broker:
         if done:
             self._finish(key, msg, keep)
         else:
-            for name in keep:
-                if name in msg.names:
-                    msg.names[name] = True
+            msg.keep(keep)
 
     def _remove(self, key: bytes) -> _Message:
         msg = self.messages.pop(key)
