@@ -27,7 +27,10 @@ Method
   process copies a 64 MiB buffer into another, both written beforehand so every page is
   faulted in, with ``ctypes.memmove`` (glibc ``memcpy``, single-threaded, independent of
   torch's intra-op thread pool) for the same timed wall time: the copy bandwidth of one core,
-  against which the 64 MiB goal ("at least half of memcpy") is set.
+  against which the 64 MiB goal ("at least half of memcpy") is set. ``make-only`` (scenario 3):
+  the producer builds every message as the other rows' producers do (a fresh 64 MiB tensor,
+  filled) and puts only its sequence number: the most any row can move in this harness, since
+  every row's producer pays for its fresh tensor (its page faults and its fill) before sharing it.
 * Every trial is a fresh producer and a fresh consumer process over an ``mp.Queue``
   (bounded, so a fast producer cannot pile up shared memory). The producer builds fresh
   tensors for every message until the consumer says stop; the consumer times the messages
@@ -100,7 +103,7 @@ KIB, MIB = 1024, 1024 * 1024
 # -- implementations ------------------------------------------------------------------
 
 IMPLS = ["shmreduce-fd", "torch-fd", "shmreduce-fs", "torch-fs", "by-value", "floor"]
-PEERS = ["shm-recipe", "tensordict-torch", "tensordict-shmreduce", "memcpy"]  # issue 12
+PEERS = ["shm-recipe", "tensordict-torch", "tensordict-shmreduce", "memcpy", "make-only"]  # issue 12
 STRATEGY = {
     "shmreduce-fd": "file_descriptor",
     "torch-fd": "file_descriptor",
@@ -136,7 +139,7 @@ def deconfigure() -> None:
 
 def encode(impl: str, msg: Any, seq: int) -> Any:
     """What the producer puts on the wire for ``msg`` under ``impl``."""
-    if impl == "floor":
+    if impl in ("floor", "make-only"):
         return seq
     if impl == "by-value":
         if isinstance(msg, dict):
@@ -632,7 +635,7 @@ SCENARIOS = [
         "gb_per_s",
         "GB/s",
         True,
-        ALL[:-1] + ("shm-recipe", "memcpy"),
+        ALL[:-1] + ("shm-recipe", "memcpy", "make-only"),
         lambda impl, b: large_trial(impl, b.seconds * 1.5),
     ),
     Scenario("4", "busy sender (2 ms spin), unpickle p99", "p99_ms", "ms", False, ALL, lambda impl, b: busy_trial(impl, b.busy_msgs)),
@@ -920,6 +923,7 @@ def draw_chart(summary: dict, path: Path) -> None:
         "tensordict-torch": "#ff7f0e",
         "tensordict-shmreduce": "#9467bd",
         "memcpy": "#000000",
+        "make-only": "#8c564b",
     }
     for ax, scenario in zip(axes, shown, strict=False):
         rows = summary[scenario.key]

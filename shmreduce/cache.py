@@ -65,9 +65,13 @@ class StorageCache:
     def remember(self, storage: torch.UntypedStorage, place: Place, key: int | None = None) -> None:
         """Record the pair (purging dead entries once they outnumber live ones)."""
         weak = WeakStorage(storage)
+        if key is None:
+            key = storage_key(storage)
+        seg = place[0]
+        where = (seg.kind, seg.key, place[1], place[2])  # place.key, without the property call (hot path)
         with self._lock:
-            self._by_storage[storage_key(storage) if key is None else key] = (weak, place)
-            self._by_place[place.key] = weak
+            self._by_storage[key] = (weak, place)
+            self._by_place[where] = weak
             if len(self._by_storage) >= self._limit:
                 self._purge_locked()
 

@@ -82,6 +82,8 @@ _PROT = mmap.PROT_READ | mmap.PROT_WRITE
 _U8 = torch.uint8
 _U64 = ctypes.c_uint64
 _frombuffer = torch.frombuffer
+_memmove = ctypes.memmove
+_memset = ctypes.memset
 
 
 def class_size(nbytes: int) -> int:
@@ -121,6 +123,9 @@ class Segment:
         "sealed",
         "used",
         "since",
+        "filled",
+        "rgen",
+        "rtokens",
         "__weakref__",
     )
 
@@ -141,6 +146,9 @@ class Segment:
         self.sealed = False  # filled no further (its file went with a broker that died)
         self.used = HEADER  # a slab's next free offset
         self.since = 0.0  # when it became free
+        self.filled = 0  # its pages up to here are allocated (written through fd, or allocate())
+        self.rgen = 0  # a receiver: the generation it last made a token of, and how many times
+        self.rtokens = 0
         # Unmapped (and its descriptor closed) once the segment is gone: a weakref
         # callback, run after every weak reference to it is cleared, never __del__,
         # which runs while _mapped can still hand the dying segment to another thread.
@@ -162,6 +170,7 @@ class Segment:
             os.pwrite(self.fd, (gen & _GEN_MASK).to_bytes(8, "little"), 0)  # allocates the page if need be
         except OSError as exc:
             raise _no_memory(exc, "writing a segment header", HEADER) from exc
+        self.filled = max(self.filled, HEADER)  # its first page is allocated now
         self.used = HEADER
         self.announced = False
         return self.new_token(gen, None)
@@ -170,6 +179,9 @@ class Segment:
         """The token of *gen* in this process: storages are views of it. *kept*: what
         this process keeps at the broker through the message that brought it,
         (directory, message key, names), let go of when the token dies."""
+        if kept is not None:
+            self.rtokens = self.rtokens + 1 if self.rgen == gen else 1
+            self.rgen = gen
         token: Any = self.array.from_address(self.addr)
         token.segment = self  # every view keeps the mapping
         ref = weakref.ref(token, _token_died)
@@ -194,18 +206,45 @@ class Segment:
         return _frombuffer(token, dtype=_U8, count=nbytes, offset=offset).untyped_storage()
 
     def write(self, offset: int, nbytes: int, source: torch.UntypedStorage | None) -> None:
-        """Write *source*'s bytes (or reserve zeros) at *offset*, through the descriptor:
-        the kernel allocates what pages are missing now, so a full memory limit is an
-        error here rather than a SIGBUS later, and a reused page is copied into as is."""
+        """Write *source*'s bytes (or reserve zeros) at *offset*.
+
+        Into pages allocated already (a reused segment), a copy through the mapping:
+        twice the speed of ``pwrite`` for 64 MiB here (9.8 against 4.9 GB/s), once
+        this process has touched them. Else through the descriptor: the kernel
+        allocates the missing pages now (no page fault per page), so a full memory
+        limit is an error here rather than a SIGBUS later."""
+        assert self.fd is not None
+        end = offset + nbytes
+        if end <= self.filled and source is not None:
+            _memmove(self.addr + offset, source.data_ptr(), nbytes)
+            return
+        written = min(end, self.filled)  # zeros: what an earlier generation wrote is cleared
+        if end > self.filled:
+            try:
+                segments.fill(self.fd, nbytes, source, offset)
+            except OSError as exc:
+                raise self._write_error(exc, nbytes, "filling a shared segment") from exc
+            if offset <= self.filled:
+                self.filled = end
+        if source is None and written > offset:
+            _memset(self.addr + offset, 0, written - offset)
+
+    def allocate(self) -> None:
+        """Allocate every page of the segment now (a slab, once): later copies into
+        its mapping cannot fault on a full memory limit."""
         assert self.fd is not None
         try:
-            segments.fill(self.fd, nbytes, source, offset)
+            os.posix_fallocate(self.fd, 0, self.size)
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                if self.kind == "fs":
-                    raise out_of_shm(self.directory, nbytes, exc.strerror or str(exc)) from exc
-                raise SharingError(f"out of memory for a {nbytes}-byte shared segment: {exc.strerror}") from exc
-            raise segments.os_error(exc, "filling a shared segment") from exc
+            raise self._write_error(exc, self.size, "allocating a shared segment") from exc
+        self.filled = self.size
+
+    def _write_error(self, exc: OSError, nbytes: int, what: str) -> SharingError:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            if self.kind == "fs":
+                return out_of_shm(self.directory, nbytes, exc.strerror or str(exc))
+            return SharingError(f"out of memory for a {nbytes}-byte shared segment: {exc.strerror}")
+        return segments.os_error(exc, what)
 
 
 def _unmap_close(addr: int, size: int, fd: int | None) -> None:
@@ -313,10 +352,12 @@ def settle(releases: Releases, unclaimed: Callable[[str, bytes], bool]) -> None:
 
     *unclaimed(directory, key)*: the message is still being received here, its claim
     not yet sent; what was kept through it waits for the next call, so that the
-    broker never hears of a release before the claim it undoes.
+    broker never hears of a release before the claim it undoes. What a receiver
+    kept lingers (see ``linger``) instead of going at once.
     """
     pid = os.getpid()
     later = []
+    now = time.monotonic()
     while _dead:
         entry = _dead.popleft()
         seg, gen, kept, owner = entry
@@ -327,7 +368,16 @@ def settle(releases: Releases, unclaimed: Callable[[str, bytes], bool]) -> None:
             if unclaimed(directory, key):
                 later.append(entry)
                 continue
-            releases.kept.setdefault((directory, key), []).extend(names)
+            if seg.live_token(gen) is not None or seg.rgen != gen or seg.rtokens < 2:
+                # A newer token keeps the generation through its own message; or it
+                # came in one message only so far (a large storage's segment, whose
+                # owner waits for it to reuse the memory): let go now.
+                _kept_release(releases, kept)
+                continue
+            older = _lingering.pop((seg.kind, seg.key, gen), None)
+            if older is not None:
+                _kept_release(releases, older[2])
+            _lingering[(seg.kind, seg.key, gen)] = (seg, gen, kept, now)
             continue
         pool = seg.pool
         if pool is None or seg.gen != gen:
@@ -341,6 +391,59 @@ def settle(releases: Releases, unclaimed: Callable[[str, bytes], bool]) -> None:
                 continue
         pool.give_back(seg)  # closes it instead if it is never to be reused
     _dead.extend(later)
+
+
+# -- lingering holds (receivers) --------------------------------------------------
+#
+# A receiver whose last storage of a generation dies keeps its hold at the broker
+# for about LINGER seconds before letting go, once that generation has come in more
+# than one message (a slab): a stream of messages in one slab, each dropped before
+# the next arrives (the common consumer loop), then costs one claim per message
+# instead of a claim naming the generation and a release of it. The next storage of
+# that generation takes the lingering hold over (``take_over``). A generation seen
+# in one message only (a large storage's segment) is let go of at once: its owner
+# waits for it to reuse the memory.
+
+LINGER = 0.25
+_lingering: dict[tuple, tuple[Segment, int, tuple, float]] = {}  # (kind, key, gen) -> (segment, gen, kept, since)
+
+
+def _kept_release(releases: Releases, kept: tuple) -> None:
+    directory, key, names = kept
+    releases.kept.setdefault((directory, key), []).extend(names)
+
+
+def take_over(seg: Segment, gen: int, directory: str) -> tuple | None:
+    """What this process keeps of *gen* through an earlier message, if that hold has
+    not been let go of yet (it lingers, or its last token died since the last
+    ``settle``): a new token of *gen* takes it over, with nothing new to claim."""
+    if _lingering:
+        entry = _lingering.pop((seg.kind, seg.key, gen), None)
+        if entry is not None:
+            if entry[2][0] == directory:
+                return entry[2]
+            _lingering[(seg.kind, seg.key, gen)] = entry
+    if _dead:
+        pid = os.getpid()
+        for dead in list(_dead):  # a copy: weakref callbacks append from any thread
+            if dead[0] is seg and dead[1] == gen and dead[2] is not None and dead[2][0] == directory and dead[3] == pid:
+                try:
+                    _dead.remove(dead)
+                except ValueError:
+                    return None  # settled meanwhile: it is let go of, or lingers
+                return dead[2]
+    return None
+
+
+def linger_release(releases: Releases, older_than: float = 0.0) -> None:
+    """Let go of the holds lingering for *older_than* seconds or more (all by default)."""
+    if not _lingering:
+        return
+    cutoff = time.monotonic() - older_than
+    for ident in [i for i, e in _lingering.items() if e[3] <= cutoff]:
+        entry = _lingering.pop(ident, None)
+        if entry is not None:
+            _kept_release(releases, entry[2])
 
 
 # -- generations -------------------------------------------------------------------
@@ -395,20 +498,28 @@ class Pool:
     def place(self, nbytes: int, source: torch.UntypedStorage | None) -> tuple[Segment, int, int, torch.UntypedStorage]:
         """Put *source*'s bytes (or zeros) in a segment: (segment, generation, offset,
         the new storage there)."""
+        if nbytes <= SLAB_ITEM_MAX:
+            slab = self.local.__dict__.get("slab")
+            if slab is not None:
+                seg, token = slab
+                offset = seg.used
+                if offset + nbytes <= seg.size and not seg.sealed:
+                    # The hot path of small storages: the slab's pages are allocated
+                    # already (see _new_slab), so a plain copy into the mapping cannot
+                    # fault on a full memory limit; one frombuffer per storage.
+                    seg.used = (offset + nbytes + ALIGN - 1) & -ALIGN
+                    if source is None:
+                        _memset(seg.addr + offset, 0, nbytes)
+                    else:
+                        _memmove(seg.addr + offset, source.data_ptr(), nbytes)
+                    return seg, seg.gen, offset, _frombuffer(token, dtype=_U8, count=nbytes, offset=offset).untyped_storage()
+            self.active = True
+            self._new_slab()
+            return self.place(nbytes, source)
         self.active = True
-        if nbytes > SLAB_ITEM_MAX:
-            seg = self.take(class_size(nbytes))
-            token = seg.begin(new_gen())
-            offset = HEADER
-        else:
-            slab = getattr(self.local, "slab", None)
-            if slab is None or slab[0].used + nbytes > slab[0].size or slab[0].sealed:
-                seg = self.take(SLAB_SIZE)
-                # The thread keeps its current slab's token: a generation spans many
-                # messages, and ends only once the slab is full.
-                slab = self.local.slab = (seg, seg.begin(new_gen()))
-            seg, token = slab
-            offset = seg.used
+        seg = self.take(class_size(nbytes))
+        token = seg.begin(new_gen())
+        offset = HEADER
         try:
             seg.write(offset, nbytes, source)
         except OutOfSharedMemory:
@@ -416,11 +527,21 @@ class Pool:
             # them, and try once more.
             self.full()
             seg.write(offset, nbytes, source)
-        seg.used = (offset + nbytes + ALIGN - 1) & -ALIGN
-        storage = seg.view(token, offset, nbytes)
-        if source is None:  # a reused segment holds an earlier generation's bytes
-            _frombuffer(token, dtype=_U8, count=nbytes, offset=offset).zero_()
-        return seg, seg.gen, offset, storage
+        seg.used = offset + nbytes
+        return seg, seg.gen, offset, seg.view(token, offset, nbytes)
+
+    def _new_slab(self) -> tuple[Segment, Any]:
+        """This thread's next slab, its pages allocated: the thread keeps its token, so
+        a generation spans many messages and ends only once the slab is full."""
+        seg = self.take(SLAB_SIZE)
+        if seg.filled < seg.size:
+            try:
+                seg.allocate()
+            except OutOfSharedMemory:
+                self.full()
+                seg.allocate()
+        slab = self.local.slab = (seg, seg.begin(new_gen()))
+        return slab
 
     def take(self, size: int) -> Segment:
         """A free segment of *size*, else a new one."""
@@ -643,6 +764,7 @@ def _after_fork_in_child() -> None:
     _gen_count = 0
     _gen_lock = threading.Lock()
     _dead.clear()
+    _lingering.clear()  # the parent's holds
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -244,13 +244,15 @@ class _Outgoing:
             targets = set(self.names)
             if self.fds:
                 targets.add(self.program)
-            releases = _take_releases()
+            releases = _take_releases() if pool.has_dead() else None
             for directory in targets:
                 fds = self.fds if directory == self.program else []
                 client = broker.client_for(directory, self.root if directory == self.program else None)
-                _send_releases(releases, directory, client)
+                if releases is not None:
+                    _send_releases(releases, directory, client)
                 client.deposit(self.key, fds, self.holds.get(directory, []), list(self.names.get(directory, ())))
-            _send_releases(releases)
+            if releases is not None:
+                _send_releases(releases)
             _counters["messages_sent"] += 1
         finally:
             self.keep.clear()
@@ -333,43 +335,51 @@ def share(storage: torch.UntypedStorage) -> tuple:
 _STRIPES = 64
 _stripes = [threading.Lock() for _ in range(_STRIPES)]
 _storage_key = _torch.storage_key
+_torch_is_shared = _torch.torch_is_shared
+_swap_memory = _torch.swap_memory
 
 
 def _move_once(storage: torch.UntypedStorage, key: int) -> Place:
-    """*storage*'s place (*key*: its ``storage_key``): moved by the first thread to
-    get here, the place it made for every thread that waited meanwhile."""
+    """*storage*'s place (*key*: its ``storage_key``): moved into this process's pool
+    by the first thread to get here (in place: every tensor viewing it sees the
+    shared memory), the place it made for every thread that waited meanwhile."""
     with _stripes[(key >> 4) % _STRIPES]:
         place = cache.place_of(storage, key)
         if place is not None:
             _counters["storages_reused"] += 1
             return place
-        return _move(storage, key)
+        nbytes = storage.nbytes()
+        if _torch_is_shared(storage):  # the cache does not know it: torch's answer is the answer
+            place = _adopt(storage, key, nbytes)
+            if place is not None:
+                return place
+        seg, gen, offset, shared = (_fs_pool if get_sharing_strategy() == "file_system" else _fd_pool).place(nbytes, storage)
+        _swap_memory(storage, shared)
+        return _placed(storage, Place(seg, gen, offset, nbytes), key)
 
 
 def _current_pool() -> pool.Pool:
     return _fs_pool if get_sharing_strategy() == "file_system" else _fd_pool
 
 
-def _move(storage: torch.UntypedStorage, key: int) -> Place:
-    """The place of a storage the cache does not know: moved into this process's pool
-    (in place: every tensor viewing it sees the shared memory), or, for a storage torch
-    shared by descriptor, where it is."""
-    nbytes = storage.nbytes()
-    if _torch.torch_is_shared(storage):  # the cache does not know it: torch's answer is the answer
-        seg = pool.adopt(storage)
-        if seg is not None:
-            place = Place(seg, 0, 0, nbytes)
-            cache.remember(storage, place, key)
-            return place
+def _adopt(storage: torch.UntypedStorage, key: int, nbytes: int) -> Place | None:
+    """The place of a storage torch shared by descriptor: where it is (a segment
+    shmreduce does not pool). None for one torch shared otherwise: it moves into the
+    pool like any other, unless it is mapped from a file shmreduce did not make
+    (refused)."""
+    seg = pool.adopt(storage)
+    if seg is None:
         segments.refuse_foreign_file(storage)
-    seg, gen, offset, shared = _current_pool().place(nbytes, storage)
-    _torch.swap_memory(storage, shared)
-    return _placed(storage, Place(seg, gen, offset, nbytes), key)
+        return None
+    place = Place(seg, 0, 0, nbytes)
+    cache.remember(storage, place, key)
+    return place
 
 
 def _placed(storage: torch.UntypedStorage, place: Place, key: int | None = None) -> Place:
-    _counters["storages_shared"] += 1
-    _counters["bytes_shared"] += place.nbytes
+    counts = _counters
+    counts["storages_shared"] += 1
+    counts["bytes_shared"] += place[3]
     cache.remember(storage, place, key)
     if not _collector.started:
         _collector.ensure()
@@ -470,11 +480,16 @@ def _quietly(send: Callable[..., None], *args: Any) -> None:
         pass
 
 
-def collect() -> None:
+def collect(linger: float = 0.0) -> None:
     """Let go now of what died here: generations (at the broker, or back to the pool),
-    free notices taken in, idle segments closed, dead cache entries dropped."""
+    free notices taken in, idle segments closed, dead cache entries dropped. A
+    receiver's holds go once they have lingered *linger* seconds (all of them by
+    default; the collector thread gives them ``pool.LINGER``)."""
     cache.purge()
-    _send_releases(_take_releases(wait=True))
+    releases = _take_releases(wait=True)
+    with _releases_lock:
+        pool.linger_release(releases, linger)
+    _send_releases(releases)
     for p in (_fd_pool, _fs_pool):
         if p.waiting:
             p.reap()
@@ -499,7 +514,7 @@ class _Collector:
         while True:
             time.sleep(PURGE_EVERY)
             try:
-                collect()
+                collect(pool.LINGER)
             except Exception:  # noqa: BLE001  interpreter shutdown tears modules down under it
                 return
 
@@ -673,9 +688,12 @@ def receive(ref: tuple) -> torch.UntypedStorage:
         if gen:
             if seg.header() != gen & 0xFFFFFFFFFFFFFFFF:
                 raise stale_message(f"segment {segkey!r} holds other data now (generation {gen:x} is over)")
-            kept = [gen_name(gen), segkey] if kind == "fs" else [gen_name(gen)]
-            token = seg.new_token(gen, (directory, message, kept))
-            entry.keep.extend(kept)
+            kept = pool.take_over(seg, gen, directory)
+            if kept is None:
+                names = [gen_name(gen), segkey] if kind == "fs" else [gen_name(gen)]
+                kept = (directory, message, names)
+                entry.keep.extend(names)
+            token = seg.new_token(gen, kept)
         else:
             token = seg.new_token(0, None)
         if seg.pool is None:
