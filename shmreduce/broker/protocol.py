@@ -38,8 +38,10 @@ Transport
     as much as sharing a small storage, so a deposit or claim must not cost one; and
     a wake from a sender that computes next would queue the broker behind it on the
     sender's CPU. A fetch or ping first reads every post connection if it needs to
-    (a barrier: what any client posted before is seen). A forked child opens its own
-    connections.
+    (a barrier: what any client posted before is seen). Every record posted before a
+    close counts: a client that closes with records unread (free notices) makes Linux
+    report ECONNRESET to the broker ahead of the records still queued, which the
+    broker reads on. A forked child opens its own connections.
 
 Handshake (once per connection; the broker also checks SO_PEERCRED uid == its own)
     The broker runs it inside its event loop, a step per record, never blocking: a
@@ -76,7 +78,9 @@ MAX_RECORD bytes
                  this client, until released under its key or until the client's
                  connections all close. A claim from another client than the first
                  receiver (bytes loaded twice) changes nothing. A claim read before
-                 its deposit is complete is remembered for EARLY_CLAIM_TTL. No reply.
+                 its deposit is complete is remembered for EARLY_CLAIM_TTL; one
+                 client's claims read before then add up, and its releases under
+                 the key undo them, as if read after. No reply.
     F  fetch     key = message key. The broker removes the message and replies with
                  one or more ``f`` records: body = status (u8) + total fds (u32);
                  the descriptors ride on them, at most MAX_FDS a record. The message
@@ -107,7 +111,9 @@ Lifetimes
     workers come and go does not keep their unread messages for its whole life. The
     broker exits once it has had no client for GRACE seconds and either holds no
     undelivered message or the program's root process is gone; on exit it closes
-    every descriptor and removes the program directory.
+    every descriptor and removes the program directory. One that stays when its
+    last client leaves logs what it still holds: each message (key, sender, state,
+    names) and each name with its holders.
 
 Failures
     Any bad record, failed handshake or I/O error costs only the connection it came

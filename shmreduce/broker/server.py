@@ -43,10 +43,11 @@ class _Client:
     """One client process: the names it holds, the messages it received and keeps
     names of, across its connections."""
 
-    __slots__ = ("token", "holds", "kept", "conns", "post", "notices")
+    __slots__ = ("token", "pid", "holds", "kept", "conns", "post", "notices")
 
-    def __init__(self, token: bytes) -> None:
+    def __init__(self, token: bytes, pid: int) -> None:
         self.token = token
+        self.pid = pid  # its first connection's peer, for log lines
         self.holds: set[str] = set()
         self.kept: set[bytes] = set()  # keys of delivered messages whose names it keeps
         self.conns = 0
@@ -79,13 +80,14 @@ class _Handshake:
 
 
 class _Message:
-    __slots__ = ("fds", "names", "sender", "nbytes", "complete", "lost", "receiver", "done")
+    __slots__ = ("fds", "names", "sender", "sender_pid", "nbytes", "complete", "lost", "receiver", "done")
 
-    def __init__(self, sender: bytes) -> None:
+    def __init__(self, sender: bytes, sender_pid: int) -> None:
         self.fds: list[int] = []
         self.names: dict[str, bool] = {}  # name -> kept by its receiver
         self.nbytes = 0  # memory behind its fds, as its sender declared it
         self.sender = sender  # the depositing client's token
+        self.sender_pid = sender_pid  # for log lines
         self.complete = False  # its deposit's last record is in
         self.lost = False  # a deposit record came without its descriptors (EMFILE)
         self.receiver: _Client | None = None  # once delivered (claimed or fetched)
@@ -318,7 +320,7 @@ class Broker:
             return
         client = self.clients.get(token)
         if client is None:
-            client = self.clients[token] = _Client(token)
+            client = self.clients[token] = _Client(token, shake.pid)
             self.orphans.pop(token, None)
         client.conns += 1
         conn = _Conn(shake.sock, client, role == P.ROLE_POST, shake.pid)
@@ -354,6 +356,37 @@ class Broker:
             self._orphan(client.token, conn.pid)
         if not self.conns:
             self.idle_since = time.monotonic()
+            if self.messages and self.root_alive:
+                log.warning("no client left, staying for what is still held: %s", self.holdings())
+
+    def holdings(self, limit: int = 20) -> str:
+        """What keeps this broker alive without clients, for its log: each message
+        (key, sender, state, names) and each name still counted, with its holders."""
+        holders: dict[str, list[str]] = {}
+        for client in self.clients.values():
+            for name in client.holds:
+                holders.setdefault(name, []).append(f"pid {client.pid}")
+        parts: list[str] = []
+        for key, msg in self.messages.items():
+            if msg.receiver is not None:
+                state = f"{'done' if msg.done else 'delivered'} to pid {msg.receiver.pid}"
+            else:
+                state = "undelivered" if msg.complete else "incomplete"
+            kept = [f"{name}{' (kept)' if is_kept else ''}" for name, is_kept in msg.names.items()]
+            for name in msg.names:
+                holders.setdefault(name, []).append(f"message {key.hex()}")
+            if len(parts) < limit:
+                parts.append(f"message {key.hex()} of pid {msg.sender_pid}, {state}, names [{', '.join(kept)}]")
+        if len(self.messages) > limit:
+            parts.append(f"... {len(self.messages) - limit} more message(s)")
+        names = sorted(self.refs)
+        for name in names[:limit]:
+            parts.append(f"{name} x{self.refs[name]} held by {', '.join(holders.get(name, ['nobody known']))}")
+        if len(names) > limit:
+            parts.append(f"... {len(names) - limit} more name(s)")
+        if self.early_claims:
+            parts.append(f"early claims of {', '.join(key.hex() for key in list(self.early_claims)[:limit])}")
+        return "; ".join(parts) or "nothing"
 
     def _orphan(self, token: bytes, pid: int) -> None:
         """A sender is gone: its incomplete deposits can never complete (dropped now);
@@ -384,6 +417,7 @@ class Broker:
         reply), so it is read once: level-triggered epoll reports anything more.
         """
         count = 0
+        reset = False
         while not count or conn.post:
             lost = False
             try:
@@ -396,8 +430,17 @@ class Broker:
                 record, lost = exc.record, True
                 log.warning("out of descriptors: a %r record of pid %d came without its descriptors", record[0], conn.pid)
             except ConnectionResetError:
-                self._drop(conn)  # its process exited with free notices unread: a plain close
-                return -1
+                # Its process closed the connection with records of ours unread (free
+                # notices on a post connection): Linux reports ECONNRESET once, *before*
+                # the records that process sent us and that are still queued. They
+                # count (a claim among them is the only word that its message was
+                # received): read on to the end of stream. A request connection's
+                # records want replies nobody will read.
+                if reset or not conn.post:
+                    self._drop(conn)
+                    return -1
+                reset = True
+                continue
             except (OSError, P.ProtocolError) as exc:
                 self._drop(conn, str(exc) or type(exc).__name__)
                 return -1
@@ -469,7 +512,7 @@ class Broker:
                 if msg is not None and msg.complete:
                     self._claim(client, key, done, keep)
                 else:
-                    self.early_claims[key] = (time.monotonic() + EARLY_CLAIM_TTL, client, done, set(keep))
+                    self._claim_early(client, key, done, keep)
             elif op == P.FETCH:
                 msg = self.messages.get(key)
                 if msg is None or not msg.complete:
@@ -487,10 +530,12 @@ class Broker:
                 names = P.decode_names(body)
                 if key == P.NO_KEY:
                     self._release(client, names)
+                elif key in self.early_claims:  # its claim waits for the deposit's last record
+                    early = self.early_claims[key]
+                    if early[1] is client:
+                        early[3].difference_update(names)
                 elif key in self.messages:
                     self._let_go(client, key, names)
-                elif key in self.early_claims:
-                    self.early_claims[key][3].difference_update(names)
             elif op == P.PING:
                 self._drain_posts()
                 if self.notify:
@@ -517,7 +562,7 @@ class Broker:
         if msg is None:
             if not (fds or inflight or lost):
                 return  # holds only: no message
-            msg = self.messages[key] = _Message(client.token)
+            msg = self.messages[key] = _Message(client.token, client.pid)
             self.pending.setdefault(client.token, {})[key] = None
         elif msg.complete:
             raise P.ProtocolError("deposit record after the last one of its message")
@@ -540,6 +585,19 @@ class Broker:
             self._claim(early[1], key, early[2], early[3])
         if self.parked and key in self.messages:
             self._answer_parked(key)
+
+    def _claim_early(self, client: _Client, key: bytes, done: bool, keep) -> None:
+        """A claim read before its deposit's last record: applied when that comes
+        (``_deposit``). What one receiver claims adds up, as claims applied in turn
+        would (one claim per storage of a load outside a receiving() scope); a claim
+        from another client than the first changes nothing, as in ``_claim``."""
+        early = self.early_claims.get(key)
+        if early is None:
+            self.early_claims[key] = (time.monotonic() + EARLY_CLAIM_TTL, client, done, set(keep))
+        elif early[1] is client:
+            early[3].update(keep)
+            if done and not early[2]:
+                self.early_claims[key] = (early[0], client, True, early[3])
 
     def _claim(self, client: _Client, key: bytes, done: bool, keep) -> None:
         """*client* received the message and *keep*s these of its names (until it lets
