@@ -535,7 +535,7 @@ class _Incoming:
     anew. Outside a scope (see ``_incoming``) each reference is claimed at once.
     """
 
-    __slots__ = ("client", "message", "fds", "inos", "fetched", "delivered", "claimed", "keep")
+    __slots__ = ("client", "message", "fds", "inos", "fetched", "delivered", "claimed", "keep", "last")
 
     def __init__(self, client: broker.BrokerClient, message: bytes) -> None:
         self.client, self.message = client, message
@@ -545,6 +545,7 @@ class _Incoming:
         self.delivered = False  # the broker was told it reached this process
         self.claimed = False  # its final claim was sent
         self.keep: list[str] = []  # names to keep, not yet claimed
+        self.last: tuple | None = None  # (segment key, generation, segment, token) of the last storage made (in a scope)
 
     def fetch(self) -> None:
         """The message's descriptors, once (one round trip)."""
@@ -587,26 +588,27 @@ class _Incoming:
         """Outside a scope: claim what this reference keeps now, the message not done
         (delivered: it goes with this process's connections at the latest)."""
         if self.keep or not self.delivered:
-            keep, self.keep = self.keep, []
             self.delivered = True
             try:
-                self.client.claim(self.message, done=False, keep=keep)
+                self.client.claim(self.message, done=False, keep=self.keep)
             except SharingError:
                 pass
+            self.keep = []  # only now: until the claim is sent, what it keeps is not released (_unclaimed)
 
     def close(self) -> None:
         """Close the descriptors no storage took; claim the message, done."""
+        self.last = None
         for i, fd in enumerate(self.fds):
             if fd is not None:
                 os.close(fd)
                 self.fds[i] = None
         if not self.claimed:
             self.claimed = True
-            keep, self.keep = self.keep, []
             try:
-                self.client.claim(self.message, done=True, keep=keep)
+                self.client.claim(self.message, done=True, keep=self.keep)
             except SharingError:
                 pass  # that broker is gone, and the message with it
+            self.keep = []  # only now: until the claim is sent, what it keeps is not released (_unclaimed)
 
 
 def _not_in_slot(ino: int, slot: int) -> SharingError:
@@ -645,16 +647,22 @@ def _incoming(directory: str, message: bytes, kind: str) -> tuple[_Incoming, boo
         if scope is not None:
             scope.append(key)
         while len(_pending) > MAX_PENDING:
-            _pending.popitem(last=False)[1].close()
+            oldest = next(iter(_pending))
+            _pending[oldest].close()  # claimed before it leaves _pending (see _forget)
+            del _pending[oldest]
     _collector.ensure()
     return entry, scope is not None
 
 
 def _forget(key: tuple[str, bytes]) -> None:
-    with _pending_lock:
-        entry = _pending.pop(key, None)
+    entry = _pending.get(key)
     if entry is not None:
+        # Claimed while still pending (see _unclaimed): a release under its key, from
+        # the collector thread, then reaches the broker after the claim it undoes.
         entry.close()
+        with _pending_lock:
+            if _pending.get(key) is entry:
+                del _pending[key]
 
 
 def receive(ref: tuple) -> torch.UntypedStorage:
@@ -664,25 +672,46 @@ def receive(ref: tuple) -> torch.UntypedStorage:
     entry, scoped = _incoming(directory, message, kind)
     storage = cache.storage_at((kind, segkey, gen, offset))
     if storage is not None and storage.nbytes() == nbytes:
-        if kind == "fd":
+        if kind == "fd" and entry.fds:
             entry.known(slot)
         if not scoped:
             entry.claim_now()
         return storage
+    if kind == "fs" and slot != fs_tag(directory, message, segkey, gen, offset, nbytes):
+        raise SharingError(
+            f"refusing file_system handle {segkey!r}: its tag does not match its handle (forged or corrupted message, or another program's)"
+        )
+    last = entry.last
+    if last is not None and last[0] == segkey and last[1] == gen:
+        # The message's previous storage lay in this generation too (a slab's small
+        # storages): same segment, same token, nothing to look up.
+        seg, token = last[2], last[3]
+    else:
+        seg, token = _token_for(entry, kind, directory, message, segkey, gen, slot)
+        if scoped:
+            entry.last = (segkey, gen, seg, token)
+    storage = seg.view(token, offset, nbytes)
+    if not scoped:
+        entry.claim_now()
+    _counters["storages_received"] += 1
+    _counters["bytes_received"] += nbytes
+    cache.remember(storage, Place(seg, gen, offset, nbytes))
+    return storage
+
+
+def _token_for(entry: _Incoming, kind: str, directory: str, message: bytes, segkey: Any, gen: int, slot: int) -> tuple[pool.Segment, Any]:
+    """The segment *segkey* as mapped here (found, or mapped now: its descriptor
+    fetched first if need be) and the token of its generation *gen* (live, or new:
+    checked against the segment's header, its hold taken over or named in the
+    message's claim)."""
     seg = pool.lookup(kind, segkey)
     if kind == "fd":
         if seg is None:
             seg = entry.segment(slot, segkey)
-        else:
+        elif entry.fds:
             entry.known(slot)
-    else:
-        if slot != fs_tag(directory, message, segkey, gen, offset, nbytes):
-            raise SharingError(
-                f"refusing file_system handle {segkey!r}: its tag does not match its handle "
-                "(forged or corrupted message, or another program's)"
-            )
-        if seg is None or seg.directory != directory:
-            seg = pool.open_file(directory, segkey)
+    elif seg is None or seg.directory != directory:
+        seg = pool.open_file(directory, segkey)
     token = seg.live_token(gen)
     if token is None:
         if gen:
@@ -698,13 +727,7 @@ def receive(ref: tuple) -> torch.UntypedStorage:
             token = seg.new_token(0, None)
         if seg.pool is None:
             pool.keep(seg)
-    storage = seg.view(token, offset, nbytes)
-    if not scoped:
-        entry.claim_now()
-    _counters["storages_received"] += 1
-    _counters["bytes_received"] += nbytes
-    cache.remember(storage, Place(seg, gen, offset, nbytes))
-    return storage
+    return seg, token
 
 
 def _checked(ref: Any) -> tuple:

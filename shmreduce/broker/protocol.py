@@ -21,10 +21,13 @@ Pools (``shmreduce/pool.py``)
     deposit's *holds*) until its own last storage of it dies; every undelivered
     message holds the names of its storages; a receiver keeps, through the message
     that brought it, each generation (and file) whose storages it made anew, until
-    its last storage of it dies (a release under that message's key). When a
-    generation's count reaches zero the broker posts a NOTICE to its owner (the
-    first client that held the name), which reads it without waiting when it next
-    needs a segment and reuses the segment. A file's count reaching zero unlinks it.
+    its last storage of it dies (a release under that message's key; a receiver
+    lets that hold linger about a quarter of a second first once the generation came
+    in more than one message, and the next message in it takes the hold over: see
+    ``pool.LINGER``). When a generation's count reaches zero the broker posts a
+    NOTICE to its owner (the first client that held the name), which reads it
+    without waiting when it next needs a segment and reuses the segment. A file's
+    count reaching zero unlinks it.
 
 Transport
     AF_UNIX, SOCK_SEQPACKET: every ``sendmsg`` is one record, delivered whole and in

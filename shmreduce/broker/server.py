@@ -381,7 +381,9 @@ class Broker:
             parts.append(f"... {len(self.messages) - limit} more message(s)")
         names = sorted(self.refs)
         for name in names[:limit]:
-            parts.append(f"{name} x{self.refs[name]} held by {', '.join(holders.get(name, ['nobody known']))}")
+            held = holders.get(name, ["nobody known"])
+            more = f" and {len(held) - 5} more" if len(held) > 5 else ""
+            parts.append(f"{name} x{self.refs[name]} held by {', '.join(held[:5])}{more}")
         if len(names) > limit:
             parts.append(f"... {len(names) - limit} more name(s)")
         if self.early_claims:
