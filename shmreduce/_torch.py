@@ -6,6 +6,7 @@ release changes any of them.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import cast
 
@@ -23,13 +24,10 @@ def map_file(path: str, nbytes: int) -> torch.UntypedStorage:
     return cast(torch.UntypedStorage, UntypedStorage.from_file(path, shared=True, nbytes=nbytes))
 
 
-def swap_memory(storage: torch.UntypedStorage, shared: torch.UntypedStorage) -> None:
-    """Swap the memory of two storages in place (same size).
-
-    Every tensor viewing *storage* now reads and writes *shared*'s memory; *shared*
-    is left holding the old memory, freed when it is dropped.
-    """
-    storage._swap_data_ptr_(shared)  # type: ignore[attr-defined]
+# Swap the memory of two storages in place (same size): every tensor viewing the
+# first now reads and writes the second's memory; the second is left holding the old
+# memory, freed when it is dropped. Bound, not wrapped: one call per storage shared.
+swap_memory: Callable[[torch.UntypedStorage, torch.UntypedStorage], None] = UntypedStorage._swap_data_ptr_  # type: ignore[attr-defined]
 
 
 # torch's own answer, bound at import: while registered, ``patches`` makes
@@ -37,10 +35,9 @@ def swap_memory(storage: torch.UntypedStorage, shared: torch.UntypedStorage) -> 
 torch_is_shared: Callable[[torch.UntypedStorage], bool] = UntypedStorage.is_shared
 
 
-def storage_key(storage: torch.UntypedStorage) -> int:
-    """The identity of a storage's StorageImpl (``_cdata``): one per storage, whatever
-    the Python wrappers of it."""
-    return int(storage._cdata)
+# The identity of a storage's StorageImpl (``_cdata``, an int): one per storage,
+# whatever the Python wrappers of it. An attrgetter: no Python frame per storage.
+storage_key: Callable[[torch.UntypedStorage], int] = operator.attrgetter("_cdata")
 
 
 def storage_fd(storage: torch.UntypedStorage) -> int:

@@ -355,7 +355,13 @@ def _move_once(storage: torch.UntypedStorage, key: int) -> Place:
                 return place
         seg, gen, offset, shared = (_fs_pool if get_sharing_strategy() == "file_system" else _fd_pool).place(nbytes, storage)
         _swap_memory(storage, shared)
-        return _placed(storage, Place(seg, gen, offset, nbytes), key)
+        place = Place(seg, gen, offset, nbytes)
+        _counters["storages_shared"] += 1
+        _counters["bytes_shared"] += nbytes
+        cache.remember(storage, place, key)
+        if not _collector.started:
+            _collector.ensure()
+        return place
 
 
 def _current_pool() -> pool.Pool:
