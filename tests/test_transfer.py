@@ -284,6 +284,26 @@ def test_new_shared_is_zero_filled_and_shared(strategy: str) -> None:
     assert isinstance(empty, torch.UntypedStorage) and empty.nbytes() == 0
 
 
+def test_a_reused_segment_holds_exactly_each_new_storages_bytes(strategy: str) -> None:
+    # A reused segment is copied into through its mapping where an earlier generation
+    # allocated its pages, and through its descriptor beyond them: a larger storage of
+    # the same size class spans both, a smaller one lies within.
+    first, larger, smaller = 300_000, 327_616, 296_000
+    assert len({pool.class_size(n) for n in (first, larger, smaller)}) == 1, "the test needs one size class"
+    _connected()
+    transfer.let_go()  # from an empty pool: every storage below reuses the first one's segment
+    for i, nbytes in enumerate((first, larger, smaller, larger)):
+        before = _pool_stats(strategy)
+        s = _storage(nbytes, 11 + i)
+        transfer.share_in_place(s)
+        if i:
+            assert _pool_stats(strategy)["segments_reused"] == before["segments_reused"] + 1, "the test needs reuse"
+        wrong = int((_bytes_of(s) != 11 + i).sum())
+        assert wrong == 0, f"storage {i} ({nbytes} bytes) in a reused segment: {wrong} bytes wrong"
+        del s
+        _free_after_let_go(strategy, 1)
+
+
 @pytest.mark.parametrize("nbytes", [1000, MIB])
 def test_new_shared_in_reused_memory_is_zero_filled(strategy: str, nbytes: int) -> None:
     # Memory a pool gives back for reuse held someone's bytes: new_shared() must not
