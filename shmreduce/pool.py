@@ -17,7 +17,9 @@ lives exactly as long as any of those storages. When a token dies:
 - in the owner: the generation is over here. If it was never sent, the segment is
   free at once; if it was, the owner lets go of its hold at the broker and waits.
 - in a receiver: it lets go of what it kept through the message that brought the
-  generation (its name, and a file's name under ``file_system``).
+  generation (its name, and a file's name under ``file_system``); once that
+  generation has come in more than one message, after it lingers LINGER seconds
+  (the next message in it takes the hold over: see ``take_over``).
 
 The broker counts holds on every generation name (its owner's, from the first
 deposit that carries it; each undelivered message's; each receiver's). When the
@@ -33,6 +35,10 @@ name) and checks the header against the handle's generation: a stale handle is a
 latest mappings after their last storage dies (one descriptor each under
 ``file_descriptor``, none under ``file_system``): the next message in one costs no
 round trip, no descriptor, no mapping.
+
+Copies: a slab's pages are allocated when it is made, so a small storage is one
+copy into the mapping; a larger one is copied through the mapping into pages its
+segment has already, through its descriptor into new ones (no page fault per page).
 
 Memory bounds: a pool keeps at most ``POOL_BYTES`` of free segments (the
 ``SHMREDUCE_POOL_BYTES`` setting) and closes any left free for ``POOL_IDLE``
@@ -440,7 +446,8 @@ def linger_release(releases: Releases, older_than: float = 0.0) -> None:
     if not _lingering:
         return
     cutoff = time.monotonic() - older_than
-    for ident in [i for i, e in _lingering.items() if e[3] <= cutoff]:
+    # A copy made in C, in one step: receive() pops entries from other threads.
+    for ident in [i for i, e in list(_lingering.items()) if e[3] <= cutoff]:
         entry = _lingering.pop(ident, None)
         if entry is not None:
             _kept_release(releases, entry[2])
@@ -507,6 +514,7 @@ class Pool:
                     # The hot path of small storages: the slab's pages are allocated
                     # already (see _new_slab), so a plain copy into the mapping cannot
                     # fault on a full memory limit; one frombuffer per storage.
+                    self.active = True
                     seg.used = (offset + nbytes + ALIGN - 1) & -ALIGN
                     if source is None:
                         _memset(seg.addr + offset, 0, nbytes)

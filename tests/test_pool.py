@@ -187,6 +187,26 @@ def test_free_within_about_a_second_without_further_sends(strategy: str) -> None
     assert stats["segments_free"] == 3, stats
 
 
+def test_a_slab_comes_back_after_a_receiver_that_dropped_each_message(strategy: str) -> None:
+    # Small tensors of several messages in one slab, each dropped by the receiver
+    # before the next arrives: from the second message on, the receiver's hold on the
+    # slab's generation lingers and the next message takes it over (pool.take_over).
+    # Once nothing more comes, the collector threads let go of it: the slab is free
+    # again within about a second, with nothing else sent.
+    _connected()
+    transfer.let_go()  # from an empty pool: what turns up free below is this test's slab
+    with _child(_check_and_drop) as (conn, _):
+        for i in range(8):
+            conn.send((i, [torch.full((1000,), float(i)), torch.full((1000,), float(i))]))
+            assert _answer(conn) is True, f"message {i} arrived with wrong values"
+        transfer.let_go_slabs()  # the slab's generation ends with its last storage
+        gc.collect()
+        freed = wait_for(lambda: (s := _pool_stats(strategy))["segments_free"] == 1 and s["segments_waiting"] == 0, 5.0)
+        stats = _pool_stats(strategy)
+        conn.send(None)
+    assert freed, f"the slab was not free within 5 s of the receiver's last message: {stats}"
+
+
 # -- stale handles ---------------------------------------------------------------------
 
 
