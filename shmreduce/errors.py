@@ -38,8 +38,8 @@ def stale_message(what: str) -> SharingError:
 def too_many_files(detail: str) -> SharingError:
     return SharingError(
         f"out of file descriptors ({detail}): the 'file_descriptor' strategy keeps "
-        "one descriptor open per received slab (a message's small tensors, or one "
-        "large tensor). Drop tensors you no longer "
+        "one descriptor open per shared-memory segment a process maps (a slab of small "
+        "tensors, or one large tensor). Drop tensors you no longer "
         "need, raise the limit (ulimit -n / resource.RLIMIT_NOFILE), or call "
         "shmreduce.set_sharing_strategy('file_system')"
     )

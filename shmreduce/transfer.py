@@ -639,7 +639,13 @@ def _incoming(directory: str, message: bytes, kind: str) -> tuple[_Incoming, boo
         # in this machine's shm base, is ever connected to (a broker connected to
         # once has proved itself in its handshake). A receiver never starts a broker.
         if not os.path.isdir(directory):
-            raise stale_message(f"cannot receive from {directory!r}: no such program directory")
+            raise SharingError(
+                f"cannot receive from {directory!r}: no such program directory on this host. A shmreduce "
+                "message is valid only on the host, and in the program, that made it, while that program "
+                "lives: it came from another machine, or its program has exited (send it again from a live "
+                "process of that program). Across hosts, send the data through what connects them "
+                "(torch.distributed, RPC) or by value (tensor.numpy())"
+            )
         if not is_program_dir(directory, program.shm_base()):
             raise SharingError(f"refusing handle for {directory!r}: not a shmreduce program directory (forged message?)")
     entry = _Incoming(client, message)
