@@ -67,11 +67,9 @@ class StorageCache:
         weak = WeakStorage(storage)
         if key is None:
             key = storage_key(storage)
-        seg = place[0]
-        where = (seg.kind, seg.key, place[1], place[2])  # place.key, without the property call (hot path)
         with self._lock:
             self._by_storage[key] = (weak, place)
-            self._by_place[where] = weak
+            self._by_place[place.key] = weak
             if len(self._by_storage) >= self._limit:
                 self._purge_locked()
 

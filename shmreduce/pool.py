@@ -246,11 +246,9 @@ class Segment:
         self.filled = self.size
 
     def _write_error(self, exc: OSError, nbytes: int, what: str) -> SharingError:
-        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-            if self.kind == "fs":
-                return out_of_shm(self.directory, nbytes, exc.strerror or str(exc))
-            return SharingError(f"out of memory for a {nbytes}-byte shared segment: {exc.strerror}")
-        return segments.os_error(exc, what)
+        if self.kind == "fs" and exc.errno in _FULL:
+            return out_of_shm(self.directory, nbytes, exc.strerror or str(exc))
+        return _no_memory(exc, what, nbytes)
 
 
 def _unmap_close(addr: int, size: int, fd: int | None) -> None:
@@ -359,7 +357,7 @@ def settle(releases: Releases, unclaimed: Callable[[str, bytes], bool]) -> None:
     *unclaimed(directory, key)*: the message is still being received here, its claim
     not yet sent; what was kept through it waits for the next call, so that the
     broker never hears of a release before the claim it undoes. What a receiver
-    kept lingers (see ``linger``) instead of going at once.
+    kept through a slab's generation lingers instead (see "lingering holds" below).
     """
     pid = os.getpid()
     later = []
@@ -505,6 +503,7 @@ class Pool:
     def place(self, nbytes: int, source: torch.UntypedStorage | None) -> tuple[Segment, int, int, torch.UntypedStorage]:
         """Put *source*'s bytes (or zeros) in a segment: (segment, generation, offset,
         the new storage there)."""
+        self.active = True
         if nbytes <= SLAB_ITEM_MAX:
             slab = self.local.__dict__.get("slab")
             if slab is not None:
@@ -514,17 +513,14 @@ class Pool:
                     # The hot path of small storages: the slab's pages are allocated
                     # already (see _new_slab), so a plain copy into the mapping cannot
                     # fault on a full memory limit; one frombuffer per storage.
-                    self.active = True
                     seg.used = (offset + nbytes + ALIGN - 1) & -ALIGN
                     if source is None:
                         _memset(seg.addr + offset, 0, nbytes)
                     else:
                         _memmove(seg.addr + offset, source.data_ptr(), nbytes)
                     return seg, seg.gen, offset, _frombuffer(token, dtype=_U8, count=nbytes, offset=offset).untyped_storage()
-            self.active = True
             self._new_slab()
             return self.place(nbytes, source)
-        self.active = True
         seg = self.take(class_size(nbytes))
         token = seg.begin(new_gen())
         offset = HEADER
@@ -538,7 +534,7 @@ class Pool:
         seg.used = offset + nbytes
         return seg, seg.gen, offset, seg.view(token, offset, nbytes)
 
-    def _new_slab(self) -> tuple[Segment, Any]:
+    def _new_slab(self) -> None:
         """This thread's next slab, its pages allocated: the thread keeps its token, so
         a generation spans many messages and ends only once the slab is full."""
         seg = self.take(SLAB_SIZE)
@@ -548,8 +544,7 @@ class Pool:
             except OutOfSharedMemory:
                 self.full()
                 seg.allocate()
-        slab = self.local.slab = (seg, seg.begin(new_gen()))
-        return slab
+        self.local.slab = (seg, seg.begin(new_gen()))
 
     def take(self, size: int) -> Segment:
         """A free segment of *size*, else a new one."""
@@ -739,8 +734,11 @@ class FilePool(Pool):
         self._release(seg.directory, [seg.name])
 
 
+_FULL = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
+
+
 def _no_memory(exc: OSError, what: str, nbytes: int) -> SharingError:
-    if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+    if exc.errno in _FULL:
         return SharingError(f"out of memory for a {nbytes}-byte shared segment: {exc.strerror}")
     return segments.os_error(exc, what)
 

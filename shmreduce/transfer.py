@@ -353,15 +353,9 @@ def _move_once(storage: torch.UntypedStorage, key: int) -> Place:
             place = _adopt(storage, key, nbytes)
             if place is not None:
                 return place
-        seg, gen, offset, shared = (_fs_pool if get_sharing_strategy() == "file_system" else _fd_pool).place(nbytes, storage)
+        seg, gen, offset, shared = _current_pool().place(nbytes, storage)
         _swap_memory(storage, shared)
-        place = Place(seg, gen, offset, nbytes)
-        _counters["storages_shared"] += 1
-        _counters["bytes_shared"] += nbytes
-        cache.remember(storage, place, key)
-        if not _collector.started:
-            _collector.ensure()
-        return place
+        return _placed(storage, Place(seg, gen, offset, nbytes), key)
 
 
 def _current_pool() -> pool.Pool:
@@ -383,9 +377,8 @@ def _adopt(storage: torch.UntypedStorage, key: int, nbytes: int) -> Place | None
 
 
 def _placed(storage: torch.UntypedStorage, place: Place, key: int | None = None) -> Place:
-    counts = _counters
-    counts["storages_shared"] += 1
-    counts["bytes_shared"] += place[3]
+    _counters["storages_shared"] += 1
+    _counters["bytes_shared"] += place.nbytes
     cache.remember(storage, place, key)
     if not _collector.started:
         _collector.ensure()
@@ -453,13 +446,16 @@ def _unclaimed(directory: str, key: bytes) -> bool:
     return entry is not None and bool(entry.keep)
 
 
-def _take_releases(wait: bool = False) -> pool.Releases:
+def _take_releases(wait: bool = False, linger: float | None = None) -> pool.Releases:
     """What died since the last call; *wait*: also for a call running in another
-    thread (the collector's) to finish, so that its effects are seen on return."""
+    thread (the collector's) to finish, so that its effects are seen on return.
+    *linger*: also the receiver holds that have lingered that many seconds."""
     releases = pool.Releases()
     if wait or pool.has_dead():
         with _releases_lock:
             pool.settle(releases, _unclaimed)
+            if linger is not None:
+                pool.linger_release(releases, linger)
     return releases
 
 
@@ -492,10 +488,7 @@ def collect(linger: float = 0.0) -> None:
     receiver's holds go once they have lingered *linger* seconds (all of them by
     default; the collector thread gives them ``pool.LINGER``)."""
     cache.purge()
-    releases = _take_releases(wait=True)
-    with _releases_lock:
-        pool.linger_release(releases, linger)
-    _send_releases(releases)
+    _send_releases(_take_releases(wait=True, linger=linger))
     for p in (_fd_pool, _fs_pool):
         if p.waiting:
             p.reap()

@@ -195,11 +195,7 @@ class Broker:
         if msg.receiver is not None:
             return
         msg.receiver = client
-        keys = self.pending.get(msg.sender)
-        if keys is not None:
-            keys.pop(key, None)
-            if not keys:
-                del self.pending[msg.sender]
+        self._unpend(key, msg)
         if client.conns:
             client.kept.add(key)
         else:
@@ -618,12 +614,16 @@ class Broker:
 
     def _remove(self, key: bytes) -> _Message:
         msg = self.messages.pop(key)
+        self._unpend(key, msg)
+        return msg
+
+    def _unpend(self, key: bytes, msg: _Message) -> None:
+        """*msg* is no longer among its sender's undelivered messages."""
         keys = self.pending.get(msg.sender)
         if keys is not None:
             keys.pop(key, None)
             if not keys:
                 del self.pending[msg.sender]
-        return msg
 
     def _reply_fetch(self, conn: _Conn, key: bytes) -> None:
         if self.messages[key].lost:
