@@ -373,6 +373,31 @@ def test_descriptor_limit_at_the_broker_fails_the_fetch_quickly(registered_fd, b
     assert "descriptor" in _log_text(broker_log)
 
 
+def _load_each_as_a_stranger(datas):
+    forget_mappings()
+    return [shmreduce.loads(data).tolist() for data in datas]
+
+
+def test_a_backlog_of_messages_in_one_slab_holds_one_descriptor_at_the_broker(registered_fd):
+    # A sender far ahead of its receiver: a thousand messages, none received yet, every
+    # one in the same slab. The broker holds that slab's descriptor once, not once per
+    # message: within a limit of 16 descriptors more than it has, it takes them all.
+    assert shmreduce.loads(shmreduce.dumps(torch.ones(2))).sum().item() == 2
+    let_go_now()
+    pid = _client().broker_pid
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (_broker_fds(pid) + 16, hard))
+    try:
+        datas = [shmreduce.dumps(torch.full((4,), float(i))) for i in range(1000)]
+        counters = _client().ping()
+        assert counters["messages"] >= 1000 and counters["message_fds"] == 1, counters
+        assert run_in_child(_load_each_as_a_stranger, datas, timeout=60) == ("ok", [[float(i)] * 4 for i in range(1000)])
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+    counters = _client().ping()
+    assert counters["messages"] == 0 and counters["message_fds"] == 0, counters
+
+
 def _loads_as_a_stranger(data):
     """Load *data* in a forked child of its sender as a process that maps none of its
     slabs (a fork inherits them: it would need no descriptor at all)."""

@@ -67,7 +67,11 @@ MAX_RECORD bytes
                  broker delivers the message (fetch, claim) only once its last
                  record is in, and drops it if its sender's connections close
                  before. Descriptors attached are appended to the message's fd list:
-                 one per file_descriptor slab its storages lie in. Names in
+                 one per file_descriptor slab its storages lie in. The broker
+                 holds one descriptor per file (memfd) however many undelivered
+                 messages name it, counted by those messages: a sender far ahead
+                 of its receivers, its messages in a few slabs, costs the broker a
+                 few descriptors, not one per message. Names in
                  *inflight* get one reference owned by the message; names in
                  *holds* get one reference owned by this client. No reply. A record
                  whose descriptors the kernel dropped (the broker at its descriptor

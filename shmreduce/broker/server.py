@@ -79,13 +79,65 @@ class _Handshake:
         self.pid = pid
 
 
+class _Descriptors:
+    """The descriptors the broker holds for undelivered messages: one per distinct
+    file (memfd) however many messages name it, each counted by the messages that do.
+
+    Every storage of a sender's slab travels with the slab's descriptor, so a
+    sender running far ahead of its receivers deposits the same file again and
+    again: one descriptor per message would hold thousands for one segment and
+    run the broker out of descriptors (then it can neither take deposits nor
+    accept connections). A descriptor that arrives for a file held already is
+    closed at once; a message keeps the file's identity."""
+
+    __slots__ = ("by_file",)
+
+    def __init__(self) -> None:
+        self.by_file: dict[tuple[int, int], list[int]] = {}  # (st_dev, st_ino) -> [fd, messages naming it]
+
+    def take(self, fd: int) -> tuple[int, int]:
+        """Own *fd* from now on; the identity of its file."""
+        try:
+            st = os.fstat(fd)
+            ident = (st.st_dev, st.st_ino)
+        except OSError:
+            ident = (-1, fd)  # cannot happen for a descriptor just received; held apart
+        held = self.by_file.get(ident)
+        if held is None:
+            self.by_file[ident] = [fd, 1]
+        else:
+            os.close(fd)
+            held[1] += 1
+        return ident
+
+    def fd(self, ident: tuple[int, int]) -> int:
+        return self.by_file[ident][0]
+
+    def drop(self, idents: list[tuple[int, int]]) -> None:
+        """One message less names each of *idents*: a file nobody names is closed."""
+        for ident in idents:
+            held = self.by_file[ident]
+            held[1] -= 1
+            if not held[1]:
+                del self.by_file[ident]
+                os.close(held[0])
+
+    def close_all(self) -> None:
+        for fd, _count in self.by_file.values():
+            os.close(fd)
+        self.by_file.clear()
+
+    def __len__(self) -> int:
+        return len(self.by_file)
+
+
 class _Message:
-    __slots__ = ("fds", "names", "sender", "sender_pid", "nbytes", "complete", "lost", "receiver", "done")
+    __slots__ = ("files", "names", "sender", "sender_pid", "nbytes", "complete", "lost", "receiver", "done")
 
     def __init__(self, sender: bytes, sender_pid: int) -> None:
-        self.fds: list[int] = []
+        self.files: list[tuple[int, int]] = []  # its descriptors by slot, as identities in _Descriptors
         self.names: dict[str, bool] = {}  # name -> kept by its receiver
-        self.nbytes = 0  # memory behind its fds, as its sender declared it
+        self.nbytes = 0  # memory behind its descriptors, as its sender declared it
         self.sender = sender  # the depositing client's token
         self.sender_pid = sender_pid  # for log lines
         self.complete = False  # its deposit's last record is in
@@ -99,10 +151,10 @@ class _Message:
             if name in self.names:
                 self.names[name] = True
 
-    def close(self) -> None:
-        """Close the broker's copies of its descriptors (given away or dropped)."""
-        for fd in self.fds:
-            os.close(fd)
+    def close(self, descriptors: _Descriptors) -> None:
+        """Let go of its descriptors (given away or dropped)."""
+        files, self.files = self.files, []
+        descriptors.drop(files)
 
 
 _POST_EVENTS = select.EPOLLIN | select.EPOLLONESHOT
@@ -119,6 +171,7 @@ class Broker:
         self.handshakes: dict[int, _Handshake] = {}
         self.clients: dict[bytes, _Client] = {}
         self.messages: dict[bytes, _Message] = {}
+        self.descriptors = _Descriptors()
         # Per sender token: its undelivered messages in deposit order.
         self.pending: dict[bytes, dict[bytes, None]] = {}
         self.refs: dict[str, int] = {}
@@ -205,8 +258,7 @@ class Broker:
         """Its receiver is done with *msg*: close its descriptors, drop the names it
         does not *keep*; the message goes once no name is left."""
         msg.done = True
-        msg.close()
-        msg.fds = []
+        msg.close(self.descriptors)
         msg.keep(keep)
         for name in [n for n, kept in msg.names.items() if not kept]:
             del msg.names[name]
@@ -255,8 +307,8 @@ class Broker:
             "messages": sum(1 for m in self.messages.values() if m.receiver is None),
             "kept_messages": sum(1 for m in self.messages.values() if m.receiver is not None),
             "generations": sum(1 for name in self.refs if name.startswith(P.GEN_PREFIX)),
-            "message_fds": sum(len(m.fds) for m in self.messages.values()),
-            "message_bytes": sum(m.nbytes for m in self.messages.values() if m.fds),
+            "message_fds": len(self.descriptors),
+            "message_bytes": sum(m.nbytes for m in self.messages.values() if m.files),
             "handshakes": len(self.handshakes),
             "segment_files": sum(1 for name in self.refs if not name.startswith(P.GEN_PREFIX)),
             "root_alive": self.root_alive,
@@ -406,7 +458,7 @@ class Broker:
         for name in msg.names:
             self._decref(name)
         msg.names = {}
-        msg.close()
+        msg.close(self.descriptors)
 
     def _serve(self, conn: _Conn) -> int:
         """Handle every record *conn* has queued; return how many (-1: conn dropped).
@@ -564,7 +616,7 @@ class Broker:
             self.pending.setdefault(client.token, {})[key] = None
         elif msg.complete:
             raise P.ProtocolError("deposit record after the last one of its message")
-        msg.fds.extend(fds)
+        msg.files.extend([self.descriptors.take(fd) for fd in fds])
         msg.nbytes += nbytes
         for name in inflight:
             if name not in msg.names:
@@ -573,8 +625,7 @@ class Broker:
         if lost and not msg.lost:
             msg.lost = True
         if msg.lost:
-            msg.close()  # a message without all its descriptors is of no use
-            msg.fds = []
+            msg.close(self.descriptors)  # a message without all its descriptors is of no use
         if not last:
             return
         msg.complete = True
@@ -638,15 +689,15 @@ class Broker:
         # go of it through _drop. Its names stay until the receiver's claim says
         # which it keeps.
         self._deliver(conn.client, key, msg)
-        fds, msg.fds = msg.fds, []
+        files, msg.files = msg.files, []
         try:
+            fds = [self.descriptors.fd(ident) for ident in files]
             head = P.encode_fetched(P.STATUS_OK, len(fds))
             chunks = [fds[i : i + P.MAX_FDS] for i in range(0, len(fds), P.MAX_FDS)] or [[]]
             for chunk in chunks:
                 P.send_record(conn.sock, P.FETCHED, key, head, chunk)
         finally:
-            for fd in fds:
-                os.close(fd)
+            self.descriptors.drop(files)
 
     def _reply_unknown(self, conn: _Conn, key: bytes) -> None:
         P.send_record(conn.sock, P.FETCHED, key, P.encode_fetched(P.STATUS_UNKNOWN, 0))
@@ -740,9 +791,8 @@ class Broker:
                 self._flush_notices()
 
     def shutdown(self) -> None:
-        for msg in self.messages.values():
-            msg.close()
         self.messages.clear()
+        self.descriptors.close_all()
         for conn in list(self.conns.values()):
             conn.sock.close()
         for shake in self.handshakes.values():
