@@ -17,9 +17,10 @@ lives exactly as long as any of those storages. When a token dies:
 - in the owner: the generation is over here. If it was never sent, the segment is
   free at once; if it was, the owner lets go of its hold at the broker and waits.
 - in a receiver: it lets go of what it kept through the message that brought the
-  generation (its name, and a file's name under ``file_system``); once that
-  generation has come in more than one message, after it lingers LINGER seconds
-  (the next message in it takes the hold over: see ``take_over``).
+  generation (its name, and a file's name under ``file_system``). A receiver keeps
+  the token of a generation that has come to it in more than one message (a
+  slab's) alive until LINGER seconds after the last message in it (see "parked
+  tokens" below).
 
 The broker counts holds on every generation name (its owner's, from the first
 deposit that carries it; each undelivered message's; each receiver's). When the
@@ -357,11 +358,11 @@ def settle(releases: Releases, unclaimed: Callable[[str, bytes], bool]) -> None:
     *unclaimed(directory, key)*: the message is still being received here, its claim
     not yet sent; what was kept through it waits for the next call, so that the
     broker never hears of a release before the claim it undoes. What a receiver
-    kept through a slab's generation lingers instead (see "lingering holds" below).
+    kept through a slab's generation is let go of once its parked token goes (see
+    "parked tokens" below).
     """
     pid = os.getpid()
     later = []
-    now = time.monotonic()
     while _dead:
         entry = _dead.popleft()
         seg, gen, kept, owner = entry
@@ -372,16 +373,7 @@ def settle(releases: Releases, unclaimed: Callable[[str, bytes], bool]) -> None:
             if unclaimed(directory, key):
                 later.append(entry)
                 continue
-            if seg.live_token(gen) is not None or seg.rgen != gen or seg.rtokens < 2:
-                # A newer token keeps the generation through its own message; or it
-                # came in one message only so far (a large storage's segment, whose
-                # owner waits for it to reuse the memory): let go now.
-                _kept_release(releases, kept)
-                continue
-            older = _lingering.pop((seg.kind, seg.key, gen), None)
-            if older is not None:
-                _kept_release(releases, older[2])
-            _lingering[(seg.kind, seg.key, gen)] = (seg, gen, kept, now)
+            _kept_release(releases, kept)
             continue
         pool = seg.pool
         if pool is None or seg.gen != gen:
@@ -397,21 +389,6 @@ def settle(releases: Releases, unclaimed: Callable[[str, bytes], bool]) -> None:
     _dead.extend(later)
 
 
-# -- lingering holds (receivers) --------------------------------------------------
-#
-# A receiver whose last storage of a generation dies keeps its hold at the broker
-# for about LINGER seconds before letting go, once that generation has come in more
-# than one message (a slab): a stream of messages in one slab, each dropped before
-# the next arrives (the common consumer loop), then costs one claim per message
-# instead of a claim naming the generation and a release of it. The next storage of
-# that generation takes the lingering hold over (``take_over``). A generation seen
-# in one message only (a large storage's segment) is let go of at once: its owner
-# waits for it to reuse the memory.
-
-LINGER = 0.25
-_lingering: dict[tuple, tuple[Segment, int, tuple, float]] = {}  # (kind, key, gen) -> (segment, gen, kept, since)
-
-
 def _kept_release(releases: Releases, kept: tuple) -> None:
     directory, key, names = kept
     releases.kept.setdefault((directory, key), []).extend(names)
@@ -419,14 +396,8 @@ def _kept_release(releases: Releases, kept: tuple) -> None:
 
 def take_over(seg: Segment, gen: int, directory: str) -> tuple | None:
     """What this process keeps of *gen* through an earlier message, if that hold has
-    not been let go of yet (it lingers, or its last token died since the last
-    ``settle``): a new token of *gen* takes it over, with nothing new to claim."""
-    if _lingering:
-        entry = _lingering.pop((seg.kind, seg.key, gen), None)
-        if entry is not None:
-            if entry[2][0] == directory:
-                return entry[2]
-            _lingering[(seg.kind, seg.key, gen)] = entry
+    not been let go of yet (its last token died since the last ``settle``): a new
+    token of *gen* takes it over, with nothing new to claim."""
     if _dead:
         pid = os.getpid()
         for dead in list(_dead):  # a copy: weakref callbacks append from any thread
@@ -434,21 +405,44 @@ def take_over(seg: Segment, gen: int, directory: str) -> tuple | None:
                 try:
                     _dead.remove(dead)
                 except ValueError:
-                    return None  # settled meanwhile: it is let go of, or lingers
+                    return None  # settled meanwhile: it is let go of
                 return dead[2]
     return None
 
 
-def linger_release(releases: Releases, older_than: float = 0.0) -> None:
-    """Let go of the holds lingering for *older_than* seconds or more (all by default)."""
-    if not _lingering:
+# -- parked tokens (receivers) -----------------------------------------------------
+#
+# A receiver keeps the token of a generation that has come to it in more than one
+# message (a slab's) alive until LINGER seconds after the last message in it: a
+# stream of messages in one slab, each dropped before the next arrives (the common
+# consumer loop), then finds the token live. Each message costs its claim only: no
+# new token, no release of the generation and claim of it again, no settle. Once
+# unparked (``unpark``, from the collector), the token ends with its last storage
+# and the hold goes at once. A generation seen in one message only (a large
+# storage's segment) is never parked: its owner waits for it to reuse the memory.
+
+LINGER = 0.25
+_parked: dict[tuple, list] = {}  # (kind, key) -> [token, time of the last message in it]
+
+
+def park(seg: Segment, token: Any) -> None:
+    """Keep *token*, of a generation *seg* brought in more than one message, alive
+    for LINGER seconds from now (the segment's previous one goes)."""
+    _parked[(seg.kind, seg.key)] = [token, time.monotonic()]
+
+
+def unpark(older_than: float = 0.0) -> None:
+    """Let go of the tokens parked *older_than* seconds ago or more (all by default):
+    each ends with its last storage, and what it kept is let go of at once."""
+    if not _parked:
         return
     cutoff = time.monotonic() - older_than
-    # A copy made in C, in one step: receive() pops entries from other threads.
-    for ident in [i for i, e in list(_lingering.items()) if e[3] <= cutoff]:
-        entry = _lingering.pop(ident, None)
+    # A copy made in C, in one step: receive() parks from other threads.
+    for ident in [i for i, e in list(_parked.items()) if e[1] <= cutoff]:
+        entry = _parked.pop(ident, None)
         if entry is not None:
-            _kept_release(releases, entry[2])
+            entry[0].segment.rtokens = 1  # it has lingered: its death lets go at once
+            entry.clear()  # the token dies here if no storage of it is left
 
 
 # -- generations -------------------------------------------------------------------
@@ -769,8 +763,8 @@ def _after_fork_in_child() -> None:
     _gen_prefix = int.from_bytes(os.urandom(6), "little") << 48
     _gen_count = 0
     _gen_lock = threading.Lock()
+    _parked.clear()  # the parent's tokens: their deaths are not ours to tell (settle)
     _dead.clear()
-    _lingering.clear()  # the parent's holds
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

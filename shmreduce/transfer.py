@@ -446,16 +446,13 @@ def _unclaimed(directory: str, key: bytes) -> bool:
     return entry is not None and bool(entry.keep)
 
 
-def _take_releases(wait: bool = False, linger: float | None = None) -> pool.Releases:
+def _take_releases(wait: bool = False) -> pool.Releases:
     """What died since the last call; *wait*: also for a call running in another
-    thread (the collector's) to finish, so that its effects are seen on return.
-    *linger*: also the receiver holds that have lingered that many seconds."""
+    thread (the collector's) to finish, so that its effects are seen on return."""
     releases = pool.Releases()
     if wait or pool.has_dead():
         with _releases_lock:
             pool.settle(releases, _unclaimed)
-            if linger is not None:
-                pool.linger_release(releases, linger)
     return releases
 
 
@@ -485,10 +482,11 @@ def _quietly(send: Callable[..., None], *args: Any) -> None:
 def collect(linger: float = 0.0) -> None:
     """Let go now of what died here: generations (at the broker, or back to the pool),
     free notices taken in, idle segments closed, dead cache entries dropped. A
-    receiver's holds go once they have lingered *linger* seconds (all of them by
+    receiver's parked tokens go once parked *linger* seconds (all of them by
     default; the collector thread gives them ``pool.LINGER``)."""
     cache.purge()
-    _send_releases(_take_releases(wait=True, linger=linger))
+    pool.unpark(linger)
+    _send_releases(_take_releases(wait=True))
     for p in (_fd_pool, _fs_pool):
         if p.waiting:
             p.reap()
@@ -708,7 +706,7 @@ def _token_for(entry: _Incoming, kind: str, directory: str, message: bytes, segk
     """The segment *segkey* as mapped here (found, or mapped now: its descriptor
     fetched first if need be) and the token of its generation *gen* (live, or new:
     checked against the segment's header, its hold taken over or named in the
-    message's claim)."""
+    message's claim; parked if its generation came in more than one message)."""
     seg = pool.lookup(kind, segkey)
     if kind == "fd":
         if seg is None:
@@ -728,10 +726,14 @@ def _token_for(entry: _Incoming, kind: str, directory: str, message: bytes, segk
                 kept = (directory, message, names)
                 entry.keep.extend(names)
             token = seg.new_token(gen, kept)
+            if seg.rtokens >= 2:  # the generation came in more than one message (a slab's)
+                pool.park(seg, token)
         else:
             token = seg.new_token(0, None)
         if seg.pool is None:
             pool.keep(seg)
+    elif gen and seg.pool is None:  # a live token of an earlier message: a slab's, here again
+        pool.park(seg, token)
     return seg, token
 
 

@@ -189,8 +189,8 @@ def test_free_within_about_a_second_without_further_sends(strategy: str) -> None
 
 def test_a_slab_comes_back_after_a_receiver_that_dropped_each_message(strategy: str) -> None:
     # Small tensors of several messages in one slab, each dropped by the receiver
-    # before the next arrives: from the second message on, the receiver's hold on the
-    # slab's generation lingers and the next message takes it over (pool.take_over).
+    # before the next arrives: from the second message on, the receiver parks its
+    # token of the slab's generation and the next message finds it (pool.park).
     # Once nothing more comes, the collector threads let go of it: the slab is free
     # again within about a second, with nothing else sent.
     _connected()

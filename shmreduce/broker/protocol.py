@@ -22,9 +22,9 @@ Pools (``shmreduce/pool.py``)
     message holds the names of its storages; a receiver keeps, through the message
     that brought it, each generation (and file) whose storages it made anew, until
     its last storage of it dies (a release under that message's key; a receiver
-    lets that hold linger about a quarter of a second first once the generation came
-    in more than one message, and the next message in it takes the hold over: see
-    ``pool.LINGER``). When a generation's count reaches zero the broker posts a
+    keeps its token of a generation that came in more than one message alive about
+    a quarter of a second after the last message in it, so that the next message
+    finds it: see ``pool.LINGER``). When a generation's count reaches zero the broker posts a
     NOTICE to its owner (the first client that held the name), which reads it
     without waiting when it next needs a segment and reuses the segment. A file's
     count reaching zero unlinks it.
