@@ -176,7 +176,7 @@ class Segment:
         try:
             os.pwrite(self.fd, (gen & _GEN_MASK).to_bytes(8, "little"), 0)  # allocates the page if need be
         except OSError as exc:
-            raise _no_memory(exc, "writing a segment header", HEADER) from exc
+            raise self._write_error(exc, HEADER, "writing a segment header") from exc
         self.filled = max(self.filled, HEADER)  # its first page is allocated now
         self.used = HEADER
         self.announced = False
@@ -516,14 +516,15 @@ class Pool:
             self._new_slab()
             return self.place(nbytes, source)
         seg = self.take(class_size(nbytes))
-        token = seg.begin(new_gen())
         offset = HEADER
         try:
+            token = seg.begin(new_gen())
             seg.write(offset, nbytes, source)
         except OutOfSharedMemory:
             # A full mount may be full of segments nobody uses any more: let go of
             # them, and try once more.
             self.full()
+            token = seg.begin(new_gen())
             seg.write(offset, nbytes, source)
         seg.used = offset + nbytes
         return seg, seg.gen, offset, seg.view(token, offset, nbytes)

@@ -1,15 +1,22 @@
 """A full file_system mount recovers once the tensors that filled it are dropped
 (issue 11, item 17): a file creation that finds no room releases the files of dead
-storages first, rather than failing until some later share happens to purge them."""
+storages first, rather than failing until some later share happens to purge them.
+A full mount met while writing a new segment's header is the same OutOfSharedMemory,
+after the same one retry."""
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+import torch
+
+import shmreduce
+from shmreduce.errors import OutOfSharedMemory
 
 from helpers import wait_for
 
@@ -54,3 +61,49 @@ def test_a_full_file_system_mount_recovers_once_tensors_are_dropped(tiny_mount):
     env = dict(os.environ, SHMREDUCE_SHM_DIR=tiny_mount)
     done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+# -- a full mount met while writing a segment's header ----------------------------------
+
+
+def _fail_header_writes(monkeypatch, times: int) -> None:
+    """The next *times* segment header writes (8 bytes at offset 0) find the mount full."""
+    real = os.pwrite
+    left = [times]
+
+    def pwrite(fd: int, data: bytes, offset: int) -> int:
+        if offset == 0 and len(data) == 8 and left[0]:
+            left[0] -= 1
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+
+
+BIG = 1 << 16  # floats: a storage beyond a slab's, in a segment of its own
+
+
+def test_a_full_mount_at_a_header_write_is_out_of_shared_memory(monkeypatch):
+    with shmreduce.registered(strategy="file_system"):
+        _fail_header_writes(monkeypatch, 1 << 30)
+        with pytest.raises(OutOfSharedMemory, match="SHMREDUCE_SHM_DIR"):
+            shmreduce.dumps(torch.full((BIG,), 1.0))
+        monkeypatch.undo()
+        assert shmreduce.loads(shmreduce.dumps(torch.full((BIG,), 2.0))).eq(2.0).all()  # the next message works
+
+
+def test_a_header_write_that_finds_the_mount_full_is_tried_again_after_letting_go(monkeypatch):
+    with shmreduce.registered(strategy="file_system"):
+        _fail_header_writes(monkeypatch, 1)  # room comes back once dead segments are let go of
+        t = torch.full((BIG,), 3.0)
+        assert shmreduce.loads(shmreduce.dumps(t)).eq(3.0).all()
+
+
+def test_no_memory_at_a_header_write_under_file_descriptor_is_a_sharing_error(monkeypatch):
+    with shmreduce.registered(strategy="file_descriptor"):
+        _fail_header_writes(monkeypatch, 1 << 30)
+        with pytest.raises(shmreduce.SharingError, match="out of memory") as info:
+            shmreduce.dumps(torch.full((BIG,), 1.0))
+        assert not isinstance(info.value, OutOfSharedMemory)  # not the file_system mount's advice
+        monkeypatch.undo()
+        assert shmreduce.loads(shmreduce.dumps(torch.full((BIG,), 2.0))).eq(2.0).all()
