@@ -21,7 +21,7 @@ import torch
 
 from shmreduce._torch import WeakStorage, storage_key
 
-PURGE_MIN_ENTRIES = 1024  # a purge walks every entry: at most once per this many new ones
+PURGE_MIN_ENTRIES = 128  # a purge walks every entry: at most once per this many new ones (see _purge_locked)
 
 
 class Place(NamedTuple):
