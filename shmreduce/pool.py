@@ -176,7 +176,7 @@ class Segment:
         try:
             os.pwrite(self.fd, (gen & _GEN_MASK).to_bytes(8, "little"), 0)  # allocates the page if need be
         except OSError as exc:
-            raise self._write_error(exc, HEADER, "writing a segment header") from exc
+            raise self._write_error(exc, self.size, "writing a segment header") from exc
         self.filled = max(self.filled, HEADER)  # its first page is allocated now
         self.used = HEADER
         self.announced = False
@@ -413,7 +413,8 @@ def take_over(seg: Segment, gen: int, directory: str) -> tuple | None:
 # -- parked tokens (receivers) -----------------------------------------------------
 #
 # A receiver keeps the token of a generation that has come to it in more than one
-# message (a slab's) alive until LINGER seconds after the last message in it: a
+# message (a slab's) alive until LINGER seconds after the last message in it (the
+# collector, every transfer.PURGE_EVERY, unparks it: 0.25 to 0.75 s): a
 # stream of messages in one slab, each dropped before the next arrives (the common
 # consumer loop), then finds the token live. Each message costs its claim only: no
 # new token, no release of the generation and claim of it again, no settle. Once
@@ -422,27 +423,25 @@ def take_over(seg: Segment, gen: int, directory: str) -> tuple | None:
 # storage's segment) is never parked: its owner waits for it to reuse the memory.
 
 LINGER = 0.25
-_parked: dict[tuple, list] = {}  # (kind, key) -> [token, time of the last message in it]
+_parked: dict[tuple, tuple[Any, float]] = {}  # (kind, key) -> (token, time of the last message in it)
 
 
 def park(seg: Segment, token: Any) -> None:
     """Keep *token*, of a generation *seg* brought in more than one message, alive
     for LINGER seconds from now (the segment's previous one goes)."""
-    _parked[(seg.kind, seg.key)] = [token, time.monotonic()]
+    _parked[(seg.kind, seg.key)] = (token, time.monotonic())
 
 
 def unpark(older_than: float = 0.0) -> None:
     """Let go of the tokens parked *older_than* seconds ago or more (all by default):
-    each ends with its last storage, and what it kept is let go of at once."""
+    each ends with its last storage, and what it kept is let go of at once (settle).
+    Any thread: entries are immutable tuples, taken out with one pop each."""
     if not _parked:
         return
     cutoff = time.monotonic() - older_than
     # A copy made in C, in one step: receive() parks from other threads.
     for ident in [i for i, e in list(_parked.items()) if e[1] <= cutoff]:
-        entry = _parked.pop(ident, None)
-        if entry is not None:
-            entry[0].segment.rtokens = 1  # it has lingered: its death lets go at once
-            entry.clear()  # the token dies here if no storage of it is left
+        _parked.pop(ident, None)  # the token dies here if no storage of it is left
 
 
 # -- generations -------------------------------------------------------------------
@@ -518,16 +517,30 @@ class Pool:
         seg = self.take(class_size(nbytes))
         offset = HEADER
         try:
-            token = seg.begin(new_gen())
+            token = self._begin(seg, retry=True)
             seg.write(offset, nbytes, source)
         except OutOfSharedMemory:
             # A full mount may be full of segments nobody uses any more: let go of
             # them, and try once more.
             self.full()
-            token = seg.begin(new_gen())
-            seg.write(offset, nbytes, source)
+            token = self._begin(seg, retry=False)
+            seg.write(offset, nbytes, source)  # failing, its token's death gives it back (settle)
         seg.used = offset + nbytes
         return seg, seg.gen, offset, seg.view(token, offset, nbytes)
+
+    def _begin(self, seg: Segment, retry: bool) -> Any:
+        """*seg*'s new generation's token. A segment whose header cannot be written
+        has no token to give it back when it dies: it leaves the pool, unless a full
+        mount is to be tried once more (*retry*)."""
+        try:
+            return seg.begin(new_gen())
+        except OutOfSharedMemory:
+            if not retry:
+                self.closed(seg)
+            raise
+        except SharingError:
+            self.closed(seg)
+            raise
 
     def _new_slab(self) -> None:
         """This thread's next slab, its pages allocated: the thread keeps its token, so

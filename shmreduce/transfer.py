@@ -18,8 +18,10 @@ from __future__ import annotations
 import gc
 import hashlib
 import itertools
+import logging
 import multiprocessing
 import os
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -36,6 +38,7 @@ from shmreduce.errors import OutOfSharedMemory, SharingError, stale_message
 from shmreduce.strategy import get_sharing_strategy
 
 _T = TypeVar("_T")
+log = logging.getLogger("shmreduce")
 
 MAX_PENDING = 64  # fetched messages whose refs have not all been rebuilt yet
 
@@ -501,6 +504,7 @@ class _Collector:
 
     def __init__(self) -> None:
         self.started = False
+        self.logged = float("-inf")  # when it last logged an error
 
     def ensure(self) -> None:
         if not self.started:
@@ -512,8 +516,13 @@ class _Collector:
             time.sleep(PURGE_EVERY)
             try:
                 collect(pool.LINGER)
-            except Exception:  # noqa: BLE001  interpreter shutdown tears modules down under it
-                return
+            except Exception:  # noqa: BLE001  a failure here must not stop the letting go for good
+                if sys.is_finalizing():
+                    return  # interpreter shutdown tears modules down under it
+                now = time.monotonic()
+                if now - self.logged >= 60.0:  # once a minute at most
+                    self.logged = now
+                    log.exception("shmreduce's collector thread hit an error letting go of memory; it goes on")
 
 
 _collector = _Collector()
@@ -706,7 +715,8 @@ def _token_for(entry: _Incoming, kind: str, directory: str, message: bytes, segk
     """The segment *segkey* as mapped here (found, or mapped now: its descriptor
     fetched first if need be) and the token of its generation *gen* (live, or new:
     checked against the segment's header, its hold taken over or named in the
-    message's claim; parked if its generation came in more than one message)."""
+    message's claim; parked once its generation has come in more than one message,
+    or is met again while its token lives)."""
     seg = pool.lookup(kind, segkey)
     if kind == "fd":
         if seg is None:

@@ -15,6 +15,8 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
@@ -205,6 +207,48 @@ def test_a_slab_comes_back_after_a_receiver_that_dropped_each_message(strategy: 
         stats = _pool_stats(strategy)
         conn.send(None)
     assert freed, f"the slab was not free within 5 s of the receiver's last message: {stats}"
+
+
+def test_parked_tokens_are_let_go_of_by_threads_at_once() -> None:
+    # The collector thread unparks while a sending thread that found the mount full
+    # (or unregister()) unparks too, and the loading thread parks: none of them may
+    # raise (an error in the collector would stop it for good).
+    class _Seg:
+        kind = "test"
+
+        def __init__(self, key: int) -> None:
+            self.key = key
+
+    class _Token:  # as pool's tokens: it keeps its segment
+        def __init__(self, segment: _Seg) -> None:
+            self.segment = segment
+
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def unparking() -> None:
+        try:
+            while not stop.is_set():
+                pool.unpark(0.0)
+        except BaseException as exc:  # noqa: BLE001  reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=unparking) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 1.0
+        segs: list[Any] = [_Seg(i) for i in range(2000)]  # stand-ins: park needs kind and key only
+        while time.monotonic() < deadline and not errors:
+            for seg in segs:
+                pool.park(seg, _Token(seg))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        pool.unpark(0.0)
+    assert not errors, errors
+    assert not any(key[0] == "test" for key in pool._parked)
 
 
 # -- stale handles ---------------------------------------------------------------------

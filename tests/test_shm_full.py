@@ -11,11 +11,15 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
 
 import shmreduce
+from shmreduce import program, transfer
+from shmreduce.broker import client as broker_client
+from shmreduce.broker import protocol as P
 from shmreduce.errors import OutOfSharedMemory
 
 from helpers import wait_for
@@ -66,18 +70,22 @@ def test_a_full_file_system_mount_recovers_once_tensors_are_dropped(tiny_mount):
 # -- a full mount met while writing a segment's header ----------------------------------
 
 
-def _fail_header_writes(monkeypatch, times: int) -> None:
-    """The next *times* segment header writes (8 bytes at offset 0) find the mount full."""
+def _fail_header_writes(monkeypatch, times: int) -> list[int]:
+    """The next *times* segment header writes (8 bytes at offset 0) of this thread
+    find the mount full (the collector thread's writes go through); the failures
+    left, as a one-item list."""
     real = os.pwrite
     left = [times]
+    me = threading.get_ident()
 
     def pwrite(fd: int, data: bytes, offset: int) -> int:
-        if offset == 0 and len(data) == 8 and left[0]:
+        if offset == 0 and len(data) == 8 and left[0] and threading.get_ident() == me:
             left[0] -= 1
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(fd, data, offset)
 
     monkeypatch.setattr(os, "pwrite", pwrite)
+    return left
 
 
 BIG = 1 << 16  # floats: a storage beyond a slab's, in a segment of its own
@@ -94,9 +102,30 @@ def test_a_full_mount_at_a_header_write_is_out_of_shared_memory(monkeypatch):
 
 def test_a_header_write_that_finds_the_mount_full_is_tried_again_after_letting_go(monkeypatch):
     with shmreduce.registered(strategy="file_system"):
-        _fail_header_writes(monkeypatch, 1)  # room comes back once dead segments are let go of
+        left = _fail_header_writes(monkeypatch, 1)  # room comes back once dead segments are let go of
         t = torch.full((BIG,), 3.0)
         assert shmreduce.loads(shmreduce.dumps(t)).eq(3.0).all()
+        assert left == [0]  # the first header write did fail: this was the retry
+
+
+def _seg_files() -> list[str]:
+    directory = program.current().directory
+    return [n for n in os.listdir(directory) if n.startswith(P.SEG_PREFIX)]
+
+
+def test_a_segment_whose_header_cannot_be_written_is_not_left_behind(monkeypatch):
+    with shmreduce.registered(strategy="file_system"):
+        shmreduce.loads(shmreduce.dumps(torch.ones(2)))  # the program directory and its broker
+        transfer.let_go()
+        before = len(_seg_files())
+        _fail_header_writes(monkeypatch, 1 << 30)
+        for _ in range(3):
+            with pytest.raises(OutOfSharedMemory):
+                shmreduce.dumps(torch.full((BIG,), 1.0))
+        monkeypatch.undo()
+        transfer.collect()
+        broker_client.client_for(program.current().directory).ping()  # barrier: the releases are in
+        assert wait_for(lambda: len(_seg_files()) <= before, 5.0), (before, _seg_files())
 
 
 def test_no_memory_at_a_header_write_under_file_descriptor_is_a_sharing_error(monkeypatch):

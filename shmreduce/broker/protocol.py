@@ -22,9 +22,9 @@ Pools (``shmreduce/pool.py``)
     message holds the names of its storages; a receiver keeps, through the message
     that brought it, each generation (and file) whose storages it made anew, until
     its last storage of it dies (a release under that message's key; a receiver
-    keeps its token of a generation that came in more than one message alive about
-    a quarter of a second after the last message in it, so that the next message
-    finds it: see ``pool.LINGER``). When a generation's count reaches zero the broker posts a
+    keeps its token of a generation that came in more than one message alive 0.25
+    to 0.75 s after the last message in it, so that the next message finds it: see
+    ``pool.LINGER``). When a generation's count reaches zero the broker posts a
     NOTICE to its owner (the first client that held the name), which reads it
     without waiting when it next needs a segment and reuses the segment. A file's
     count reaching zero unlinks it.
@@ -66,8 +66,8 @@ MAX_RECORD bytes
                  NAMES_PER_RECORD names of each list, all with the same key; the
                  broker delivers the message (fetch, claim) only once its last
                  record is in, and drops it if its sender's connections close
-                 before. Descriptors attached are appended to the message's fd list:
-                 one per file_descriptor slab its storages lie in. The broker
+                 before. Descriptors attached are the message's, by slot: one per
+                 file_descriptor segment its storages lie in. The broker
                  holds one descriptor per file (memfd) however many undelivered
                  messages name it, counted by those messages: a sender far ahead
                  of its receivers, its messages in a few slabs, costs the broker a

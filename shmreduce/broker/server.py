@@ -554,8 +554,7 @@ class Broker:
             if op == P.DEPOSIT:
                 holds, inflight, nbytes, last = P.decode_deposit(body)
                 self._hold(client, holds)
-                self._deposit(client, key, fds, inflight, nbytes, last, lost)
-                fds = []
+                self._deposit(client, key, fds, inflight, nbytes, last, lost)  # takes fds out of the list
             elif op == P.CLAIM:
                 done, keep = P.decode_claim(body)
                 msg = self.messages.get(key)
@@ -606,8 +605,9 @@ class Broker:
                 os.close(fd)
 
     def _deposit(self, client: _Client, key: bytes, fds: list[int], inflight: list[str], nbytes: int, last: bool, lost: bool) -> None:
-        """One deposit record (it owns *fds* from now on); the message is delivered
-        once its *last* record is in."""
+        """One deposit record; the message is delivered once its *last* record is in.
+        *fds* (the caller's list) are taken out of it once the record is known good:
+        what is still in it when this raises is the caller's to close."""
         msg = self.messages.get(key)
         if msg is None:
             if not (fds or inflight or lost):
@@ -616,7 +616,9 @@ class Broker:
             self.pending.setdefault(client.token, {})[key] = None
         elif msg.complete:
             raise P.ProtocolError("deposit record after the last one of its message")
-        msg.files.extend([self.descriptors.take(fd) for fd in fds])
+        taken = fds[:]
+        fds.clear()  # the caller's list: from here on the table owns them, not _handle's cleanup
+        msg.files.extend([self.descriptors.take(fd) for fd in taken])
         msg.nbytes += nbytes
         for name in inflight:
             if name not in msg.names:
