@@ -6,7 +6,8 @@ runs bench.py's throughput scenarios (1, 2 or 3) for each implementation asked, 
 reads each process's user+system time from ``/proc/<pid>/stat`` over the timed
 messages: microseconds of CPU per message for the producer (its main thread and its
 queue feeder thread, which pickles), the consumer, and this program's broker (rows
-with shmreduce registered).
+with shmreduce registered). The producer's main thread (which makes and puts each
+message) is also shown on its own: the rest is its feeder thread's pickling.
 
 Run: ``python benchmarks/cpu_per_message.py [--scenario 1] [--impls by-value,shmreduce-fd] [--rounds 1]``.
 """
@@ -28,10 +29,12 @@ MAKERS = {"1": bench.one_small, "2": bench.dict_small, "3": bench.one_large}
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User+system CPU seconds of *pid* (all its threads), or None if it is gone."""
+def cpu_seconds(pid: int, tid: int | None = None) -> float | None:
+    """User+system CPU seconds of *pid* (all its threads), or of its thread *tid*;
+    None if it is gone."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(path) as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return None
@@ -83,8 +86,13 @@ def trial(impl: str, make: Any, seconds: float) -> dict[str, float]:
             brokers = [b for b in bench.broker_pids() if Path(f"/proc/{b}/cmdline").read_bytes().split(b"\0")[-2:-1] == [mine]]
             pids = {"producer": procs[0].pid, "consumer": procs[1].pid} | {f"broker {b}": b for b in brokers}
             before = {name: cpu_seconds(pid) for name, pid in pids.items() if pid is not None}
+            # The producer's main thread makes and puts; its queue's feeder thread pickles.
+            ppid = procs[0].pid
+            assert ppid is not None
+            main_before = cpu_seconds(ppid, ppid)
             count, elapsed = report.get(timeout=seconds + 60)
             after = {name: cpu_seconds(pid) for name, pid in pids.items() if pid is not None}
+            main_after = cpu_seconds(ppid, ppid)
         finally:
             stop.set()
             bench.join_all(procs)
@@ -93,6 +101,8 @@ def trial(impl: str, make: Any, seconds: float) -> dict[str, float]:
             end = after.get(name)
             if start is not None and end is not None and end >= start:
                 row[name] = (end - start) / count * 1e6
+        if main_before is not None and main_after is not None:
+            row["producer main"] = (main_after - main_before) / count * 1e6
         return row
     finally:
         bench.deconfigure()
@@ -109,9 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.rounds):
         for impl in args.impls.split(","):
             row = trial(impl, make, args.seconds)
+            main = row.pop("producer main", None)
             cpu = {k: v for k, v in row.items() if k != "msg_per_s"}
             parts = "  ".join(f"{k} {v:8.1f}" for k, v in cpu.items())
-            print(f"{impl:<22} {row['msg_per_s']:9.0f} msg/s   CPU us/msg: {parts}   total {sum(cpu.values()):8.1f}", flush=True)
+            split = f" (main thread {main:.1f}, the rest its feeder thread's pickling)" if main is not None else ""
+            print(f"{impl:<22} {row['msg_per_s']:9.0f} msg/s   CPU us/msg: {parts}   total {sum(cpu.values()):8.1f}{split}", flush=True)
     return 0
 
 
