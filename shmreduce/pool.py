@@ -373,7 +373,7 @@ def settle(releases: Releases, unclaimed: Callable[[str, bytes], bool]) -> None:
             if unclaimed(directory, key):
                 later.append(entry)
                 continue
-            _kept_release(releases, kept)
+            releases.kept.setdefault((directory, key), []).extend(names)
             continue
         pool = seg.pool
         if pool is None or seg.gen != gen:
@@ -387,11 +387,6 @@ def settle(releases: Releases, unclaimed: Callable[[str, bytes], bool]) -> None:
                 continue
         pool.give_back(seg)  # closes it instead if it is never to be reused
     _dead.extend(later)
-
-
-def _kept_release(releases: Releases, kept: tuple) -> None:
-    directory, key, names = kept
-    releases.kept.setdefault((directory, key), []).extend(names)
 
 
 def take_over(seg: Segment, gen: int, directory: str) -> tuple | None:
@@ -534,12 +529,9 @@ class Pool:
         mount is to be tried once more (*retry*)."""
         try:
             return seg.begin(new_gen())
-        except OutOfSharedMemory:
-            if not retry:
+        except SharingError as exc:
+            if not (retry and isinstance(exc, OutOfSharedMemory)):
                 self.closed(seg)
-            raise
-        except SharingError:
-            self.closed(seg)
             raise
 
     def _new_slab(self) -> None:
@@ -552,7 +544,7 @@ class Pool:
             except OutOfSharedMemory:
                 self.full()
                 seg.allocate()
-        self.local.slab = (seg, seg.begin(new_gen()))
+        self.local.slab = (seg, self._begin(seg, retry=False))
 
     def take(self, size: int) -> Segment:
         """A free segment of *size*, else a new one."""

@@ -12,6 +12,7 @@ from typing import Any
 import shmreduce
 from shmreduce import program
 from shmreduce.broker import client as broker_client
+from shmreduce.broker import protocol as P
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> bool:
@@ -35,6 +36,14 @@ def shm_entries() -> set[str]:
         for name in dirs + files:
             found.add(os.path.join(root, name))
     return found
+
+
+def seg_files(directory: str) -> set[str]:
+    """The segment files in a program directory (none once it is gone)."""
+    try:
+        return {n for n in os.listdir(directory) if n.startswith(P.SEG_PREFIX)}
+    except FileNotFoundError:
+        return set()
 
 
 def broker_pids() -> list[int]:

@@ -27,7 +27,7 @@ from shmreduce import program, transfer
 from shmreduce.broker import client as broker_client
 from shmreduce.broker import protocol as P
 
-from helpers import broker_pids, forget_mappings, let_go_now, run_in_child, wait_for
+from helpers import broker_pids, forget_mappings, let_go_now, run_in_child, seg_files, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 30.0
@@ -62,10 +62,6 @@ def _check_list(q, results):
     results.put(all(bool((t == float(i)).all()) and t.numel() == 4 for i, t in enumerate(items)) and len(items))
 
 
-def _seg_files(directory):
-    return [n for n in os.listdir(directory) if n.startswith(P.SEG_PREFIX)] if os.path.isdir(directory) else []
-
-
 def test_file_system_message_of_3000_storages_arrives_and_leaves_nothing():
     with shmreduce.registered(strategy="file_system"):
         ctx = mp.get_context("fork")
@@ -88,7 +84,7 @@ def test_file_system_message_of_3000_storages_arrives_and_leaves_nothing():
         _client().ping()  # barrier: the release has been read
         # The deposit was whole: the broker knew every file, and unlinked each once
         # neither the receiver (exited) nor the sender (released) held it.
-        assert wait_for(lambda: not _seg_files(directory), 10), len(_seg_files(directory))
+        assert wait_for(lambda: not seg_files(directory), 10), len(seg_files(directory))
 
 
 # -- item 12: a message of more than MAX_FDS slabs, under load -------------------------------

@@ -19,10 +19,9 @@ import torch
 import shmreduce
 from shmreduce import program, transfer
 from shmreduce.broker import client as broker_client
-from shmreduce.broker import protocol as P
 from shmreduce.errors import OutOfSharedMemory
 
-from helpers import wait_for
+from helpers import seg_files, wait_for
 
 CHILD = textwrap.dedent(
     """
@@ -108,16 +107,12 @@ def test_a_header_write_that_finds_the_mount_full_is_tried_again_after_letting_g
         assert left == [0]  # the first header write did fail: this was the retry
 
 
-def _seg_files() -> list[str]:
-    directory = program.current().directory
-    return [n for n in os.listdir(directory) if n.startswith(P.SEG_PREFIX)]
-
-
 def test_a_segment_whose_header_cannot_be_written_is_not_left_behind(monkeypatch):
     with shmreduce.registered(strategy="file_system"):
         shmreduce.loads(shmreduce.dumps(torch.ones(2)))  # the program directory and its broker
         transfer.let_go()
-        before = len(_seg_files())
+        directory = program.current().directory
+        before = len(seg_files(directory))
         _fail_header_writes(monkeypatch, 1 << 30)
         for _ in range(3):
             with pytest.raises(OutOfSharedMemory):
@@ -125,7 +120,7 @@ def test_a_segment_whose_header_cannot_be_written_is_not_left_behind(monkeypatch
         monkeypatch.undo()
         transfer.collect()
         broker_client.client_for(program.current().directory).ping()  # barrier: the releases are in
-        assert wait_for(lambda: len(_seg_files()) <= before, 5.0), (before, _seg_files())
+        assert wait_for(lambda: len(seg_files(directory)) <= before, 5.0), (before, seg_files(directory))
 
 
 def test_no_memory_at_a_header_write_under_file_descriptor_is_a_sharing_error(monkeypatch):
