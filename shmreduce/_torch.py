@@ -30,6 +30,12 @@ def map_file(path: str, nbytes: int) -> torch.UntypedStorage:
 swap_memory: Callable[[torch.UntypedStorage, torch.UntypedStorage], None] = UntypedStorage._swap_data_ptr_  # type: ignore[attr-defined]
 
 
+# torch's DLPack importer for a "dltensor" capsule (the legacy, unversioned ABI, which
+# every torch 2.x reads): the tensor aliases the capsule's memory, and torch calls the
+# capsule's deleter when the storage dies. ``shmreduce._native`` calls it from C.
+from_dlpack: Callable[[object], torch.Tensor] = torch._C._from_dlpack
+
+
 # torch's own answer, bound at import: while registered, ``patches`` makes
 # UntypedStorage.is_shared also ask shmreduce's cache.
 torch_is_shared: Callable[[torch.UntypedStorage], bool] = UntypedStorage.is_shared

@@ -694,15 +694,21 @@ def receive(ref: tuple) -> torch.UntypedStorage:
             f"refusing file_system handle {segkey!r}: its tag does not match its handle (forged or corrupted message, or another program's)"
         )
     last = entry.last
+    token = None
     if last is not None and last[0] == segkey and last[1] == gen:
         # The message's previous storage lay in this generation too (a slab's small
         # storages): same segment, same token, nothing to look up.
         seg, token = last[2], last[3]
-    else:
+        if not token.acquire():
+            token = None  # every storage of it died, and settle took it, meanwhile
+    if token is None:
         seg, token = _token_for(entry, kind, directory, message, segkey, gen, slot)
         if scoped:
             entry.last = (segkey, gen, seg, token)
-    storage = seg.view(token, offset, nbytes)
+    try:
+        storage = token.storage(offset, nbytes)
+    finally:
+        token.release()  # the load's hold: from now on its storages (and a park) hold it
     if not scoped:
         entry.claim_now()
     _counters["storages_received"] += 1
@@ -713,10 +719,11 @@ def receive(ref: tuple) -> torch.UntypedStorage:
 
 def _token_for(entry: _Incoming, kind: str, directory: str, message: bytes, segkey: Any, gen: int, slot: int) -> tuple[pool.Segment, Any]:
     """The segment *segkey* as mapped here (found, or mapped now: its descriptor
-    fetched first if need be) and the token of its generation *gen* (live, or new:
-    checked against the segment's header, its hold taken over or named in the
-    message's claim; parked once its generation has come in more than one message,
-    or is met again while its token lives)."""
+    fetched first if need be) and the token of its generation *gen*, held once for
+    the caller to release: live, or dead but not yet settled (it revives with what it
+    kept), or new (checked against the segment's header and named in the message's
+    claim). Parked once its generation has come in more than one message, or is met
+    again while its token lives."""
     seg = pool.lookup(kind, segkey)
     if kind == "fd":
         if seg is None:
@@ -726,24 +733,22 @@ def _token_for(entry: _Incoming, kind: str, directory: str, message: bytes, segk
     elif seg is None or seg.directory != directory:
         seg = pool.open_file(directory, segkey)
     token = seg.live_token(gen)
-    if token is None:
-        if gen:
-            if seg.header() != gen & 0xFFFFFFFFFFFFFFFF:
-                raise stale_message(f"segment {segkey!r} holds other data now (generation {gen:x} is over)")
-            kept = pool.take_over(seg, gen, directory)
-            if kept is None:
-                names = [gen_name(gen), segkey] if kind == "fs" else [gen_name(gen)]
-                kept = (directory, message, names)
-                entry.keep.extend(names)
-            token = seg.new_token(gen, kept)
-            if seg.rtokens >= 2:  # the generation came in more than one message (a slab's)
-                pool.park(seg, token)
-        else:
-            token = seg.new_token(0, None)
-        if seg.pool is None:
-            pool.keep(seg)
-    elif gen and seg.pool is None:  # a live token of an earlier message: a slab's, here again
-        pool.park(seg, token)
+    if token is not None and token.acquire():
+        if gen and seg.pool is None:  # a live token of an earlier message: a slab's, here again
+            pool.park(seg, token)
+        return seg, token
+    if gen:
+        if seg.header() != gen & 0xFFFFFFFFFFFFFFFF:
+            raise stale_message(f"segment {segkey!r} holds other data now (generation {gen:x} is over)")
+        names = [gen_name(gen), segkey] if kind == "fs" else [gen_name(gen)]
+        entry.keep.extend(names)
+        token = seg.new_token(gen, (directory, message, names))
+        if seg.rtokens >= 2:  # the generation came in more than one message (a slab's)
+            pool.park(seg, token)
+    else:
+        token = seg.new_token(0, None)
+    if seg.pool is None:
+        pool.keep(seg)
     return seg, token
 
 

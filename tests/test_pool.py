@@ -6,6 +6,7 @@ settings; segment sizes and bounds, unit by unit."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import multiprocessing as mp
@@ -26,7 +27,7 @@ import pytest
 import torch
 
 import shmreduce
-from shmreduce import pool, program, transfer
+from shmreduce import _native, pool, program, transfer
 from shmreduce.cache import cache
 
 from helpers import forget_mappings, let_go_now, run_in_child, wait_for
@@ -219,9 +220,12 @@ def test_parked_tokens_are_let_go_of_by_threads_at_once() -> None:
         def __init__(self, key: int) -> None:
             self.key = key
 
-    class _Token:  # as pool's tokens: it keeps its segment
-        def __init__(self, segment: _Seg) -> None:
-            self.segment = segment
+    memory = ctypes.create_string_buffer(4096)
+
+    def token(seg: _Seg) -> Any:  # a real token over memory of the test's; settle skips it (not this pid's)
+        made = _native.Gen(seg, ctypes.addressof(memory), len(memory), 0, 0)
+        made.info = (None, -1)
+        return made
 
     errors: list[BaseException] = []
     stop = threading.Event()
@@ -241,7 +245,9 @@ def test_parked_tokens_are_let_go_of_by_threads_at_once() -> None:
         segs: list[Any] = [_Seg(i) for i in range(2000)]  # stand-ins: park needs kind and key only
         while time.monotonic() < deadline and not errors:
             for seg in segs:
-                pool.park(seg, _Token(seg))
+                made = token(seg)
+                pool.park(seg, made)
+                made.release()  # the maker's hold: the park holds it now
     finally:
         stop.set()
         for t in threads:
@@ -562,7 +568,7 @@ def test_a_segment_view_out_of_bounds_is_a_sharing_error(strategy: str) -> None:
     assert gen and offset >= pool.HEADER and nbytes == 4000
     token = seg.live_token(gen)
     assert token is not None
-    view = seg.view(token, offset, nbytes)
+    view = token.storage(offset, nbytes)
     assert torch.equal(torch.frombuffer(bytearray(bytes(view)), dtype=torch.int32), t)
     for bad_offset, bad_nbytes in [
         (seg.size - 8, 16),
@@ -574,10 +580,14 @@ def test_a_segment_view_out_of_bounds_is_a_sharing_error(strategy: str) -> None:
         (-8, 16),
         (offset, seg.size),
         (1 << 62, 1 << 62),
+        (offset + 8, 8),  # every storage starts on a cache line
     ]:
         with pytest.raises(shmreduce.SharingError, match="out of bounds"):
-            seg.view(token, bad_offset, bad_nbytes)
-    assert seg.view(token, seg.size - 8, 8).nbytes() == 8  # the last bytes are fine
+            token.storage(bad_offset, bad_nbytes)
+    for bad in [(1 << 64, 8), (offset, 1 << 64), ("64", 8), (offset, 8.0)]:
+        with pytest.raises(shmreduce.SharingError):
+            token.storage(*bad)
+    assert token.storage(seg.size - 64, 64).nbytes() == 64  # the last bytes are fine
 
 
 def test_opening_a_missing_segment_file_is_a_sharing_error() -> None:

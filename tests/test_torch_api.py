@@ -191,3 +191,13 @@ def test_storage_and_tensor_classes_are_torchs_own_lists():
     assert {torch.FloatTensor, torch.LongTensor} <= set(_torch.tensor_classes()), (
         "torch._tensor_classes no longer lists the legacy tensor classes (torch.FloatTensor ...)"
     )
+
+
+def test_from_dlpack_takes_a_legacy_capsule_and_aliases_its_memory():
+    # shmreduce._native hands torch "dltensor" capsules it builds itself; torch's
+    # importer must alias the memory and call the deleter when the storage dies.
+    source = torch.arange(16, dtype=torch.uint8)
+    capsule = torch.utils.dlpack.to_dlpack(source)
+    t = _torch.from_dlpack(capsule)
+    assert t.data_ptr() == source.data_ptr() and t.dtype == torch.uint8
+    assert t.untyped_storage().nbytes() == 16

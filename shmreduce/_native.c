@@ -1,0 +1,517 @@
+/* shmreduce._native: the per-storage hot path and exact native lifetimes.
+ *
+ * Owns three things, and nothing else (policy stays in Python: pool.py, transfer.py):
+ *
+ * 1. ``Gen``: one generation of one mapped segment in this process. It knows the
+ *    segment's address and size and checks every (offset, nbytes) against them before
+ *    a pointer is formed (bounds, alignment, overflow): a forged or stale handle is a
+ *    SharingError, never a fault.
+ * 2. Storages over the mapping, made through DLPack: a uint8 tensor over
+ *    [addr + offset, addr + offset + nbytes) handed to torch's own DLPack importer,
+ *    whose untyped storage is returned. DLPack's structs are written here from the
+ *    public spec (a stable C ABI): no torch headers, one binary for every torch.
+ * 3. Native lifetimes. A Gen counts its live storages (plus explicit holds, see
+ *    acquire/release). The DLPack deleter, run by torch when a storage dies, on any
+ *    thread and not necessarily holding the GIL, does atomic arithmetic and
+ *    lock-free pushes only: its context goes back on a free list, and the Gen whose
+ *    count reached zero is pushed on the "dead" stack. ``dead()`` (GIL held) takes
+ *    the stack and returns the Gens that are really dead (none revived meanwhile).
+ *
+ * Reference ownership: while a Gen's count is above zero, or it sits on the dead
+ * stack, it owns one reference to itself (its storages can outlive every Python
+ * reference to it). ``dead()`` hands that reference to its caller.
+ *
+ * Consumers of both lock-free stacks (the free list, the dead stack) hold the GIL, so
+ * there is one consumer at a time and it takes a whole stack with one exchange: no
+ * ABA problem. This module needs a GIL build of CPython.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+/* ---- DLPack (legacy, unversioned ABI: "dltensor" capsules), from the public spec ---- */
+
+typedef struct {
+    int32_t device_type;
+    int32_t device_id;
+} DLDevice;
+
+typedef struct {
+    uint8_t code;
+    uint8_t bits;
+    uint16_t lanes;
+} DLDataType;
+
+typedef struct {
+    void *data;
+    DLDevice device;
+    int32_t ndim;
+    DLDataType dtype;
+    int64_t *shape;
+    int64_t *strides;
+    uint64_t byte_offset;
+} DLTensor;
+
+typedef struct DLManagedTensor {
+    DLTensor dl_tensor;
+    void *manager_ctx;
+    void (*deleter)(struct DLManagedTensor *self);
+} DLManagedTensor;
+
+enum { kDLCPU = 1, kDLUInt = 1 };
+
+/* ---- module state (one interpreter) ---- */
+
+#define ALIGN 64            /* every storage starts on a cache line (pool.ALIGN) */
+#define QUEUED (1ULL << 63) /* Gen.state: on the dead stack */
+#define COUNT (QUEUED - 1)
+#define COPY_NOGIL 65536 /* copies this large release the GIL */
+
+static PyObject *from_dlpack; /* torch._C._from_dlpack */
+static PyObject *sharing_error; /* shmreduce.errors.SharingError */
+static PyObject *str_untyped_storage;
+
+typedef struct GenObject GenObject;
+
+/* One storage's DLPack context; recycled through a lock-free free list. */
+typedef struct Ctx {
+    DLManagedTensor managed;
+    int64_t shape;
+    GenObject *gen;
+    struct Ctx *next;
+} Ctx;
+
+struct GenObject {
+    PyObject_HEAD
+    _Atomic uint64_t state; /* live storages and holds | QUEUED */
+    GenObject *next;        /* on the dead stack */
+    PyObject *owner;        /* the Segment (keeps the mapping) */
+    PyObject *info;         /* Python's bookkeeping, opaque here */
+    PyObject *weakrefs;
+    char *addr;
+    Py_ssize_t size;
+    Py_ssize_t low;      /* first byte a storage may use (the header is below) */
+    PyObject *number;    /* the generation, an int (0: not pooled) */
+    int ended;           /* dead() reported it: no storage is made from it any more */
+};
+
+static _Atomic(Ctx *) free_ctx;         /* pushed by deleters */
+static Ctx *spare_ctx;                  /* taken by the GIL holder */
+static _Atomic(GenObject *) dead_stack; /* pushed by deleters and release() */
+
+static PyTypeObject GenType;
+
+/* ---- the lock-free parts: no Python API below this line until marked ---- */
+
+static void push_dead(GenObject *gen) {
+    GenObject *head = atomic_load_explicit(&dead_stack, memory_order_relaxed);
+    do {
+        gen->next = head;
+    } while (!atomic_compare_exchange_weak_explicit(&dead_stack, &head, gen, memory_order_release, memory_order_relaxed));
+}
+
+/* One count less; the Gen goes on the dead stack when it was the last (it keeps its
+ * self-reference there, so it stays valid until dead() takes it). */
+static void drop_count(GenObject *gen) {
+    uint64_t s = atomic_load_explicit(&gen->state, memory_order_relaxed);
+    uint64_t n;
+    do {
+        n = s - 1;
+        if ((n & COUNT) == 0 && !(s & QUEUED))
+            n |= QUEUED;
+    } while (!atomic_compare_exchange_weak_explicit(&gen->state, &s, n, memory_order_acq_rel, memory_order_relaxed));
+    if (n == QUEUED && !(s & QUEUED))
+        push_dead(gen);
+}
+
+/* torch's deleter: any thread, maybe without the GIL. Atomics and pushes only. */
+static void ctx_deleter(DLManagedTensor *managed) {
+    Ctx *ctx = (Ctx *)managed->manager_ctx;
+    GenObject *gen = ctx->gen;
+    Ctx *head = atomic_load_explicit(&free_ctx, memory_order_relaxed);
+    do {
+        ctx->next = head;
+    } while (!atomic_compare_exchange_weak_explicit(&free_ctx, &head, ctx, memory_order_release, memory_order_relaxed));
+    drop_count(gen);
+}
+
+/* ---- GIL held from here on ---- */
+
+static Ctx *take_ctx(void) {
+    if (spare_ctx == NULL)
+        spare_ctx = atomic_exchange_explicit(&free_ctx, NULL, memory_order_acquire);
+    Ctx *ctx = spare_ctx;
+    if (ctx != NULL) {
+        spare_ctx = ctx->next;
+        return ctx;
+    }
+    ctx = PyMem_RawMalloc(sizeof(Ctx));
+    if (ctx == NULL)
+        PyErr_NoMemory();
+    return ctx;
+}
+
+static void give_back_ctx(Ctx *ctx) {
+    ctx->next = spare_ctx;
+    spare_ctx = ctx;
+}
+
+/* One count more (a storage, or a hold); the first takes the self-reference. */
+static void add_count(GenObject *gen) {
+    uint64_t s = atomic_fetch_add_explicit(&gen->state, 1, memory_order_acq_rel);
+    if (s == 0)
+        Py_INCREF(gen); /* a Gen on the dead stack (s == QUEUED) has it already */
+}
+
+/* The one check a handle meets before a pointer is formed. */
+static int check_range(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes) {
+    if (gen->ended) {
+        PyErr_Format(sharing_error, "generation %S is over: stale handle", gen->number);
+        return -1;
+    }
+    if (nbytes <= 0 || offset < gen->low || offset > gen->size || nbytes > gen->size - offset || offset % ALIGN != 0) {
+        PyErr_Format(sharing_error,
+                     "handle out of bounds (%zd bytes at %zd of a %zd-byte segment): it does not match its segment "
+                     "(forged or corrupted message)",
+                     nbytes, offset, gen->size);
+        return -1;
+    }
+    return 0;
+}
+
+static void capsule_destructor(PyObject *capsule) {
+    /* Not consumed by torch (an error before it took ownership): let go here. */
+    if (PyCapsule_IsValid(capsule, "dltensor")) {
+        DLManagedTensor *managed = PyCapsule_GetPointer(capsule, "dltensor");
+        if (managed != NULL)
+            managed->deleter(managed);
+    }
+}
+
+/* The untyped storage over [offset, offset + nbytes) of the mapping; range checked. */
+static PyObject *make_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes) {
+    if (from_dlpack == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "shmreduce._native.init() was not called");
+        return NULL;
+    }
+    Ctx *ctx = take_ctx();
+    if (ctx == NULL)
+        return NULL;
+    memset(&ctx->managed, 0, sizeof(ctx->managed));
+    ctx->shape = nbytes;
+    ctx->gen = gen;
+    ctx->managed.dl_tensor.data = gen->addr + offset;
+    ctx->managed.dl_tensor.device.device_type = kDLCPU;
+    ctx->managed.dl_tensor.ndim = 1;
+    ctx->managed.dl_tensor.dtype.code = kDLUInt;
+    ctx->managed.dl_tensor.dtype.bits = 8;
+    ctx->managed.dl_tensor.dtype.lanes = 1;
+    ctx->managed.dl_tensor.shape = &ctx->shape;
+    ctx->managed.manager_ctx = ctx;
+    ctx->managed.deleter = ctx_deleter;
+    add_count(gen); /* before the capsule exists: its destructor may drop it */
+    PyObject *capsule = PyCapsule_New(&ctx->managed, "dltensor", capsule_destructor);
+    if (capsule == NULL) {
+        give_back_ctx(ctx);
+        drop_count(gen);
+        return NULL;
+    }
+    PyObject *tensor = PyObject_CallOneArg(from_dlpack, capsule);
+    Py_DECREF(capsule); /* consumed: torch's storage owns ctx; else the destructor let go */
+    if (tensor == NULL)
+        return NULL;
+    PyObject *storage = PyObject_CallMethodNoArgs(tensor, str_untyped_storage);
+    Py_DECREF(tensor);
+    return storage;
+}
+
+static int parse_range(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, Py_ssize_t *offset, Py_ssize_t *nbytes) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "expected %zd arguments, got %zd", want, nargs);
+        return -1;
+    }
+    if (!PyLong_CheckExact(args[0]) || !PyLong_CheckExact(args[1])) {
+        PyErr_SetString(sharing_error, "handle offset and size must be ints (forged or corrupted message)");
+        return -1;
+    }
+    *offset = PyLong_AsSsize_t(args[0]);
+    *nbytes = PyLong_AsSsize_t(args[1]);
+    if ((*offset == -1 || *nbytes == -1) && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_SetString(sharing_error, "handle offset or size out of range (forged or corrupted message)");
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(gen_storage_doc, "storage(offset, nbytes) -> UntypedStorage\n\n"
+                              "The storage over nbytes at offset of the segment (checked first: SharingError).");
+
+static PyObject *gen_storage(GenObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t offset, nbytes;
+    if (parse_range(args, nargs, 2, &offset, &nbytes) < 0 || check_range(self, offset, nbytes) < 0)
+        return NULL;
+    return make_storage(self, offset, nbytes);
+}
+
+PyDoc_STRVAR(gen_place_doc, "place(offset, nbytes, source) -> UntypedStorage\n\n"
+                            "Copy nbytes from address source (0: zeros) to offset, then storage(offset, nbytes).\n"
+                            "source is the data_ptr() of a live CPU storage of at least nbytes (the caller's).");
+
+static PyObject *gen_place(GenObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t offset, nbytes;
+    if (parse_range(args, nargs, 3, &offset, &nbytes) < 0 || check_range(self, offset, nbytes) < 0)
+        return NULL;
+    void *source = PyLong_AsVoidPtr(args[2]);
+    if (source == NULL && PyErr_Occurred())
+        return NULL;
+    char *dest = self->addr + offset;
+    if (nbytes >= COPY_NOGIL) {
+        Py_BEGIN_ALLOW_THREADS
+        if (source == NULL)
+            memset(dest, 0, (size_t)nbytes);
+        else
+            memmove(dest, source, (size_t)nbytes);
+        Py_END_ALLOW_THREADS
+    } else if (source == NULL) {
+        memset(dest, 0, (size_t)nbytes);
+    } else {
+        memmove(dest, source, (size_t)nbytes);
+    }
+    return make_storage(self, offset, nbytes);
+}
+
+PyDoc_STRVAR(gen_acquire_doc, "acquire() -> bool\n\nHold the generation as a storage would (a slab's owner, a parked receiver, "
+                              "a load in progress); False, holding nothing, once dead() has reported it.");
+
+static PyObject *gen_acquire(GenObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (self->ended)
+        Py_RETURN_FALSE;
+    add_count(self);
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(gen_release_doc, "release()\n\nLet go of one acquire() (or of the hold a Gen is made with).");
+
+static PyObject *gen_release(GenObject *self, PyObject *Py_UNUSED(ignored)) {
+    if ((atomic_load(&self->state) & COUNT) == 0) {
+        PyErr_SetString(PyExc_RuntimeError, "release() of a generation nobody holds");
+        return NULL;
+    }
+    drop_count(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *gen_get_live(GenObject *self, void *Py_UNUSED(closure)) {
+    return PyLong_FromUnsignedLongLong(atomic_load(&self->state) & COUNT);
+}
+
+static PyObject *gen_get_ended(GenObject *self, void *Py_UNUSED(closure)) {
+    return PyBool_FromLong(self->ended);
+}
+
+static PyObject *gen_get_header(GenObject *self, void *Py_UNUSED(closure)) {
+    if (self->size < 8) /* cannot be: checked when made */
+        Py_RETURN_NONE;
+    uint64_t value;
+    memcpy(&value, self->addr, sizeof(value));
+    return PyLong_FromUnsignedLongLong(value);
+}
+
+static PyObject *gen_get_info(GenObject *self, void *Py_UNUSED(closure)) {
+    return Py_NewRef(self->info);
+}
+
+static int gen_set_info(GenObject *self, PyObject *value, void *Py_UNUSED(closure)) {
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "info cannot be deleted");
+        return -1;
+    }
+    Py_SETREF(self->info, Py_NewRef(value));
+    return 0;
+}
+
+static PyObject *gen_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"owner", "addr", "size", "number", "low", NULL};
+    PyObject *owner, *addr_obj, *number;
+    Py_ssize_t size, low;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOnO!n", kwlist, &owner, &addr_obj, &size, &PyLong_Type, &number, &low))
+        return NULL;
+    void *addr = PyLong_AsVoidPtr(addr_obj);
+    if (addr == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "Gen over a null address");
+        return NULL;
+    }
+    if (size < 8 || low < 0 || low > size) {
+        PyErr_Format(PyExc_ValueError, "Gen of a %zd-byte segment from byte %zd", size, low);
+        return NULL;
+    }
+    GenObject *self = (GenObject *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    atomic_init(&self->state, 1); /* the maker's hold: release() it */
+    Py_INCREF(self);              /* ... which owns the self-reference */
+    self->next = NULL;
+    self->owner = Py_NewRef(owner);
+    self->info = Py_NewRef(Py_None);
+    self->weakrefs = NULL;
+    self->addr = addr;
+    self->size = size;
+    self->low = low;
+    self->number = Py_NewRef(number);
+    self->ended = 0;
+    return (PyObject *)self;
+}
+
+static void gen_dealloc(GenObject *self) {
+    /* Only reached with no count and off the dead stack: the self-reference is gone. */
+    if (self->weakrefs != NULL)
+        PyObject_ClearWeakRefs((PyObject *)self);
+    Py_XDECREF(self->owner);
+    Py_XDECREF(self->info);
+    Py_XDECREF(self->number);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef gen_methods[] = {
+    {"storage", (PyCFunction)(void (*)(void))gen_storage, METH_FASTCALL, gen_storage_doc},
+    {"place", (PyCFunction)(void (*)(void))gen_place, METH_FASTCALL, gen_place_doc},
+    {"acquire", (PyCFunction)gen_acquire, METH_NOARGS, gen_acquire_doc},
+    {"release", (PyCFunction)gen_release, METH_NOARGS, gen_release_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef gen_members[] = {
+    {"owner", T_OBJECT, offsetof(GenObject, owner), READONLY, "the segment"},
+    {"number", T_OBJECT, offsetof(GenObject, number), READONLY, "the generation"},
+    {"size", T_PYSSIZET, offsetof(GenObject, size), READONLY, "the segment's size"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef gen_getset[] = {
+    {"live", (getter)gen_get_live, NULL, "storages and holds alive now", NULL},
+    {"ended", (getter)gen_get_ended, NULL, "dead() reported it", NULL},
+    {"header", (getter)gen_get_header, NULL, "the segment's first 8 bytes (its generation)", NULL},
+    {"info", (getter)gen_get_info, (setter)gen_set_info, "the pool's bookkeeping", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject GenType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "shmreduce._native.Gen",
+    .tp_basicsize = sizeof(GenObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = PyDoc_STR("Gen(owner, addr, size, number, low)\n\nA generation of a mapped segment in this process; "
+                        "made held once (release() it)."),
+    .tp_new = gen_new,
+    .tp_dealloc = (destructor)gen_dealloc,
+    .tp_weaklistoffset = offsetof(GenObject, weakrefs),
+    .tp_methods = gen_methods,
+    .tp_members = gen_members,
+    .tp_getset = gen_getset,
+};
+
+/* ---- module functions ---- */
+
+PyDoc_STRVAR(dead_doc, "dead() -> list[Gen]\n\nThe generations whose last storage and hold died since the last call, "
+                       "each once; each is ended.");
+
+static PyObject *native_dead(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored)) {
+    PyObject *result = PyList_New(0);
+    if (result == NULL)
+        return NULL;
+    GenObject *gen = atomic_exchange_explicit(&dead_stack, NULL, memory_order_acquire);
+    while (gen != NULL) {
+        GenObject *next = gen->next;
+        uint64_t s = atomic_load_explicit(&gen->state, memory_order_acquire);
+        int dead;
+        for (;;) {
+            /* QUEUED with no count: dead (its self-reference is ours now). Else it was
+             * revived while queued: off the stack, its storages keep the reference. */
+            uint64_t n = (s == QUEUED) ? 0 : (s & ~QUEUED);
+            if (atomic_compare_exchange_weak_explicit(&gen->state, &s, n, memory_order_acq_rel, memory_order_acquire)) {
+                dead = n == 0;
+                break;
+            }
+        }
+        if (dead) {
+            gen->ended = 1;
+            if (PyList_Append(result, (PyObject *)gen) < 0) {
+                /* Out of memory: this one and the rest go back on the stack for the
+                 * next call; what the list holds is reported now. */
+                PyErr_Clear();
+                gen->ended = 0;
+                atomic_store(&gen->state, QUEUED);
+                gen->next = next;
+                GenObject *tail = gen;
+                while (tail->next != NULL)
+                    tail = tail->next;
+                GenObject *head = atomic_load(&dead_stack);
+                do {
+                    tail->next = head;
+                } while (!atomic_compare_exchange_weak(&dead_stack, &head, gen));
+                return result;
+            }
+            Py_DECREF(gen); /* the list holds it now */
+        }
+        gen = next;
+    }
+    return result;
+}
+
+PyDoc_STRVAR(pending_doc, "pending() -> bool\n\nWhether dead() has something to report (one atomic load).");
+
+static PyObject *native_pending(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored)) {
+    return PyBool_FromLong(atomic_load_explicit(&dead_stack, memory_order_relaxed) != NULL);
+}
+
+PyDoc_STRVAR(init_doc, "init(from_dlpack, error)\n\nBind torch's DLPack importer and the exception type handles raise.");
+
+static PyObject *native_init(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *importer, *error;
+    if (!PyArg_ParseTuple(args, "OO", &importer, &error))
+        return NULL;
+    if (!PyCallable_Check(importer) || !PyType_Check(error) || !PyType_IsSubtype((PyTypeObject *)error, (PyTypeObject *)PyExc_Exception)) {
+        PyErr_SetString(PyExc_TypeError, "init(callable, exception type)");
+        return NULL;
+    }
+    Py_XSETREF(from_dlpack, Py_NewRef(importer));
+    Py_XSETREF(sharing_error, Py_NewRef(error));
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef native_methods[] = {
+    {"dead", native_dead, METH_NOARGS, dead_doc},
+    {"pending", native_pending, METH_NOARGS, pending_doc},
+    {"init", native_init, METH_VARARGS, init_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef native_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "shmreduce._native",
+    .m_doc = PyDoc_STR("shmreduce's per-storage hot path: checked storages over shared memory, native lifetimes."),
+    .m_size = -1,
+    .m_methods = native_methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    if (PyType_Ready(&GenType) < 0)
+        return NULL;
+    str_untyped_storage = PyUnicode_InternFromString("untyped_storage");
+    if (str_untyped_storage == NULL)
+        return NULL;
+    sharing_error = Py_NewRef(PyExc_RuntimeError); /* until init() */
+    PyObject *module = PyModule_Create(&native_module);
+    if (module == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(module, "Gen", (PyObject *)&GenType) < 0 || PyModule_AddIntConstant(module, "ALIGN", ALIGN) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

@@ -1,0 +1,242 @@
+"""shmreduce._native: checked storages over a mapping, native lifetimes (shmreduce/_native.c).
+
+Against memory of the test's own (an anonymous mapping), so every address a storage
+may cover is known; then fuzzed handles and pickles through the whole loader.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import mmap
+import pickle
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import shmreduce
+from shmreduce import _native, pool, transfer
+
+from helpers import run_in_child
+
+SIZE = 1 << 16
+LOW = 64
+
+
+class _Owner:
+    """Stands in for a Segment: the token keeps it (and so the mapping)."""
+
+
+_MINE = (None, -1)  # a token's info: nothing kept, no process's (pool.settle skips it)
+
+
+@pytest.fixture
+def memory() -> Iterator[tuple[mmap.mmap, int]]:
+    """A mapping of the test's; the collector thread (which takes what dead() reports,
+    through pool.settle, under this lock) waits meanwhile."""
+    m = mmap.mmap(-1, SIZE)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    with transfer._releases_lock:
+        yield m, addr
+        gc.collect()
+        _drain()
+
+
+def _drain() -> list[Any]:
+    """What dead() reports of this test's tokens; the pool's own go back to settle."""
+    mine: list[Any] = []
+    for gen in _native.dead():
+        (mine if gen.info == _MINE else pool._later).append(gen)
+    return mine
+
+
+def _gen(addr: int, number: int = 7) -> Any:
+    gen = _native.Gen(_Owner(), addr, SIZE, number, LOW)
+    gen.info = _MINE
+    return gen
+
+
+def test_a_storage_aliases_the_mapping(memory) -> None:
+    m, addr = memory
+    gen = _gen(addr)
+    s = gen.storage(128, 256)
+    assert isinstance(s, torch.UntypedStorage) and s.nbytes() == 256 and s.data_ptr() == addr + 128
+    t = torch.empty(0, dtype=torch.uint8).set_(s)
+    t.fill_(9)
+    assert m[128:384] == b"\x09" * 256 and m[127] == 0 and m[384] == 0
+    m[200] = 42
+    assert int(t[72]) == 42
+    # Every common dtype views it, as reductions.rebuild_tensor does.
+    for dtype in (torch.float32, torch.float64, torch.int64, torch.bfloat16, torch.complex64, torch.bool):
+        assert torch.empty(0, dtype=dtype).set_(s).numel() * dtype.itemsize == 256 or dtype == torch.bool
+    del s, t
+    gen.release()
+
+
+def test_place_copies_then_aliases(memory) -> None:
+    m, addr = memory
+    gen = _gen(addr)
+    source = torch.arange(200, dtype=torch.uint8).untyped_storage()
+    s = gen.place(64, 200, source.data_ptr())
+    assert bytes(s) == bytes(range(200)) == m[64:264]
+    big = torch.full((SIZE - 128,), 5, dtype=torch.uint8).untyped_storage()  # copied without the GIL
+    assert bytes(gen.place(128, big.nbytes(), big.data_ptr())) == b"\x05" * (SIZE - 128)
+    zeros = gen.place(64, 128, 0)  # zeros, as new_shared() wants
+    assert bytes(zeros) == bytes(128)
+    del s, zeros
+    gen.release()
+
+
+def test_the_last_storage_or_hold_to_die_reports_the_generation_once(memory) -> None:
+    _, addr = memory
+    gen = _gen(addr)
+    assert gen.live == 1 and not gen.ended  # its maker's hold
+    a, b = gen.storage(64, 64), gen.storage(128, 64)
+    gen.release()
+    assert gen.live == 2 and gen not in _drain()
+    del a
+    assert gen.live == 1 and gen not in _drain()
+    del b
+    assert gen.live == 0 and _native.pending()
+    reported = _drain()
+    assert reported == [gen] and gen.ended
+    assert _drain() == []
+    assert not gen.acquire()  # over: no hold, no storage
+    with pytest.raises(shmreduce.SharingError, match="is over"):
+        gen.storage(64, 64)
+    with pytest.raises(RuntimeError, match="nobody holds"):
+        gen.release()
+
+
+def test_a_generation_revived_before_it_is_reported_is_not_reported(memory) -> None:
+    _, addr = memory
+    gen = _gen(addr)
+    gen.release()  # dead, queued
+    assert _native.pending()
+    s = gen.storage(64, 64)  # revived while queued
+    assert _drain() == [] and gen.live == 1 and not gen.ended
+    del s
+    assert _drain() == [gen]
+
+
+def test_storages_dying_on_other_threads_are_counted_exactly(memory) -> None:
+    _, addr = memory
+    gen = _gen(addr)
+    storages = [gen.storage(64 * (1 + i % 100), 64) for i in range(4000)]
+    gen.release()
+    chunks = [storages[i::8] for i in range(8)]
+    del storages
+    barrier = threading.Barrier(8)
+
+    def drop(chunk: list[Any]) -> None:
+        barrier.wait()
+        chunk.clear()  # torch runs each deleter here, on this thread
+
+    threads = [threading.Thread(target=drop, args=(chunk,)) for chunk in chunks]
+    del chunks
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert gen.live == 0
+    assert _drain() == [gen]
+
+
+def test_a_token_keeps_its_owner_while_a_storage_lives(memory) -> None:
+    _, addr = memory
+    gen = _gen(addr)
+    owner = gen.owner
+    s = gen.storage(64, 64)
+    gen.release()
+    del gen
+    gc.collect()
+    assert s.nbytes() == 64  # the token lives on, through its storage, with its owner
+    del s
+    (reported,) = _drain()
+    assert reported.owner is owner
+
+
+_ANY = st.integers(-(1 << 70), 1 << 70)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    offset=_ANY | st.integers(-128, SIZE + 128) | st.integers(0, SIZE // 64).map(lambda k: k * 64), nbytes=_ANY | st.integers(-8, SIZE + 8)
+)
+def test_any_range_is_a_checked_storage_or_a_sharing_error(memory, offset: int, nbytes: int) -> None:
+    _, addr = memory
+    gen = _gen(addr)
+    try:
+        valid = LOW <= offset and 0 < nbytes and offset + nbytes <= SIZE and offset % _native.ALIGN == 0
+        if valid:
+            s = gen.storage(offset, nbytes)
+            assert s.data_ptr() == addr + offset and s.nbytes() == nbytes
+            del s
+        else:
+            with pytest.raises(shmreduce.SharingError, match="out of bounds|out of range"):
+                gen.storage(offset, nbytes)
+    finally:
+        gen.release()
+        _drain()
+
+
+def test_handles_of_the_wrong_type_are_sharing_errors(memory) -> None:
+    _, addr = memory
+    gen = _gen(addr)
+    for args in [("64", 64), (64, 64.0), (None, 1), (True, 64)]:
+        with pytest.raises(shmreduce.SharingError):
+            gen.storage(*args)
+    with pytest.raises(TypeError):
+        gen.storage(64)
+    gen.release()
+
+
+# -- fuzzed messages through the whole loader ------------------------------------------
+
+
+def _load_mutated(data: bytes) -> str:
+    """A mutated message loaded in a fork child (which forgets its parent's mappings):
+    whatever happens, an exception or a value, never a crash."""
+    pool.forget_mappings()
+    try:
+        obj = pickle.loads(data)
+    except Exception as exc:  # noqa: BLE001  any exception is a fine answer to garbage; a crash is not
+        return type(exc).__name__
+    # Every storage that loaded must be readable end to end (one past its mapping
+    # would fault here). Not the tensors' elements: a mutated shape with stride 0 is
+    # a valid tensor of billions of elements.
+    for value in obj.values() if isinstance(obj, dict) else [obj]:
+        if isinstance(value, torch.Tensor):
+            bytes(value.untyped_storage())
+    return "loaded"
+
+
+@pytest.mark.parametrize("strategy_name", ["file_descriptor", "file_system"])
+def test_mutated_messages_never_crash_the_loader(strategy_name: str) -> None:
+    # Random byte flips and splices in real messages (tensors in a slab and in a
+    # segment of their own): each load raises or returns; the child never dies of a
+    # signal. Children run one at a time, so each message is its own deposit.
+    rounds = 40
+    outcomes: dict[str, int] = {}
+    with shmreduce.registered(strategy=strategy_name):
+        rng = torch.Generator().manual_seed(20261125)
+        for _ in range(rounds):
+            msg = {"small": torch.arange(16.0), "big": torch.ones(40_000), "view": torch.arange(64)[8:40]}
+            original = shmreduce.dumps(msg)
+            data = bytearray(original)
+            for _ in range(int(torch.randint(1, 4, (1,), generator=rng))):
+                at = int(torch.randint(0, len(data), (1,), generator=rng))
+                data[at] = int(torch.randint(0, 256, (1,), generator=rng))
+            status, value = run_in_child(_load_mutated, bytes(data))
+            assert status == "ok", (status, value)
+            outcomes[value] = outcomes.get(value, 0) + 1
+            try:  # the original, unless the child took it: no message stays undelivered
+                shmreduce.loads(original)
+            except shmreduce.SharingError:
+                pass
+    assert sum(outcomes.values()) == rounds, outcomes
