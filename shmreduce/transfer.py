@@ -56,16 +56,18 @@ class SegmentRef(NamedTuple):
     offset: int
     nbytes: int
     # fd: index of the descriptor in the deposit. fs: the handle's tag, a keyed hash
-    # of the rest under the program's authkey (see fs_tag): nothing asks the broker
-    # before a file is mapped, so the receiver checks the tag instead.
+    # of its directory, message, file and generation under the program's authkey (see
+    # fs_tag): nothing asks the broker before a file is mapped, so the receiver checks
+    # the tag instead, once per message and generation.
     slot: int
 
 
-def fs_tag(directory: str, message: bytes, name: str, gen: int, offset: int, nbytes: int) -> int:
+def fs_tag(directory: str, message: bytes, name: str, gen: int) -> int:
     """The tag of a file_system handle: refuses forged or mixed-up directories, keys,
-    names, generations, offsets, sizes."""
+    names, generations. Computed once per message and generation on either side:
+    offsets and sizes are checked against the mapped segment itself (``_native``)."""
     h = _tagger().copy()
-    h.update(b"%s/%s%s/%d/%d/%d" % (directory.encode(), message, name.encode(), gen, offset, nbytes))
+    h.update(b"%s/%s%s/%d" % (directory.encode(), message, name.encode(), gen))
     return int.from_bytes(h.digest(), "little")
 
 
@@ -177,7 +179,7 @@ class _Outgoing:
     """The deposit a message is building: its descriptors (file_descriptor) and the
     names it holds until received, per broker directory it touches."""
 
-    __slots__ = ("key", "program", "root", "fds", "slots", "keep", "names", "gens", "holds", "announced", "files")
+    __slots__ = ("key", "program", "root", "fds", "slots", "keep", "names", "gens", "tags", "holds", "announced", "files")
 
     def __init__(self) -> None:
         self.key = _new_key()
@@ -188,6 +190,7 @@ class _Outgoing:
         self.keep: list[torch.UntypedStorage] = []  # keeps torch's descriptors valid until the deposit
         self.names: dict[str, dict[str, None]] = {}  # directory -> names the message holds
         self.gens: set[int] = set()  # generations among them
+        self.tags: dict[int, int] = {}  # file_system generation -> its handles' tag
         self.holds: dict[str, list[str]] = {}  # directory -> generations this process starts holding
         self.announced: list[pool.Segment] = []
         self.files = False  # the fs program directory's broker was checked live
@@ -211,7 +214,10 @@ class _Outgoing:
             directory = seg.directory
             self._hold(directory, seg, gen)
             self.names.setdefault(directory, {})[seg.key] = None
-            return ("fs", directory, self.key, seg.key, gen, offset, nbytes, fs_tag(directory, self.key, seg.key, gen, offset, nbytes))
+            tag = self.tags.get(gen)
+            if tag is None:
+                tag = self.tags[gen] = fs_tag(directory, self.key, seg.key, gen)
+            return ("fs", directory, self.key, seg.key, gen, offset, nbytes, tag)
         if gen:
             self._hold(self.program, seg, gen)
         slot = self.slots.get(seg.key)
@@ -689,10 +695,6 @@ def receive(ref: tuple) -> torch.UntypedStorage:
         if not scoped:
             entry.claim_now()
         return storage
-    if kind == "fs" and slot != fs_tag(directory, message, segkey, gen, offset, nbytes):
-        raise SharingError(
-            f"refusing file_system handle {segkey!r}: its tag does not match its handle (forged or corrupted message, or another program's)"
-        )
     last = entry.last
     token = None
     if last is not None and last[0] == segkey and last[1] == gen:
@@ -702,6 +704,11 @@ def receive(ref: tuple) -> torch.UntypedStorage:
         if not token.acquire():
             token = None  # every storage of it died, and settle took it, meanwhile
     if token is None:
+        if kind == "fs" and slot != fs_tag(directory, message, segkey, gen):
+            raise SharingError(
+                f"refusing file_system handle {segkey!r}: its tag does not match its handle "
+                "(forged or corrupted message, or another program's)"
+            )
         seg, token = _token_for(entry, kind, directory, message, segkey, gen, slot)
         if scoped:
             entry.last = (segkey, gen, seg, token)
