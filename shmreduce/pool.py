@@ -337,11 +337,14 @@ def has_dead() -> bool:
     return bool(_dead)
 
 
-def _token_died(ref: weakref.ref) -> None:
-    # Any thread, any time the last storage of a generation goes: only queue it.
-    entry = _live.pop(id(ref), None)
+def _token_died(ref: weakref.ref, _pop: Callable = _live.pop, _queue: Callable = _dead.append) -> None:
+    # Any thread, any time the last storage of a generation goes: only queue it. At
+    # interpreter shutdown too, after module teardown has set this module's globals
+    # to None (issue 19: "'NoneType' object has no attribute 'pop'" on stderr): what
+    # it uses is bound here, as resource_tracker binds os.close.
+    entry = _pop(id(ref), None)
     if entry is not None:
-        _dead.append(entry[1:])
+        _queue(entry[1:])
 
 
 class Releases:
