@@ -85,10 +85,35 @@ def shutdown_and_check_leaks(fds_before: set[str], timeout: float = 15.0) -> Non
     broker_client.close_all()
     gc.collect()
     transfer.collect()  # what died since (the collector thread would within 0.5 s)
-    assert wait_for(lambda: not broker_pids(), timeout), f"broker still running: {broker_pids()}"
+    assert wait_for(lambda: not broker_pids(), timeout), f"broker still running: {broker_pids()}; {what_brokers_hold()}"
     assert wait_for(lambda: not shm_entries(), timeout), f"left in shm dir: {sorted(shm_entries())}"
     leaked = {fd for fd in open_fds() - fds_before if "memfd:shmreduce" in fd or "shmreduce" in fd or "socket:" in fd}
     assert not leaked, f"descriptors leaked: {leaked}"
+
+
+def what_brokers_hold() -> str:
+    """For a failure message: each live broker's counters (a fresh connection's ping,
+    closed again) and the last 'no client left' line of the session's broker log
+    (conftest: DEBUG, to a file), which lists every message it stayed for."""
+    parts = []
+    base = shm_base()
+    for entry in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        directory = os.path.join(base, entry)
+        if not P.is_program_dir(directory, base):
+            continue
+        client = broker_client.BrokerClient(directory, None)
+        try:
+            parts.append(f"{entry}: {client.ping()}")
+        except Exception as exc:  # noqa: BLE001  a diagnostic: whatever it says
+            parts.append(f"{entry}: no answer ({exc})")
+        finally:
+            client.close()
+    path = os.environ.get("SHMREDUCE_BROKER_LOG")
+    if path and os.path.exists(path):
+        with open(path, errors="replace") as f:
+            stayed = [line for line in f if "no client left" in line]
+        parts.append(f"last 'no client left' line of {path}: {stayed[-1] if stayed else 'none'}")
+    return "; ".join(parts) or "no program directory"
 
 
 def run_in_child(fn, *args, timeout: float = 20.0):

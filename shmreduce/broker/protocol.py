@@ -114,19 +114,23 @@ Lifetimes
     (its process exited or was killed) drops its holds and what it kept through
     messages; its undelivered messages stay for
     ``$SHMREDUCE_ORPHAN_TTL`` seconds (default 60), so a receiver can read what an
-    exited sender put, and are then dropped (with a log line): a program whose
+    exited sender put, and are then dropped (with a DEBUG line): a program whose
     workers come and go does not keep their unread messages for its whole life. The
     broker exits once it has had no client for GRACE seconds and either holds no
     undelivered message or the program's root process is gone; on exit it closes
     every descriptor and removes the program directory. One that stays when its
-    last client leaves logs what it still holds: each message (key, sender, state,
+    last client leaves logs (DEBUG) what it still holds: each message (key, sender, state,
     names) and each name with its holders.
 
 Failures
     Any bad record, failed handshake or I/O error costs only the connection it came
     on, never the broker, and leaves a line in the broker's log: the stderr of the
     process that started the broker (as ``multiprocessing``'s resource tracker warns
-    on its parent's), or the file ``$SHMREDUCE_BROKER_LOG`` names. Clients log to
+    on its parent's), or the file ``$SHMREDUCE_BROKER_LOG`` names, at
+    ``$SHMREDUCE_LOG_LEVEL`` (default WARNING). WARNING only for what a user must act
+    on (a refused connection, a protocol error, out of descriptors, a crash); a peer
+    that went away mid-request, a client leaving and the lines above are DEBUG: a
+    program stopped early writes nothing on its user's stderr (SPEC 13). Clients log to
     ``logging.getLogger("shmreduce")``: a lost connection, a protocol error, a
     broker that restarted.
 """

@@ -339,7 +339,7 @@ class Broker:
             nonce, hello = P.handshake_hello()
             sock.send(hello)
         except (OSError, P.ProtocolError) as exc:
-            log.warning("refused a connection: %s", exc)
+            log.log(_level(exc), "refused a connection: %s", exc)
             sock.close()
             return
         fd = sock.fileno()
@@ -355,14 +355,14 @@ class Broker:
             return
         except OSError as exc:
             answer = b""
-            log.warning("handshake with pid %d failed: %s", shake.pid, exc)
+            log.debug("handshake with pid %d failed: %s", shake.pid, exc)  # it went away
         del self.handshakes[fd]
         try:
             role, token, reply = P.handshake_reply(self.authkey, shake.nonce, answer)
             shake.sock.send(reply)
         except (OSError, P.ProtocolError) as exc:
             if answer:
-                log.warning("handshake with pid %d failed: %s", shake.pid, exc)
+                log.log(_level(exc), "handshake with pid %d failed: %s", shake.pid, exc)
             self.poller.unregister(fd)
             shake.sock.close()
             return
@@ -378,12 +378,13 @@ class Broker:
         self.poller.modify(fd, _POST_EVENTS if conn.post else select.EPOLLIN)
         self.idle_since = None
 
-    def _drop(self, conn: _Conn, reason: str = "") -> None:
-        """Close *conn*; with a *reason* (it broke the protocol, or its I/O failed), log it."""
+    def _drop(self, conn: _Conn, reason: str = "", level: int = logging.WARNING) -> None:
+        """Close *conn*; with a *reason* (it broke the protocol, or its I/O failed), log
+        it at *level*: DEBUG where its process merely went away (see ``_level``)."""
         if self.conns.pop(conn.fd, None) is None:
             return
         if reason:
-            log.warning("dropped the connection of pid %d: %s", conn.pid, reason)
+            log.log(level, "dropped the connection of pid %d: %s", conn.pid, reason)
         self.poller.unregister(conn.fd)
         self.cooling.discard(conn.fd)
         self.parked = [p for p in self.parked if p[1] is not conn]
@@ -393,6 +394,7 @@ class Broker:
         if client.post is conn:
             client.post = None
         if not client.conns:
+            log.debug("pid %d disconnected", client.pid)
             self.clients.pop(client.token, None)
             self._release(client, list(client.holds))
             for key in list(client.kept):
@@ -404,8 +406,12 @@ class Broker:
             self._orphan(client.token, conn.pid)
         if not self.conns:
             self.idle_since = time.monotonic()
-            if self.messages and self.root_alive:
-                log.warning("no client left, staying for what is still held: %s", self.holdings())
+            if self.messages and self.root_alive and log.isEnabledFor(logging.DEBUG):
+                # Normal: a sender that exited before its receiver read what it put
+                # (the receiver may not even have connected yet), or messages nobody
+                # will read (a DataLoader stopped early). They go with the program's
+                # root, or after ORPHAN_TTL.
+                log.debug("no client left, staying for what is still held: %s", self.holdings())
 
     def holdings(self, limit: int = 20) -> str:
         """What keeps this broker alive without clients, for its log: each message
@@ -448,7 +454,7 @@ class Broker:
         for key in broken:
             self._discard(key)
         if broken:
-            log.warning("dropped %d incomplete deposit(s) of pid %d, which disconnected mid-deposit", len(broken), pid)
+            log.debug("dropped %d incomplete deposit(s) of pid %d, which disconnected mid-deposit", len(broken), pid)
         if token in self.pending:
             self.orphans[token] = time.monotonic() + ORPHAN_TTL
 
@@ -492,7 +498,7 @@ class Broker:
                 reset = True
                 continue
             except (OSError, P.ProtocolError) as exc:
-                self._drop(conn, str(exc) or type(exc).__name__)
+                self._drop(conn, str(exc) or type(exc).__name__, _level(exc))
                 return -1
             if record is None:
                 self._drop(conn)
@@ -594,7 +600,7 @@ class Broker:
                 raise P.ProtocolError(f"unknown op {op!r}")
             return True
         except (OSError, P.ProtocolError) as exc:
-            self._drop(conn, f"{op!r} record: {exc}")
+            self._drop(conn, f"{op!r} record: {exc}", _level(exc))
             return False
         except Exception:  # noqa: BLE001  a bug one record hit must not end the broker
             log.exception("unexpected error on a %r record of pid %d", op, conn.pid)
@@ -711,7 +717,7 @@ class Broker:
                 try:
                     self._reply_fetch(entry[1], key)
                 except OSError as exc:
-                    self._drop(entry[1], f"fetch reply: {exc}")
+                    self._drop(entry[1], f"fetch reply: {exc}", _level(exc))
                 return
 
     def _expire(self, now: float) -> None:
@@ -729,7 +735,7 @@ class Broker:
             for key in keys:
                 self._discard(key)
             if keys:
-                log.warning(
+                log.debug(
                     "dropped %d undelivered message(s) of a sender that exited %.0f s ago (SHMREDUCE_ORPHAN_TTL)",
                     len(keys),
                     ORPHAN_TTL,
@@ -742,7 +748,7 @@ class Broker:
             try:
                 self._reply_unknown(conn, key)
             except OSError as exc:
-                self._drop(conn, f"fetch reply: {exc}")
+                self._drop(conn, f"fetch reply: {exc}", _level(exc))
 
     # -- main loop -------------------------------------------------------------
 
@@ -802,6 +808,14 @@ class Broker:
         self.listener.close()
         self.poller.close()
         remove_program_dir(self.dir)
+
+
+def _level(exc: BaseException) -> int:
+    """The level of a line about a connection dropped for *exc*: DEBUG where its
+    process merely went away (exited or killed with a request unanswered: the normal
+    end of a DataLoader worker it shut down), WARNING for the rest (a protocol error,
+    another I/O failure), which a user must look into."""
+    return logging.DEBUG if isinstance(exc, (BrokenPipeError, ConnectionResetError)) else logging.WARNING
 
 
 def _pid_alive(pid: int) -> bool:
@@ -929,12 +943,24 @@ def launch(directory: str, root_pid: int, authkey: bytes) -> int:
 
 
 def _log_to_stderr(directory: str) -> None:
-    """The server's log: one line per event on its stderr (see Failures in protocol.py)."""
+    """The server's log: one line per event on its stderr (see Failures in protocol.py),
+    at ``$SHMREDUCE_LOG_LEVEL`` (default WARNING: only what a user must act on)."""
     handler = logging.StreamHandler(sys.stderr)
     name = os.path.basename(directory)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s shmreduce broker %(process)d ({name}): %(message)s"))
+    handler.setFormatter(logging.Formatter(f"%(asctime)s shmreduce broker %(process)d ({name}) %(levelname)s: %(message)s"))
     log.addHandler(handler)
     log.propagate = False
+    log.setLevel(log_level(os.environ.get("SHMREDUCE_LOG_LEVEL", "")))
+
+
+def log_level(value: str) -> int:
+    """The level ``$SHMREDUCE_LOG_LEVEL`` names: a name (``DEBUG``, ``warning``) or a
+    number; WARNING if unset or not a level."""
+    value = value.strip()
+    if value.isdigit():
+        return int(value)
+    level = logging.getLevelName(value.upper())
+    return level if isinstance(level, int) else logging.WARNING
 
 
 def _janitor(directory: str, listener: socket.socket, authkey: bytes, root_pid: int, lock_fd: int) -> None:

@@ -1,0 +1,207 @@
+"""SPEC 13: in normal operation shmreduce writes nothing to the user's stderr
+(issue 19, item 1).
+
+Each shape runs as a fresh program, as a user runs it: its own interpreter, its own
+broker, which logs to the stderr of the process that started it. Two loops of such
+programs run at once, so that a rare failure at exit (a traceback at interpreter
+shutdown, a broker line) shows.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import torch
+import torch.multiprocessing as tmp
+
+from shmreduce import program
+from shmreduce.broker import client as broker_client
+
+from helpers import broker_pids, wait_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_PROGRAMS = textwrap.dedent(
+    """
+    import multiprocessing as mp
+    import sys
+    import threading
+    import time
+
+    import torch
+
+    import shmreduce
+
+
+    class Numbers(torch.utils.data.Dataset):
+        def __len__(self):
+            return 10_000
+
+        def __getitem__(self, i):
+            return torch.full((256,), float(i))
+
+
+    def dataloader():
+        # Stopped early: the workers' prefetched batches are never loaded.
+        loader = torch.utils.data.DataLoader(Numbers(), batch_size=8, num_workers=2)
+        for i, batch in enumerate(loader):
+            assert batch[0, 0].item() == 8 * i
+            if i == 20:
+                break
+
+
+    def put_many(q, n):
+        for i in range(n):
+            q.put(torch.full((1000,), float(i)))
+
+
+    def dropped_queue():
+        # A queue nobody reads, and one read in part: both dropped with items in them.
+        ctx = mp.get_context("fork")
+        unread = ctx.Queue()
+        for i in range(5):
+            unread.put(torch.full((100,), float(i)))
+        q = ctx.Queue()
+        p = ctx.Process(target=put_many, args=(q, 10))
+        p.start()
+        got = [q.get(timeout=60) for _ in range(3)]
+        assert [t[0].item() for t in got] == [0.0, 1.0, 2.0]
+        p.join(60)
+        assert p.exitcode == 0
+
+
+    def kept():
+        # README's quickstart shape: a spawn child puts, the parent gets, checks,
+        # joins and exits holding all it received.
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=put_many, args=(q, 10))
+        p.start()
+        got = [q.get(timeout=60) for _ in range(10)]
+        assert [t[0].item() for t in got] == [float(i) for i in range(10)]
+        p.join(60)
+        assert p.exitcode == 0
+
+
+    def consume(q):
+        got = [q.get(timeout=60) for _ in range(10)]
+        assert all(t.numel() == 4096 for t in got)
+
+
+    def short_lived():
+        pass
+
+
+    def streaming():
+        # A spawn consumer returns while its parent streams puts from a thread and
+        # forks short-lived children: the consumer exits holding tokens whose weakref
+        # callbacks run at interpreter shutdown.
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        c = ctx.Process(target=consume, args=(q,))
+        c.start()
+        stop = threading.Event()
+
+        def stream():
+            # At most what the queue's pipe holds: the parent's exit flushes the rest
+            # of its puts into it, and nobody reads them.
+            for i in range(60):
+                if stop.is_set():
+                    return
+                q.put(torch.full((4096,), float(i)))
+                time.sleep(0.01)
+
+        th = threading.Thread(target=stream)
+        th.start()
+        for _ in range(3):
+            p = mp.get_context("fork").Process(target=short_lived)
+            p.start()
+            p.join(60)
+        c.join(60)
+        stop.set()
+        th.join(60)
+        assert c.exitcode == 0
+
+
+    if __name__ == "__main__":
+        shmreduce.register(strategy=sys.argv[2])
+        globals()[sys.argv[1]]()
+        print("ok", flush=True)
+    """
+)
+
+SHAPES = ["dataloader", "dropped_queue", "kept", "streaming"]
+
+
+def _run(script, shape: str, strategy: str) -> tuple[str, int, str, str]:
+    """Run *shape* as a fresh program; (what it is, its exit status, stdout, stderr)."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for name in ("SHMREDUCE_BROKER_LOG", "SHMREDUCE_LOG_LEVEL"):
+        env.pop(name, None)  # the broker logs to our stderr, at its default level
+    # stderr reaches its end only once every process holding it has exited, the
+    # broker included: a broker left behind is a timeout here.
+    proc = subprocess.run([sys.executable, str(script), shape, strategy], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    return f"{shape} under {strategy}", proc.returncode, proc.stdout, proc.stderr
+
+
+def test_normal_programs_write_nothing_on_stderr(tmp_path):
+    """Every shape under each strategy: two loops at once, one per strategy."""
+    script = tmp_path / "programs.py"
+    script.write_text(_PROGRAMS)
+    results: list[tuple[str, int, str, str]] = []
+
+    def loop(kind: str, shapes: list[str]) -> None:
+        for shape in shapes:
+            results.append(_run(script, shape, kind))
+
+    loops = [
+        threading.Thread(target=loop, args=("file_descriptor", SHAPES)),
+        threading.Thread(target=loop, args=("file_system", SHAPES[::-1])),
+    ]
+    for th in loops:
+        th.start()
+    for th in loops:
+        th.join(600)
+    assert len(results) == 2 * len(SHAPES), results
+    failed = [
+        f"{shape}: exit status {code}, stdout {out!r}, stderr:\n{err}" for shape, code, out, err in results if code or out != "ok\n" or err
+    ]
+    assert not failed, "\n\n".join(failed)
+
+
+def _put_many(q, n):
+    for i in range(n):
+        q.put(torch.full((1000,), float(i)))
+
+
+def test_what_a_receiver_keeps_is_delivered_in_the_brokers_books(strategy, tmp_path, monkeypatch):
+    """README's quickstart shape, this process the receiver and the program's root
+    (which lives on, so an undelivered message would keep the broker for
+    SHMREDUCE_ORPHAN_TTL): once it has received all 10, the broker holds no
+    undelivered message, and it goes once this process lets go of them."""
+    broker_client.close_all()
+    assert wait_for(lambda: not broker_pids(), 10)
+    log = tmp_path / "broker.log"
+    monkeypatch.setenv("SHMREDUCE_BROKER_LOG", str(log))
+    monkeypatch.setenv("SHMREDUCE_LOG_LEVEL", "DEBUG")
+    ctx = tmp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_put_many, args=(q, 10))
+    p.start()
+    got = [q.get(timeout=60) for _ in range(10)]
+    p.join(60)
+    assert p.exitcode == 0
+    assert [t[0].item() for t in got] == [float(i) for i in range(10)]
+    client = broker_client.client_for(program.current().directory)
+    counters = client.ping()  # a barrier: the broker has read our claims
+    assert counters["messages"] == 0, (counters, log.read_text())
+    assert counters["clients"] == 1 and counters["kept_messages"] >= 1, counters
+    del got
+    broker_client.close_all()
+    # Nothing undelivered: the broker goes after SHMREDUCE_BROKER_GRACE, though the
+    # program's root (this process) lives.
+    assert wait_for(lambda: not broker_pids(), 5), log.read_text()
