@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -54,7 +55,7 @@ def _program(strategy: str) -> None:
 @pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
 def test_a_fork_racing_the_first_share_never_hangs(strategy):
     results: list[int | None] = []
-    running: list[tuple[mp.process.BaseProcess, float]] = []
+    running: list[tuple[Any, float]] = []
     todo = RUNS
     while todo or running:
         while todo and len(running) < AT_ONCE:
@@ -67,7 +68,7 @@ def test_a_fork_racing_the_first_share_never_hangs(strategy):
             proc, deadline = entry
             if proc.exitcode is None and time.monotonic() < deadline:
                 continue
-            if proc.exitcode is None:  # hung: kill its whole group
+            if proc.exitcode is None and proc.pid is not None:  # hung: kill its whole group
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -107,7 +108,7 @@ def _storm(strategy: str, conn) -> None:
 
     started = time.monotonic()
     threading.Thread(target=share).start()
-    children = []
+    children: list[int] = []
     while not done.is_set() and len(children) < FORKS:
         pid = os.fork()
         if pid == 0:
@@ -137,7 +138,7 @@ def test_children_forked_during_the_launch_do_not_hold_it_up(strategy):
         took, errors = ours.recv()
     finally:
         proc.join(5)
-        if proc.exitcode is None:
+        if proc.exitcode is None and proc.pid is not None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.join(5)
         ours.close()
