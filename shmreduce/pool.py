@@ -612,7 +612,7 @@ class Pool:
     def owned(self) -> list[Segment]:
         """Every segment of this pool this process still has: in use, free, or
         waiting for its free notice."""
-        found = {id(entry[1]): entry[1] for entry in list(_live.values()) if entry[1].pool is self}
+        found = {id(seg): seg for seg in list(_mapped.values()) if seg.pool is self and seg.live_token(seg.gen) is not None}
         with self.lock:
             for segs in self.free.values():
                 found.update((id(seg), seg) for seg in segs)
