@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import socket
 import sys
 import time
 
@@ -290,3 +291,43 @@ def test_a_launcher_never_serves_a_directory_whose_lock_it_took_on_a_removed_fil
         from shmreduce.broker import server
 
         server.remove_program_dir(directory)
+
+
+def _connect_after_a_kill_with_a_notice_unread() -> tuple[int, int]:
+    """In a child: a free notice waits unread on the post connection when the broker
+    is killed; connect() then. (the broker's pid before, after)"""
+    from shmreduce.broker import protocol as P
+
+    shmreduce.register(strategy="file_system")
+    prog = program.current()
+    client = broker_client.client_for(prog.directory, prog.root_pid)
+    client.connect()
+    name = P.gen_name(12345)
+    client.hold([name])
+    client.release([name])  # nobody holds it now: the broker posts a free notice to its owner
+    post = client.post
+    assert post is not None
+
+    def unread() -> bool:
+        try:
+            return bool(post.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except BlockingIOError:
+            return False
+
+    assert wait_for(unread, 10), "no notice"
+    before = client.broker_pid
+    os.kill(before, signal.SIGKILL)
+    assert wait_for(lambda: _gone(before), 10)
+    client.connect()
+    return before, client.broker_pid
+
+
+def test_connect_replaces_a_dead_broker_whose_notices_are_unread():
+    """Before the fix, connect() peeked at the post connection and took a free notice
+    still buffered there for a sign of life: a sender checked its dead broker live,
+    packed the next message into files the janitor was removing, and that message,
+    pickled after the kill, was lost (the flaky test above, 1 run in 2 to 4)."""
+    status, value = run_in_child(_connect_after_a_kill_with_a_notice_unread)
+    assert status == "ok", value
+    before, after = value
+    assert after != before, "connect() kept a connection to a broker that was killed"

@@ -19,6 +19,7 @@ import json
 import logging
 import multiprocessing
 import os
+import select
 import signal
 import socket
 import struct
@@ -32,6 +33,9 @@ from shmreduce.errors import SharingError, broker_gone, broker_out_of_files, sta
 
 IO_TIMEOUT = float(os.environ.get("SHMREDUCE_IO_TIMEOUT", "10"))
 START_TIMEOUT = 30.0
+# The post connection was closed by the broker (it died or exited), whatever is still
+# buffered to read on it.
+_HANGUP = select.POLLHUP | select.POLLRDHUP | select.POLLERR
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 log = logging.getLogger("shmreduce")
@@ -272,20 +276,22 @@ class BrokerClient:
         """Make sure the broker behind the post connection lives, e.g. before its
         directory is used: connect if not connected (starting the broker if none
         runs); if the broker closed the connection (killed, or exited), connect afresh,
-        which starts a new one. One non-blocking peek when connected. Under the lock:
+        which starts a new one. One non-blocking poll when connected. Under the lock:
         threads making their first share at once connect once, never closing each
-        other's fresh connection (issue 11, item 13)."""
+        other's fresh connection (issue 11, item 13).
+
+        The poll asks for the hang-up itself, not for something to read: free notices
+        the broker posted before it died stay readable after its death, and a peek
+        that took one for a sign of life let a sender pack the next message into files
+        the dead broker's janitor was removing (issue 19, item 4)."""
         with self.lock:
             post = self.post
             if post is not None:
-                try:
-                    if post.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
-                        return
-                except BlockingIOError:
-                    return  # nothing to read: the broker is there
-                except OSError:
-                    pass
-                self.close()  # end of stream: that broker is gone
+                poller = select.poll()
+                poller.register(post, _HANGUP)
+                if not poller.poll(0):
+                    return  # no hang-up: the broker is there
+                self.close()  # the broker closed its end: gone
             self._post_socket(start=True)
 
     def close(self) -> None:
