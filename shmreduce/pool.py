@@ -609,6 +609,16 @@ class Pool:
     def closed(self, seg: Segment) -> None:
         """*seg* leaves the pool (its memory goes once nothing maps it)."""
 
+    def owned(self) -> list[Segment]:
+        """Every segment of this pool this process still has: in use, free, or
+        waiting for its free notice."""
+        found = {id(seg): seg for seg in list(_mapped.values()) if seg.pool is self and seg.live_token(seg.gen) is not None}
+        with self.lock:
+            for segs in self.free.values():
+                found.update((id(seg), seg) for seg in segs)
+        found.update((id(seg), seg) for seg in list(self.waiting.values()))
+        return [seg for seg in found.values() if seg.pid == os.getpid()]
+
     def retire_all(self, announced_only: bool = False) -> None:
         """Never reuse what is in use or awaited now: at a fork, everything in use;
         after a broker died, what it had heard of (*announced_only*)."""

@@ -199,9 +199,13 @@ class _Outgoing:
         """The storage's ref (a ``SegmentRef`` as a plain tuple) in this message."""
         key = _storage_key(storage)
         place = cache.place_of(storage, key)
-        if place is not None and place.segment.kind == "fs" and not self.files:
-            # Its file may have gone with a broker that died since: checking the
-            # broker forgets such files, and the storage is shared again (issue 11, item 5).
+        if not self.files and (place.segment.kind == "fs" if place is not None else _current_pool() is _fs_pool):
+            # Once per message, before its first file is named or filled: a broker
+            # that died since is replaced now, and the files that went with it are
+            # forgotten (the storage is shared again: issue 11, item 5) or held at the
+            # new broker. Without it a sender went on packing messages into its slab,
+            # a file of the dead broker's directory, until its next deposit noticed
+            # (issue 19, item 4). One non-blocking peek when the broker lives.
             self.files = True
             _live_program()
             place = cache.place_of(storage, key)
@@ -860,8 +864,6 @@ def _on_connect(client: broker.BrokerClient) -> None:
     if directory not in _connected_before:
         _connected_before.add(directory)
         return
-    _fd_pool.retire_all(announced_only=True)
-    _fs_pool.retire_all(announced_only=True)
     try:
         present = set(os.listdir(directory))
     except OSError:
@@ -870,6 +872,16 @@ def _on_connect(client: broker.BrokerClient) -> None:
     def file_gone(seg: pool.Segment) -> bool:
         return seg.kind == "fs" and seg.directory == directory and seg.key not in present
 
+    # This process's files that outlived the broker (all of its processes were
+    # killed: nobody removed the directory) are held at the new one, which knows
+    # nothing of them: else it unlinked each as soon as the first message naming it
+    # was done, while this process went on filling and reusing it, and every message
+    # after failed ('shared-memory file ... is gone', issue 19, item 4).
+    kept = [seg.name for seg in _fs_pool.owned() if seg.directory == directory and seg.key in present]
+    if kept:
+        client.hold(kept)
+    _fd_pool.retire_all(announced_only=True)
+    _fs_pool.retire_all(announced_only=True)
     _fs_pool.retire_where(file_gone)
     cache.forget(lambda p: file_gone(p.segment))
 

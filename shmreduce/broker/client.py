@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import atexit
 import errno
+import fcntl
 import json
 import logging
 import multiprocessing
 import os
+import select
+import signal
 import socket
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -31,6 +33,9 @@ from shmreduce.errors import SharingError, broker_gone, broker_out_of_files, sta
 
 IO_TIMEOUT = float(os.environ.get("SHMREDUCE_IO_TIMEOUT", "10"))
 START_TIMEOUT = 30.0
+# The post connection was closed by the broker (it died or exited), whatever is still
+# buffered to read on it.
+_HANGUP = select.POLLHUP | select.POLLRDHUP | select.POLLERR
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 log = logging.getLogger("shmreduce")
@@ -58,32 +63,120 @@ def _authkey() -> bytes:
     return bytes(multiprocessing.current_process().authkey)
 
 
+# The descriptors of the launches in progress in this process. A child forked during
+# a launch closes them at once (after_in_child): it must neither hold the launcher's
+# status socket nor reply on ours; the launch itself never waits for an end of file,
+# so a child that forked before the hook ran changes nothing either (issue 19, item 3).
+# Registered and let go of under _launch_lock, which a fork waits for (a few
+# system calls at most): no descriptor of a launch is ever unregistered in a child.
+_launch_socks: set[socket.socket] = set()
+_launch_lock = threading.Lock()
+STATUS_FD = 3  # where the launcher finds its end of the status socket (server.STATUS_FD)
+
+
 def start_broker(directory: str, root_pid: int) -> None:
-    """Run the launcher; it returns once a broker listens on *directory*."""
+    """Run the launcher; return once a broker listens on *directory*.
+
+    No pipe, no end of file awaited, every wait bounded by START_TIMEOUT (see
+    Launch handshake in ``server.py``). Before issue 19 the launch was a
+    ``subprocess.run`` with the authkey on the launcher's stdin: a child forked
+    meanwhile (a DataLoader worker, a Pool; the feeder thread makes the first share
+    while the main thread forks) kept the pipe's write end open, so the launcher
+    waited 30 s for the end of the authkey and the share failed, or ``Popen``
+    waited for ever on its error pipe, holding the client's lock (3 fresh programs
+    of 10 hung in the issue's reduction under file_system).
+    """
+    deadline = time.monotonic() + START_TIMEOUT
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
+    with _launch_lock:
+        ours, pair = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # Its end for the launcher, away from 0-3, whatever this process has open there.
+        theirs = socket.socket(fileno=fcntl.fcntl(pair.fileno(), fcntl.F_DUPFD_CLOEXEC, 10))
+        pair.close()
+        _launch_socks.update((ours, theirs))
+    pid = 0
     try:
-        # The launcher's stdout is our stderr: the broker logs there (see Failures in
-        # protocol.py); its own stderr tells us why it could not start.
-        os.fstat(2)
-        log_to: int = 2
-    except OSError:
-        log_to = subprocess.DEVNULL
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "shmreduce.broker.server", directory, str(root_pid)],
-            input=_authkey(),
-            stdout=log_to,
-            stderr=subprocess.PIPE,
-            env=env,
-            timeout=START_TIMEOUT,
-            close_fds=True,
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
+        ours.send(_authkey())  # one record, waiting in the socket for the launcher
+        try:
+            # The launcher's stdout is our stderr: the broker logs there (see Failures in
+            # protocol.py). posix_spawn runs no Python in a child and opens no pipe.
+            os.fstat(2)
+            out: tuple = (os.POSIX_SPAWN_DUP2, 2, 1)
+        except OSError:
+            out = (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0)
+        actions = [
+            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+            out,
+            (os.POSIX_SPAWN_DUP2, 1, 2),
+            (os.POSIX_SPAWN_DUP2, theirs.fileno(), STATUS_FD),
+        ]
+        argv = [sys.executable, "-m", "shmreduce.broker.server", directory, str(root_pid)]
+        pid = os.posix_spawn(sys.executable, argv, env, file_actions=actions)
+        _let_go_of_launch_socket(theirs)
+        answer = _launch_answer(ours, pid, deadline)
+    except OSError as exc:
         raise SharingError(f"could not start the shmreduce broker: {exc}") from exc
-    if proc.returncode != 0:
-        detail = proc.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
-        raise SharingError(f"could not start the shmreduce broker in {directory}: {detail[0]}")
+    finally:
+        for sock in (ours, theirs):
+            _let_go_of_launch_socket(sock)
+        if pid:
+            _reap(pid, deadline)
+    if answer != b"ok":
+        why = answer.decode(errors="replace").removeprefix("error: ") if answer else "it exited without an answer"
+        raise SharingError(f"could not start the shmreduce broker in {directory}: {why}")
+
+
+def _let_go_of_launch_socket(sock: socket.socket) -> None:
+    with _launch_lock:
+        _launch_socks.discard(sock)
+        sock.close()
+
+
+def _launch_answer(sock: socket.socket, pid: int, deadline: float) -> bytes | None:
+    """The launcher's one record: its answer, or None if it exited without one. Never
+    waits for an end of file (a forked child may hold the launcher's end): the
+    launcher's exit is looked at between short waits."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"the launcher gave no answer within {START_TIMEOUT:.0f} s")
+        sock.settimeout(min(0.05, remaining))
+        try:
+            answer = sock.recv(P.MAX_RECORD)
+            if answer:
+                return answer
+        except TimeoutError:
+            pass
+        try:
+            exited = os.waitpid(pid, os.WNOHANG)[0] == pid
+        except ChildProcessError:
+            exited = True  # reaped by someone else's SIGCHLD handler
+        if exited:
+            sock.setblocking(False)
+            try:
+                return sock.recv(P.MAX_RECORD) or None  # what it sent before it exited
+            except BlockingIOError:
+                return None
+
+
+def _reap(pid: int, deadline: float) -> None:
+    """Wait for the launcher to exit (it does at once after its answer), boundedly:
+    past *deadline* it is killed."""
+    while True:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return
+        except ChildProcessError:
+            return
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+            return
+        time.sleep(0.002)
 
 
 class BrokerClient:
@@ -183,20 +276,22 @@ class BrokerClient:
         """Make sure the broker behind the post connection lives, e.g. before its
         directory is used: connect if not connected (starting the broker if none
         runs); if the broker closed the connection (killed, or exited), connect afresh,
-        which starts a new one. One non-blocking peek when connected. Under the lock:
+        which starts a new one. One non-blocking poll when connected. Under the lock:
         threads making their first share at once connect once, never closing each
-        other's fresh connection (issue 11, item 13)."""
+        other's fresh connection (issue 11, item 13).
+
+        The poll asks for the hang-up itself, not for something to read: free notices
+        the broker posted before it died stay readable after its death, and a peek
+        that took one for a sign of life let a sender pack the next message into files
+        the dead broker's janitor was removing (issue 19, item 4)."""
         with self.lock:
             post = self.post
             if post is not None:
-                try:
-                    if post.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
-                        return
-                except BlockingIOError:
-                    return  # nothing to read: the broker is there
-                except OSError:
-                    pass
-                self.close()  # end of stream: that broker is gone
+                poller = select.poll()
+                poller.register(post, _HANGUP)
+                if not poller.poll(0):
+                    return  # no hang-up: the broker is there
+                self.close()  # the broker closed its end: gone
             self._post_socket(start=True)
 
     def close(self) -> None:
@@ -413,7 +508,7 @@ def close_all() -> None:
 
 def _after_fork_in_child() -> None:
     # The inherited sockets are the parent's connections: never write on them.
-    global _clients_lock
+    global _clients_lock, _launch_lock
     for client in _clients.values():
         for sock in client.sockets():
             try:
@@ -422,8 +517,24 @@ def _after_fork_in_child() -> None:
                 pass
     _clients.clear()
     _clients_lock = threading.Lock()
+    # A launch in progress in the parent is the parent's: its descriptors go.
+    for sock in list(_launch_socks):
+        try:
+            os.close(sock.detach())
+        except OSError:
+            pass
+    _launch_socks.clear()
+    _launch_lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+def _before_fork() -> None:
+    _launch_lock.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _launch_lock.release()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 __all__ = ["BrokerClient", "client_for", "close_all", "connected_client", "existing_clients", "on_connect", "start_broker", "stale_message"]

@@ -1,15 +1,29 @@
 """The broker process: holds descriptors and segment names between processes.
 
 stdlib only, never imports torch. Started by ``client.start_broker`` as
-``python -m shmreduce.broker.server DIR ROOT_PID`` with the authkey on stdin. The
-protocol and the lifetimes it guarantees are documented in ``protocol.py``.
+``python -m shmreduce.broker.server DIR ROOT_PID`` with its *status socket* on
+descriptor 3 (``STATUS_FD``). The protocol and the lifetimes it guarantees are
+documented in ``protocol.py``.
 
-Process layout: the launcher creates the program directory, takes its lock, binds
-and listens, then double-forks and exits (so the caller is never left with a
-zombie and knows the socket is listening when it returns). The grandchild is the
-*janitor*: it forks the *server*, waits for it, and removes the program directory
-whatever way the server ended, SIGKILL included. The launcher's stdout is the
-starter's stderr: the server logs there (or to ``$SHMREDUCE_BROKER_LOG``).
+Launch handshake (issue 19, item 3). A fork of the starter may happen at any
+moment of a launch (a DataLoader worker, a Pool) and its child inherits every
+descriptor the launch has open, close-on-exec or not: so no step waits for an end
+of file, and every wait has a deadline. The starter sends the authkey as one
+SOCK_SEQPACKET record on the status socket; the launcher reads that one record
+(bounded by START_WAIT) and answers with one record, ``ok`` once a broker listens
+on DIR (its own or one that runs already), or ``error: why``. Nothing else of the
+launch is a pipe.
+
+Process layout: the launcher takes the program directory's lock (making the
+directory if need be), binds and listens, then double-forks and exits (so the
+caller is never left with a zombie and knows the socket is listening when it
+returns). The grandchild is the *janitor*: it forks the *server*, waits for it, and
+removes the program directory whatever way the server ended, SIGKILL included,
+before it lets go of the lock: a lock is the directory's only while its file is the
+one at the directory's path (``_lock_program_dir``), so one broker at most serves a
+program directory, however launchers and a dying janitor interleave (issue 19,
+item 4). The launcher's stdout is the starter's stderr: the server logs there (or
+to ``$SHMREDUCE_BROKER_LOG``).
 
 Also owns the one sweep of stale program directories (``sweep_stale``), used by
 every launcher and by ``python -m shmreduce cleanup``.
@@ -911,17 +925,53 @@ def _make_program_dir(directory: str) -> None:
         raise SystemExit(f"shmreduce broker: {directory} is not a program directory shmreduce made for this user")
 
 
-def launch(directory: str, root_pid: int, authkey: bytes) -> int:
-    """Start a broker for *directory* unless one runs; return the exit status."""
+def _lock_program_dir(directory: str) -> int | None:
+    """Take *directory*'s lock, making the directory if need be: the lock's
+    descriptor, or None if a live broker holds it.
+
+    A lock taken on a file that is no longer at the lock's path is not the
+    directory's: the janitor of a broker that died removed the directory (and then
+    let go of its lock) between our open and our flock, and another launcher may
+    have made it anew since. Before this check such a launcher went on to bind in
+    the new directory beside its rightful broker, or later had its own janitor
+    remove a directory another broker served: two brokers for one program, senders
+    on one, receivers finding no socket (issue 19, item 4). Then: make and lock it
+    again.
+    """
+    path = os.path.join(directory, P.LOCK_NAME)
+    for _attempt in range(20):
+        _make_program_dir(directory)
+        try:
+            lock_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:
+            continue  # removed since we made sure of it
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(lock_fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return None  # a live broker serves this program (or is removing its directory)
+            raise
+        held = os.fstat(lock_fd)
+        try:
+            here = os.stat(path)
+            if (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino):
+                return lock_fd
+        except FileNotFoundError:
+            pass
+        os.close(lock_fd)
+    raise SystemExit(f"shmreduce broker: could not lock {directory}: it was removed and made again 20 times over")
+
+
+def launch(directory: str, root_pid: int, authkey: bytes, status: socket.socket | None = None) -> int:
+    """Start a broker for *directory* unless one runs; return the exit status.
+
+    *status*: the starter's status socket, closed in the broker's processes (it is
+    the launcher's alone, and a launcher answers only once it has returned)."""
     base = os.path.dirname(directory)
-    _make_program_dir(directory)
-    lock_fd = os.open(os.path.join(directory, P.LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return 0  # a live broker already serves this program
-        raise
+    lock_fd = _lock_program_dir(directory)
+    if lock_fd is None:
+        return 0  # a live broker already serves this program
     sweep_stale(base, keep=directory)
     path = os.path.join(directory, P.SOCKET_NAME)
     try:
@@ -935,6 +985,8 @@ def launch(directory: str, root_pid: int, authkey: bytes) -> int:
 
     if os.fork() != 0:
         return 0  # launcher: the socket listens; the caller may connect now
+    if status is not None:
+        status.close()
     os.setsid()
     if os.fork() != 0:
         os._exit(0)
@@ -998,16 +1050,43 @@ def _janitor(directory: str, listener: socket.socket, authkey: bytes, root_pid: 
     os.close(lock_fd)
 
 
+STATUS_FD = 3  # the launcher's end of the starter's status socket (see the module docstring)
+START_WAIT = 30.0  # seconds the launcher waits for the authkey: it is sent before the launcher starts
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print("usage: python -m shmreduce.broker.server DIR ROOT_PID < authkey", file=sys.stderr)
+        print("usage: python -m shmreduce.broker.server DIR ROOT_PID  (status socket on descriptor 3)", file=sys.stderr)
         return 2
-    authkey = sys.stdin.buffer.read()
-    if not authkey:
-        print("shmreduce broker: no authkey on stdin", file=sys.stderr)
+    # posix_spawn closes nothing: descriptors the starter had open without
+    # close-on-exec (descriptors received over sockets, a user's) are not ours to keep
+    # alive for the broker's whole life.
+    os.closerange(STATUS_FD + 1, os.sysconf("SC_OPEN_MAX"))
+    try:
+        status = socket.socket(fileno=STATUS_FD)
+    except OSError:
+        print("shmreduce broker: no status socket on descriptor 3", file=sys.stderr)
         return 2
-    return launch(os.path.abspath(argv[0]), int(argv[1]), authkey)
+    status.settimeout(START_WAIT)
+    try:
+        authkey = status.recv(P.MAX_RECORD)
+        if not authkey:
+            raise SystemExit("shmreduce broker: no authkey on the status socket")
+        code = launch(os.path.abspath(argv[0]), int(argv[1]), authkey, status)
+        status.send(b"ok")
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - told to the starter, which raises SharingError
+        try:
+            status.send(f"error: {type(exc).__name__}: {exc}".encode(errors="replace")[: P.MAX_RECORD])
+        except OSError:
+            pass
+        return 1
+    finally:
+        status.close()
+    return code
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    _code = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_code)  # no interpreter teardown: the starter waits for this exit
