@@ -70,6 +70,7 @@ enum { kDLCPU = 1, kDLUInt = 1 };
 #define QUEUED (1ULL << 63) /* Gen.state: on the dead stack */
 #define COUNT (QUEUED - 1)
 #define COPY_NOGIL 65536 /* copies this large release the GIL */
+#define MAX_DIMS 8         /* Gen.tensor's; more dimensions take the storage path */
 
 static PyObject *from_dlpack; /* torch._C._from_dlpack */
 static PyObject *sharing_error; /* shmreduce.errors.SharingError */
@@ -80,7 +81,8 @@ typedef struct GenObject GenObject;
 /* One storage's DLPack context; recycled through a lock-free free list. */
 typedef struct Ctx {
     DLManagedTensor managed;
-    int64_t shape;
+    int64_t shape[MAX_DIMS];
+    int64_t strides[MAX_DIMS];
     GenObject *gen;
     struct Ctx *next;
 } Ctx;
@@ -192,25 +194,16 @@ static void capsule_destructor(PyObject *capsule) {
     }
 }
 
-/* The untyped storage over [offset, offset + nbytes) of the mapping; range checked. */
-static PyObject *make_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes) {
-    if (from_dlpack == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "shmreduce._native.init() was not called");
-        return NULL;
-    }
-    Ctx *ctx = take_ctx();
-    if (ctx == NULL)
-        return NULL;
-    memset(&ctx->managed, 0, sizeof(ctx->managed));
-    ctx->shape = nbytes;
+/* A tensor over the mapping at offset: the caller checked the range (and, for a
+ * typed tensor, that its extent lies within it). ctx's dtype, shape and strides set. */
+static PyObject *import_tensor(GenObject *gen, Ctx *ctx, Py_ssize_t offset) {
     ctx->gen = gen;
     ctx->managed.dl_tensor.data = gen->addr + offset;
     ctx->managed.dl_tensor.device.device_type = kDLCPU;
-    ctx->managed.dl_tensor.ndim = 1;
-    ctx->managed.dl_tensor.dtype.code = kDLUInt;
-    ctx->managed.dl_tensor.dtype.bits = 8;
-    ctx->managed.dl_tensor.dtype.lanes = 1;
-    ctx->managed.dl_tensor.shape = &ctx->shape;
+    ctx->managed.dl_tensor.device.device_id = 0;
+    ctx->managed.dl_tensor.shape = ctx->shape;
+    ctx->managed.dl_tensor.strides = ctx->strides;
+    ctx->managed.dl_tensor.byte_offset = 0;
     ctx->managed.manager_ctx = ctx;
     ctx->managed.deleter = ctx_deleter;
     add_count(gen); /* before the capsule exists: its destructor may drop it */
@@ -222,6 +215,29 @@ static PyObject *make_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbyt
     }
     PyObject *tensor = PyObject_CallOneArg(from_dlpack, capsule);
     Py_DECREF(capsule); /* consumed: torch's storage owns ctx; else the destructor let go */
+    return tensor;
+}
+
+static Ctx *new_ctx(void) {
+    if (from_dlpack == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "shmreduce._native.init() was not called");
+        return NULL;
+    }
+    return take_ctx();
+}
+
+/* The untyped storage over [offset, offset + nbytes) of the mapping; range checked. */
+static PyObject *make_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes) {
+    Ctx *ctx = new_ctx();
+    if (ctx == NULL)
+        return NULL;
+    ctx->managed.dl_tensor.ndim = 1;
+    ctx->managed.dl_tensor.dtype.code = kDLUInt;
+    ctx->managed.dl_tensor.dtype.bits = 8;
+    ctx->managed.dl_tensor.dtype.lanes = 1;
+    ctx->shape[0] = nbytes;
+    ctx->strides[0] = 1;
+    PyObject *tensor = import_tensor(gen, ctx, offset);
     if (tensor == NULL)
         return NULL;
     PyObject *storage = PyObject_CallMethodNoArgs(tensor, str_untyped_storage);
@@ -283,6 +299,89 @@ static PyObject *gen_place(GenObject *self, PyObject *const *args, Py_ssize_t na
         memmove(dest, source, (size_t)nbytes);
     }
     return make_storage(self, offset, nbytes);
+}
+
+PyDoc_STRVAR(gen_tensor_doc,
+             "tensor(offset, nbytes, dtype, itemsize, size, stride) -> Tensor\n\n"
+             "A tensor of DLPack dtype (code, bits, lanes) over exactly the storage storage(offset, nbytes) "
+             "would be, or None where its elements do not reach exactly the last of the nbytes (torch would "
+             "make a storage of their extent), it has no element or more than 8 dimensions: then make it "
+             "over storage(). Malformed size or stride (not ints, negative, overflowing): SharingError.");
+
+/* Fills ctx's shape and strides from two tuples of ints and gives the byte extent
+ * they reach: 0, or 1 for a layout DLPack cannot carry as this storage (no element,
+ * too many dimensions), or -1 (SharingError) for a malformed one. */
+static int parse_layout(PyObject *size, PyObject *stride, Py_ssize_t itemsize, Ctx *ctx, int32_t *ndim, int64_t *extent) {
+    if (!PyTuple_CheckExact(size) || !PyTuple_CheckExact(stride) || PyTuple_GET_SIZE(size) != PyTuple_GET_SIZE(stride)) {
+        PyErr_SetString(sharing_error, "tensor size and stride must be tuples of one length (forged or corrupted message)");
+        return -1;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(size);
+    if (n > MAX_DIMS)
+        return 1;
+    int64_t last = 0; /* the highest element index */
+    int empty = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *d = PyTuple_GET_ITEM(size, i), *st = PyTuple_GET_ITEM(stride, i);
+        if (!PyLong_CheckExact(d) || !PyLong_CheckExact(st))
+            goto bad;
+        long long dim = PyLong_AsLongLong(d), step = PyLong_AsLongLong(st);
+        if ((dim == -1 || step == -1) && PyErr_Occurred()) {
+            PyErr_Clear();
+            goto bad;
+        }
+        if (dim < 0 || step < 0)
+            goto bad;
+        if (dim == 0)
+            empty = 1;
+        else if (__builtin_mul_overflow((int64_t)(dim - 1), (int64_t)step, &ctx->shape[i]) ||
+                 __builtin_add_overflow(last, ctx->shape[i], &last))
+            goto bad;
+        ctx->shape[i] = dim;
+        ctx->strides[i] = step;
+    }
+    int64_t bytes;
+    if (empty)
+        return 1;
+    if (__builtin_add_overflow(last, (int64_t)1, &last) || __builtin_mul_overflow(last, (int64_t)itemsize, &bytes))
+        goto bad;
+    *ndim = (int32_t)n;
+    *extent = bytes;
+    return 0;
+bad:
+    PyErr_SetString(sharing_error, "tensor metadata that does not fit its storage: forged or corrupted message");
+    return -1;
+}
+
+static PyObject *gen_tensor(GenObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t offset, nbytes;
+    if (parse_range(args, nargs, 6, &offset, &nbytes) < 0 || check_range(self, offset, nbytes) < 0)
+        return NULL;
+    unsigned int code, bits, lanes;
+    Py_ssize_t itemsize = PyLong_AsSsize_t(args[3]);
+    if (!PyArg_ParseTuple(args[2], "III", &code, &bits, &lanes) || (itemsize == -1 && PyErr_Occurred()))
+        return NULL;
+    if (itemsize <= 0 || code > 255 || bits > 255 || lanes > 65535) {
+        PyErr_SetString(PyExc_ValueError, "not a DLPack dtype");
+        return NULL;
+    }
+    Ctx *ctx = new_ctx();
+    if (ctx == NULL)
+        return NULL;
+    int32_t ndim = 0;
+    int64_t extent = 0;
+    int parsed = parse_layout(args[4], args[5], itemsize, ctx, &ndim, &extent);
+    if (parsed != 0 || extent != nbytes) { /* torch would make a storage of the extent: not this storage */
+        give_back_ctx(ctx);
+        if (parsed < 0)
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    ctx->managed.dl_tensor.ndim = ndim;
+    ctx->managed.dl_tensor.dtype.code = (uint8_t)code;
+    ctx->managed.dl_tensor.dtype.bits = (uint8_t)bits;
+    ctx->managed.dl_tensor.dtype.lanes = (uint16_t)lanes;
+    return import_tensor(self, ctx, offset);
 }
 
 PyDoc_STRVAR(gen_acquire_doc, "acquire() -> bool\n\nHold the generation as a storage would (a slab's owner, a parked receiver, "
@@ -381,6 +480,7 @@ static void gen_dealloc(GenObject *self) {
 static PyMethodDef gen_methods[] = {
     {"storage", (PyCFunction)(void (*)(void))gen_storage, METH_FASTCALL, gen_storage_doc},
     {"place", (PyCFunction)(void (*)(void))gen_place, METH_FASTCALL, gen_place_doc},
+    {"tensor", (PyCFunction)(void (*)(void))gen_tensor, METH_FASTCALL, gen_tensor_doc},
     {"acquire", (PyCFunction)gen_acquire, METH_NOARGS, gen_acquire_doc},
     {"release", (PyCFunction)gen_release, METH_NOARGS, gen_release_doc},
     {NULL, NULL, 0, NULL},
@@ -469,6 +569,16 @@ static PyObject *native_pending(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED
     return PyBool_FromLong(atomic_load_explicit(&dead_stack, memory_order_relaxed) != NULL);
 }
 
+PyDoc_STRVAR(dltype_doc, "dltype(capsule) -> (code, bits, lanes)\n\nThe dtype of a 'dltensor' capsule (torch's to_dlpack), not consumed.");
+
+static PyObject *native_dltype(PyObject *Py_UNUSED(module), PyObject *capsule) {
+    DLManagedTensor *managed = PyCapsule_GetPointer(capsule, "dltensor");
+    if (managed == NULL)
+        return NULL;
+    DLDataType t = managed->dl_tensor.dtype;
+    return Py_BuildValue("(III)", (unsigned int)t.code, (unsigned int)t.bits, (unsigned int)t.lanes);
+}
+
 PyDoc_STRVAR(init_doc, "init(from_dlpack, error)\n\nBind torch's DLPack importer and the exception type handles raise.");
 
 static PyObject *native_init(PyObject *Py_UNUSED(module), PyObject *args) {
@@ -487,6 +597,7 @@ static PyObject *native_init(PyObject *Py_UNUSED(module), PyObject *args) {
 static PyMethodDef native_methods[] = {
     {"dead", native_dead, METH_NOARGS, dead_doc},
     {"pending", native_pending, METH_NOARGS, pending_doc},
+    {"dltype", native_dltype, METH_O, dltype_doc},
     {"init", native_init, METH_VARARGS, init_doc},
     {NULL, NULL, 0, NULL},
 };

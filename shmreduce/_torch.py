@@ -7,6 +7,7 @@ release changes any of them.
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Callable
 from typing import cast
 
@@ -34,6 +35,25 @@ swap_memory: Callable[[torch.UntypedStorage, torch.UntypedStorage], None] = Unty
 # every torch 2.x reads): the tensor aliases the capsule's memory, and torch calls the
 # capsule's deleter when the storage dies. ``shmreduce._native`` calls it from C.
 from_dlpack: Callable[[object], torch.Tensor] = torch._C._from_dlpack
+
+
+def dlpack_dtypes(dltype: Callable[[object], tuple[int, int, int]]) -> dict[torch.dtype, tuple[int, int, int]]:
+    """The DLPack dtype (code, bits, lanes) of every torch dtype that goes to DLPack and
+    comes back as itself through ``from_dlpack`` (checked here, once, on this torch);
+    *dltype* reads a capsule's. The others (sub-byte and quantized ones) are absent."""
+    table = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns of experimental and deprecated dtypes as it makes them
+        for dtype in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}:
+            try:
+                capsule = torch.utils.dlpack.to_dlpack(torch.empty(1, dtype=dtype))
+                code = dltype(capsule)
+                back = from_dlpack(capsule)
+            except (RuntimeError, TypeError, BufferError, ValueError):
+                continue
+            if back.dtype == dtype:
+                table[dtype] = code
+    return table
 
 
 # torch's own answer, bound at import: while registered, ``patches`` makes

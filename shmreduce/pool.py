@@ -417,24 +417,31 @@ def _in_use() -> list[Segment]:
 
 LINGER = 0.25
 _parked: dict[tuple, tuple[Hold, float]] = {}  # (kind, key) -> (a hold on its token, time of the last message in it)
+# Taken by park() and unpark() from any thread. A plain copy of the dict is not enough
+# since holds have a __del__ (Python code): a garbage collection during the copy can
+# run one, switch threads, and let another thread park ("dictionary changed size
+# during iteration", seen in CI).
+_parked_lock = threading.Lock()
 
 
 def park(seg: Segment, token: Any) -> None:
     """Keep *token*, of a generation *seg* brought in more than one message, alive
     for LINGER seconds from now (the segment's previous one goes)."""
-    _parked[(seg.kind, seg.key)] = (Hold(seg, token), time.monotonic())
+    entry = (Hold(seg, token), time.monotonic())
+    with _parked_lock:
+        _parked[(seg.kind, seg.key)] = entry  # the hold it replaces goes (its __del__ takes no lock)
 
 
 def unpark(older_than: float = 0.0) -> None:
     """Let go of the tokens parked *older_than* seconds ago or more (all by default):
     each ends with its last storage, and what it kept is let go of at once (settle).
-    Any thread: entries are immutable tuples, taken out with one pop each."""
+    Any thread."""
     if not _parked:
         return
     cutoff = time.monotonic() - older_than
-    # A copy made in C, in one step: receive() parks from other threads.
-    for ident in [i for i, e in list(_parked.items()) if e[1] <= cutoff]:
-        _parked.pop(ident, None)  # the token dies here if no storage of it is left
+    with _parked_lock:
+        gone = [_parked.pop(i) for i, e in list(_parked.items()) if e[1] <= cutoff]
+    del gone  # the tokens die here if no storage of them is left
 
 
 # -- generations -------------------------------------------------------------------
@@ -773,10 +780,11 @@ def mapped_stats() -> dict[str, int]:
 
 
 def _after_fork_in_child() -> None:
-    global _gen_prefix, _gen_count, _gen_lock
+    global _gen_prefix, _gen_count, _gen_lock, _parked_lock
     _gen_prefix = int.from_bytes(os.urandom(6), "little") << 48
     _gen_count = 0
     _gen_lock = threading.Lock()
+    _parked_lock = threading.Lock()  # a parent's thread may have held it
     _parked.clear()  # the parent's tokens: their deaths are not ours to tell (settle)
     for seg in list(_mapped.values()):
         # Never revive a token of the parent's here: what this process keeps, it claims

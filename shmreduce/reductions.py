@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from shmreduce import _torch, transfer
+from shmreduce import _native, _torch, transfer
 from shmreduce.errors import SharingError
 
 _SPARSE_COMPRESSED = {
@@ -106,16 +106,33 @@ def reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple]:
 
 
 _EMPTY: dict[torch.dtype, torch.Tensor] = {}  # one empty tensor per dtype: new_empty is cheap
+_DLPACK: dict[torch.dtype, tuple[int, int, int]] = {}  # DLPack's dtype of each torch dtype it carries (filled on first use)
+
+
+def _layout(meta: Any) -> tuple | None:
+    """A tensor's layout for ``transfer.receive_tensor`` (which then makes the tensor
+    itself), if *meta* is well formed, starts its storage and has a DLPack dtype."""
+    if not _DLPACK:
+        _DLPACK.update(_torch.dlpack_dtypes(_native.dltype))
+    if type(meta) is not tuple or len(meta) != 5 or meta[3] != 0:
+        return None
+    dtype, size, stride = meta[0], meta[1], meta[2]
+    code = _DLPACK.get(dtype) if type(dtype) is torch.dtype else None
+    return None if code is None else (code, dtype.itemsize, size, stride)
 
 
 def rebuild_tensor(ref: tuple | torch.UntypedStorage | None, meta: Meta) -> torch.Tensor:
     """*ref*: a storage's SegmentRef, or an empty storage already rebuilt (None from
     older pickles)."""
     if isinstance(ref, tuple):
-        storage = transfer.receive(ref)
+        got = transfer.receive_tensor(ref, _layout(meta))
     else:
-        storage = torch.UntypedStorage(0) if ref is None else ref
+        got = torch.UntypedStorage(0) if ref is None else ref
     try:
+        if isinstance(got, torch.Tensor):  # the tensor itself, made over the mapping (its layout checked in C)
+            extra = meta[4]
+            return got if extra is None else _finish(got, extra)
+        storage = got
         dtype, size, stride, offset, extra = meta
         empty = _EMPTY.get(dtype)
         if empty is None:

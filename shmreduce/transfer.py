@@ -690,6 +690,16 @@ def _forget(key: tuple[str, bytes]) -> None:
 def receive(ref: tuple) -> torch.UntypedStorage:
     """The storage *ref* (a ``SegmentRef`` or its plain tuple) names: from the cache
     if this process has it already."""
+    storage = receive_tensor(ref, None)
+    assert isinstance(storage, torch.UntypedStorage)
+    return storage
+
+
+def receive_tensor(ref: tuple, layout: tuple | None) -> torch.UntypedStorage | torch.Tensor:
+    """What ``receive(ref)`` returns, or, given a tensor's *layout* (DLPack dtype,
+    itemsize, size, stride) and where that tensor spans its storage exactly, the
+    tensor itself, made over the mapping in one step (its storage is the storage
+    ``receive`` would return, and is cached as such)."""
     kind, directory, message, segkey, gen, offset, nbytes, slot = _checked(ref)
     entry, scoped = _incoming(directory, message, kind)
     storage = cache.storage_at((kind, segkey, gen, offset))
@@ -716,8 +726,11 @@ def receive(ref: tuple) -> torch.UntypedStorage:
         seg, token = _token_for(entry, kind, directory, message, segkey, gen, slot)
         if scoped:
             entry.last = (segkey, gen, seg, token)
+    tensor = None
     try:
-        storage = token.storage(offset, nbytes)
+        if layout is not None:
+            tensor = token.tensor(offset, nbytes, *layout)
+        storage = token.storage(offset, nbytes) if tensor is None else tensor.untyped_storage()
     finally:
         token.release()  # the load's hold: from now on its storages (and a park) hold it
     if not scoped:
@@ -725,7 +738,7 @@ def receive(ref: tuple) -> torch.UntypedStorage:
     _counters["storages_received"] += 1
     _counters["bytes_received"] += nbytes
     cache.remember(storage, Place(seg, gen, offset, nbytes))
-    return storage
+    return storage if tensor is None else tensor
 
 
 def _token_for(entry: _Incoming, kind: str, directory: str, message: bytes, segkey: Any, gen: int, slot: int) -> tuple[pool.Segment, Any]:

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shmreduce
-from shmreduce import _native, pool, transfer
+from shmreduce import _native, _torch, pool, transfer
 
 from helpers import run_in_child
 
@@ -193,6 +193,64 @@ def test_handles_of_the_wrong_type_are_sharing_errors(memory) -> None:
             gen.storage(*args)
     with pytest.raises(TypeError):
         gen.storage(64)
+    gen.release()
+
+
+# -- typed tensors --------------------------------------------------------------------
+
+
+def _dl(dtype: torch.dtype) -> tuple[int, int, int]:
+    return _torch.dlpack_dtypes(_native.dltype)[dtype]
+
+
+def test_a_typed_tensor_spans_exactly_its_storage(memory) -> None:
+    m, addr = memory
+    gen = _gen(addr)
+    f32 = _dl(torch.float32)
+    t = gen.tensor(128, 96, f32, 4, (4, 6), (6, 1))
+    assert isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.shape == (4, 6) and t.stride() == (6, 1)
+    s = t.untyped_storage()
+    assert s.data_ptr() == addr + 128 and s.nbytes() == 96 and t.storage_offset() == 0
+    t.fill_(1.5)
+    assert m[128:224] == torch.full((24,), 1.5).numpy().tobytes()
+    tt = gen.tensor(128, 96, f32, 4, (6, 4), (1, 6))  # a transposed view spans it too
+    assert tt is not None and torch.equal(tt, t.t())
+    # Not spanning exactly (a storage larger than the tensor, no element, too many
+    # dimensions): None, and the caller takes the storage path.
+    assert gen.tensor(128, 128, f32, 4, (4, 6), (6, 1)) is None
+    assert gen.tensor(128, 96, f32, 4, (0, 6), (6, 1)) is None
+    assert gen.tensor(128, 96, f32, 4, (12,), (1,)) is None
+    expanded = gen.tensor(128, 96, f32, 4, (24, 1000), (1, 0))  # a broadcast whose extent is the storage
+    assert expanded is not None and expanded.untyped_storage().nbytes() == 96
+    del expanded
+    assert gen.tensor(128, 96, f32, 4, (1,) * 9 + (24,), (24,) * 9 + (1,)) is None
+    for size, stride in [
+        ((4, 6), (6, -1)),
+        ((-4, 6), (6, 1)),
+        ((4, 6), (6,)),
+        ([4, 6], (6, 1)),
+        ((4, 1 << 62), (1 << 62, 1)),
+        ((4.0,), (1,)),
+    ]:
+        with pytest.raises(shmreduce.SharingError, match="forged or corrupted"):
+            gen.tensor(128, 96, f32, 4, size, stride)
+    with pytest.raises(shmreduce.SharingError, match="out of bounds"):
+        gen.tensor(SIZE - 64, 96, f32, 4, (24,), (1,))
+    del t, tt, s
+    gen.release()
+    assert _drain() == [gen]
+
+
+def test_every_dtype_dlpack_carries_comes_back_as_itself(memory) -> None:
+    _, addr = memory
+    gen = _gen(addr)
+    table = _torch.dlpack_dtypes(_native.dltype)
+    assert {torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.complex64} <= set(table)
+    for dtype, code in table.items():
+        n = 64 // dtype.itemsize
+        t = gen.tensor(64, 64, code, dtype.itemsize, (n,), (1,))
+        assert t is not None and t.dtype == dtype and t.numel() == n, dtype
+    del t
     gen.release()
 
 
