@@ -138,3 +138,45 @@ def test_a_release_before_the_last_deposit_record_undoes_the_early_claim(broker_
     finally:
         receiver.close()
         sender.close()
+
+
+def test_a_client_dropped_by_close_all_never_connects_again(broker_log, monkeypatch):
+    # A message loaded outside a receiving() scope (a plain pickle.loads, or a ref
+    # rebuilt directly, as test_bad_input does) leaves its entry, and with it this
+    # process's client of that time, in transfer's pending table until MAX_PENDING
+    # later loads evict it; the eviction claims through that client. After
+    # close_all() (unregister) the client is no longer this process's: reconnected,
+    # it held a connection nothing closed, and the broker never exited (the symptom
+    # of issue 19, item 2; the suite has 10 such entries from test_bad_input.py on).
+    from collections import OrderedDict
+
+    import torch
+
+    import shmreduce
+    from shmreduce import reductions, transfer
+
+    monkeypatch.setattr(transfer, "_pending", OrderedDict())  # without the entries earlier tests left
+    monkeypatch.setattr(transfer, "MAX_PENDING", 2)
+    meta = (torch.float32, (4,), (1,), 0, None)
+    keys = []
+    with shmreduce.registered(strategy="file_descriptor"):
+        try:
+            refs = []
+            for i in range(3):
+                with transfer.sending():
+                    refs.append(transfer.share(torch.full((4,), float(i)).untyped_storage()))
+            stale = broker_client.client_for(program.current().directory)
+            for ref in refs[:2]:
+                reductions.rebuild_tensor(ref, meta)  # unscoped: its entry stays pending, with *stale*
+            keys = [ref[2] for ref in refs]
+            broker_client.close_all()  # as unregister() does; refs[2] keeps the broker
+            assert not stale.connected()
+            reductions.rebuild_tensor(refs[2], meta)  # a new client; evicts refs[0]'s entry
+            assert (refs[0][1], keys[0]) not in transfer._pending
+            assert not stale.connected(), "a client close_all() dropped connected again"
+            with pytest.raises(shmreduce.SharingError):
+                stale.ping()
+        finally:
+            for key in keys:
+                transfer._forget((program.current().directory, key))
+    # broker_log: every connection closed, the broker goes

@@ -203,12 +203,15 @@ class BrokerClient:
         self.token = os.urandom(P.TOKEN_LEN)
         self.broker_pid = 0
         self.round_trips = 0
+        self.retired = False  # closed for good (see retire)
 
     # -- connection ------------------------------------------------------------
 
     def _open(self, role: bytes, start: bool) -> socket.socket:
         """A new connection of *role*; with *start*, start the broker if none listens
         (only if this client knows its program's root)."""
+        if self.retired:
+            raise broker_gone("this process closed its connections to it (close_all)")
         path = os.path.join(self.directory, P.SOCKET_NAME)
         if len(path.encode()) >= 108:
             raise SharingError(f"socket path too long for AF_UNIX: {path}; set SHMREDUCE_SHM_DIR to a shorter directory")
@@ -301,6 +304,21 @@ class BrokerClient:
                     sock.close()
             self.sock = self.post = None
             self.token = os.urandom(P.TOKEN_LEN)  # a new identity for the next connections
+
+    def retire(self) -> None:
+        """Close for good: this client is no longer this process's client of its
+        directory (``close_all``), so it never connects again; a send through it is a
+        SharingError (which a claim or a release lets pass).
+
+        A client outlives its place in ``_clients`` wherever it was kept: the entry of
+        a message loaded outside a ``receiving()`` scope keeps its client until
+        MAX_PENDING later loads evict it (``transfer._incoming``), and the eviction
+        claims through it; a thread may have taken it just before ``close_all``.
+        Reconnected, such a client held a connection nothing would close: the broker
+        saw a live client and never exited (the symptom of issue 19, item 2)."""
+        with self.lock:
+            self.retired = True
+            self.close()
 
     def connected(self) -> bool:
         return self.sock is not None or self.post is not None
@@ -502,7 +520,7 @@ def close_all() -> None:
     """Close every connection of this process (the clients are dropped)."""
     atexit.unregister(close_all)
     for client in list(_clients.values()):
-        client.close()
+        client.retire()
     _clients.clear()
 
 
@@ -510,6 +528,7 @@ def _after_fork_in_child() -> None:
     # The inherited sockets are the parent's connections: never write on them.
     global _clients_lock, _launch_lock
     for client in _clients.values():
+        client.retired = True  # the parent's (its lock may be held by a parent's thread)
         for sock in client.sockets():
             try:
                 os.close(sock.detach())
