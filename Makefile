@@ -40,11 +40,13 @@ bench: $(STAMP)
 # The whole suite once with the extension built under AddressSanitizer (not part of
 # `make test`: about twice as slow), then the normal build again. Children and the
 # broker inherit the preloaded runtime; leak reports are off (CPython's and torch's
-# own allocations at exit are not ours to judge).
-ASAN_LIB = $(shell $(CC) -print-file-name=libasan.so)
+# own allocations at exit are not ours to judge). libstdc++ is preloaded too: ASan's
+# __cxa_throw interceptor must find the real one before torch throws its first C++
+# exception (else "CHECK failed" and an abort, in torch, not in our code).
+ASAN_LIB = $(shell $(CC) -print-file-name=libasan.so) $(shell $(CC) -print-file-name=libstdc++.so.6)
 asan: $(STAMP)
 	SHMREDUCE_ASAN=1 SHMREDUCE_STRICT_BUILD=1 $(PY) setup.py -q build_ext --inplace --force
-	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 LD_PRELOAD=$(ASAN_LIB) $(PY) -m pytest -q --timeout=600 $(PYTEST_ARGS); \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 LD_PRELOAD="$(ASAN_LIB)" $(PY) -m pytest -q --timeout=600 $(PYTEST_ARGS); \
 	status=$$?; SHMREDUCE_STRICT_BUILD=1 $(PY) setup.py -q build_ext --inplace --force; exit $$status
 
 clean:
