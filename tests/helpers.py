@@ -46,10 +46,11 @@ def seg_files(directory: str) -> set[str]:
         return set()
 
 
-def broker_pids() -> list[int]:
-    """Live broker (server or janitor) processes serving a directory under our shm base."""
-    base = shm_base()
-    pids = []
+def broker_procs(directory: str | None = None) -> dict[int, int]:
+    """pid -> parent pid of every live broker process (launcher, janitor, server)
+    serving *directory*, or any directory under our shm base."""
+    base = shm_base().encode()
+    found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -57,14 +58,19 @@ def broker_pids() -> list[int]:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
             with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
+                fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if state == "Z":
+        if fields[0] == "Z" or b"shmreduce.broker.server" not in argv:
             continue
-        if b"shmreduce.broker.server" in argv and any(a.startswith(base.encode()) for a in argv):
-            pids.append(int(entry))
-    return pids
+        if directory.encode() in argv if directory is not None else any(a.startswith(base) for a in argv):
+            found[int(entry)] = int(fields[1])
+    return found
+
+
+def broker_pids() -> list[int]:
+    """Live broker (server or janitor) processes serving a directory under our shm base."""
+    return list(broker_procs())
 
 
 def open_fds() -> set[str]:

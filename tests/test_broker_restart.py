@@ -19,7 +19,7 @@ import shmreduce
 from shmreduce import program
 from shmreduce.broker import client as broker_client
 
-from helpers import broker_pids, run_in_child, wait_for
+from helpers import broker_pids, broker_procs, run_in_child, wait_for
 
 CTX = mp.get_context("fork")
 
@@ -117,27 +117,9 @@ def _produce(q, report):
     report.send(_Stamp.stamps)
 
 
-def _broker_procs(directory: str) -> dict[int, int]:
-    """pid -> parent pid of every process of the broker (launcher, janitor, server) of *directory*."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and b"shmreduce.broker.server" in argv and directory.encode() in argv:
-            found[int(entry)] = int(fields[1])
-    return found
-
-
 def _one_pair(directory: str) -> tuple[int, int] | None:
     """(janitor, server) if exactly one broker pair serves *directory* (no launcher)."""
-    procs = _broker_procs(directory)
+    procs = broker_procs(directory)
     pairs = [(parent, pid) for pid, parent in procs.items() if parent in procs]
     return pairs[0] if len(pairs) == 1 and len(procs) == 2 else None
 
@@ -195,7 +177,7 @@ def _stream_program(strategy: str, conn) -> None:
             while pair is None and time.monotonic() < deadline:
                 pair = _one_pair(directory)
                 time.sleep(0.01)
-            assert pair is not None, f"not one broker pair: {_broker_procs(directory)}"
+            assert pair is not None, f"not one broker pair: {broker_procs(directory)}"
             begun = time.monotonic()
             victims = pair if len(kills) % 2 else pair[1:]  # janitor and server, or the server alone
             for pid in victims:
@@ -240,7 +222,7 @@ def test_every_message_pickled_after_a_restart_is_received(strategy):
     # How many go with a kill is the backlog at that moment (load decides it): no bound
     # on the count, only on when they were pickled (above).
     assert dirs_seen == 1, f"{dirs_seen} program directories at once"
-    assert wait_for(lambda: not _broker_procs(directory) and not os.path.exists(directory), 10), "left behind"
+    assert wait_for(lambda: not broker_procs(directory) and not os.path.exists(directory), 10), "left behind"
 
 
 def _launch_while_a_janitor_lets_go(directory: str) -> bool:
@@ -287,7 +269,7 @@ def test_a_launcher_never_serves_a_directory_whose_lock_it_took_on_a_removed_fil
         assert status == "ok", value
         assert value is False, "a second broker serves the directory"
     finally:
-        for pid in _broker_procs(directory):
+        for pid in broker_procs(directory):
             os.kill(pid, signal.SIGKILL)
         from shmreduce.broker import server
 
