@@ -340,7 +340,9 @@ class Hold:
             self.token.release()
 
 
-has_dead = _native.pending
+def has_dead() -> bool:
+    """Whether settle has something to do (one atomic load, in the common case)."""
+    return _native.pending() or bool(_later)
 
 
 class Releases:
