@@ -413,14 +413,6 @@ static PyObject *gen_get_ended(GenObject *self, void *Py_UNUSED(closure)) {
     return PyBool_FromLong(self->ended);
 }
 
-static PyObject *gen_get_header(GenObject *self, void *Py_UNUSED(closure)) {
-    if (self->size < 8) /* cannot be: checked when made */
-        Py_RETURN_NONE;
-    uint64_t value;
-    memcpy(&value, self->addr, sizeof(value));
-    return PyLong_FromUnsignedLongLong(value);
-}
-
 static PyObject *gen_get_info(GenObject *self, void *Py_UNUSED(closure)) {
     return Py_NewRef(self->info);
 }
@@ -489,14 +481,12 @@ static PyMethodDef gen_methods[] = {
 static PyMemberDef gen_members[] = {
     {"owner", T_OBJECT, offsetof(GenObject, owner), READONLY, "the segment"},
     {"number", T_OBJECT, offsetof(GenObject, number), READONLY, "the generation"},
-    {"size", T_PYSSIZET, offsetof(GenObject, size), READONLY, "the segment's size"},
     {NULL, 0, 0, 0, NULL},
 };
 
 static PyGetSetDef gen_getset[] = {
     {"live", (getter)gen_get_live, NULL, "storages and holds alive now", NULL},
     {"ended", (getter)gen_get_ended, NULL, "dead() reported it", NULL},
-    {"header", (getter)gen_get_header, NULL, "the segment's first 8 bytes (its generation)", NULL},
     {"info", (getter)gen_get_info, (setter)gen_set_info, "the pool's bookkeeping", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
