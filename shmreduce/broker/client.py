@@ -529,21 +529,24 @@ def _after_fork_in_child() -> None:
     global _clients_lock, _launch_lock
     for client in _clients.values():
         client.retired = True  # the parent's (its lock may be held by a parent's thread)
-        for sock in client.sockets():
-            try:
-                os.close(sock.detach())
-            except OSError:
-                pass
+        _close_inherited(client.sockets())
     _clients.clear()
     _clients_lock = threading.Lock()
     # A launch in progress in the parent is the parent's: its descriptors go.
-    for sock in list(_launch_socks):
+    _close_inherited(list(_launch_socks))
+    _launch_socks.clear()
+    _launch_lock = threading.Lock()
+
+
+def _close_inherited(socks: list[socket.socket]) -> None:
+    """Close a fork child's copies of the parent's sockets, detached first: a socket
+    object still referenced elsewhere then never closes a descriptor number this
+    process has reused since."""
+    for sock in socks:
         try:
             os.close(sock.detach())
         except OSError:
             pass
-    _launch_socks.clear()
-    _launch_lock = threading.Lock()
 
 
 def _before_fork() -> None:
