@@ -32,6 +32,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <sched.h>
 
 /* ---- DLPack (legacy, unversioned ABI: "dltensor" capsules), from the public spec ---- */
 
@@ -584,7 +585,156 @@ static PyObject *native_init(PyObject *Py_UNUSED(module), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---- a pooled segment's header: the generation and its counters, shared ----
+ *
+ * The first HEADER bytes of a pooled segment are shared by every process that maps
+ * it: [0] the generation (u64), [8] refs sent (u64), [16] refs loaded (u64), [24]
+ * holders (u64: processes holding the generation, FREEING while its owner checks it
+ * free). Every access is atomic. A receiver counts itself a holder before it trusts
+ * the generation (hdr_hold), so its owner, which frees a generation only with no
+ * holder and every ref sent loaded (hdr_free), never frees one under a load.
+ */
+
+#define HDR_GEN 0
+#define HDR_SENT 1
+#define HDR_LOADED 2
+#define HDR_HOLDERS 3
+#define FREEING (1ULL << 63)
+#define SPIN_LIMIT 1000000
+
+static _Atomic uint64_t *header_of(PyObject *addr_obj) {
+    void *addr = PyLong_AsVoidPtr(addr_obj);
+    if (addr == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "header at a null address");
+        return NULL;
+    }
+    if ((uintptr_t)addr % 8) {
+        PyErr_SetString(PyExc_ValueError, "header at an unaligned address");
+        return NULL;
+    }
+    return (_Atomic uint64_t *)addr;
+}
+
+static int parse_header_gen(PyObject *const *args, Py_ssize_t nargs, const char *name, _Atomic uint64_t **h, uint64_t *gen) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "%s(addr, gen)", name);
+        return -1;
+    }
+    *h = header_of(args[0]);
+    if (*h == NULL)
+        return -1;
+    *gen = PyLong_AsUnsignedLongLongMask(args[1]);
+    if (*gen == (uint64_t)-1 && PyErr_Occurred())
+        return -1;
+    return 0;
+}
+
+PyDoc_STRVAR(hdr_count_doc, "hdr_sent(addr) / hdr_loaded(addr)\n\nCount one ref sent / loaded in the generation of the header at addr.");
+
+static PyObject *hdr_sent(PyObject *Py_UNUSED(module), PyObject *addr) {
+    _Atomic uint64_t *h = header_of(addr);
+    if (h == NULL)
+        return NULL;
+    atomic_fetch_add(&h[HDR_SENT], 1);
+    Py_RETURN_NONE;
+}
+
+static PyObject *hdr_loaded(PyObject *Py_UNUSED(module), PyObject *addr) {
+    _Atomic uint64_t *h = header_of(addr);
+    if (h == NULL)
+        return NULL;
+    atomic_fetch_add(&h[HDR_LOADED], 1);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(hdr_hold_doc, "hdr_hold(addr, gen) -> bool\n\nCount this process a holder of generation gen, then check that the "
+                           "header holds gen: False (holding nothing) if it holds another, or is being freed for good.");
+
+static PyObject *hdr_hold(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    _Atomic uint64_t *h;
+    uint64_t gen;
+    if (parse_header_gen(args, nargs, "hdr_hold", &h, &gen) < 0)
+        return NULL;
+    uint64_t n = atomic_load(&h[HDR_HOLDERS]);
+    for (long spins = 0;; spins++) {
+        if (n & FREEING) {
+            /* its owner is checking it free (a few instructions): wait, briefly */
+            if (spins >= SPIN_LIMIT)
+                Py_RETURN_FALSE;
+            sched_yield();
+            n = atomic_load(&h[HDR_HOLDERS]);
+            continue;
+        }
+        if (atomic_compare_exchange_weak(&h[HDR_HOLDERS], &n, n + 1))
+            break;
+    }
+    if (atomic_load(&h[HDR_GEN]) != gen) {
+        atomic_fetch_sub(&h[HDR_HOLDERS], 1);
+        Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(hdr_unhold_doc, "hdr_unhold(addr, gen) -> bool\n\nCount one holder of generation gen less; False (nothing done) if the "
+                             "header holds another generation or no holder.");
+
+static PyObject *hdr_unhold(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    _Atomic uint64_t *h;
+    uint64_t gen;
+    if (parse_header_gen(args, nargs, "hdr_unhold", &h, &gen) < 0)
+        return NULL;
+    if (atomic_load(&h[HDR_GEN]) != gen)
+        Py_RETURN_FALSE;
+    uint64_t n = atomic_load(&h[HDR_HOLDERS]);
+    do {
+        if ((n & ~FREEING) == 0)
+            Py_RETURN_FALSE;
+    } while (!atomic_compare_exchange_weak(&h[HDR_HOLDERS], &n, n - 1));
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(hdr_free_doc, "hdr_free(addr, gen) -> bool\n\nThe owner, its own storages of gen all dead: if nobody holds gen and every "
+                           "ref sent was loaded, end it (generation 0, counters zeroed: a stale ref is refused) and return True.");
+
+static PyObject *hdr_free(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    _Atomic uint64_t *h;
+    uint64_t gen;
+    if (parse_header_gen(args, nargs, "hdr_free", &h, &gen) < 0)
+        return NULL;
+    uint64_t zero = 0;
+    if (!atomic_compare_exchange_strong(&h[HDR_HOLDERS], &zero, FREEING))
+        Py_RETURN_FALSE; /* held (or being freed by another thread) */
+    /* From here no new holder until FREEING goes: sent == loaded now means every ref
+     * sent was loaded by a holder that has let go since. */
+    int free = atomic_load(&h[HDR_GEN]) == gen && atomic_load(&h[HDR_SENT]) == atomic_load(&h[HDR_LOADED]);
+    if (free) {
+        atomic_store(&h[HDR_GEN], 0);
+        atomic_store(&h[HDR_SENT], 0);
+        atomic_store(&h[HDR_LOADED], 0);
+    }
+    atomic_store(&h[HDR_HOLDERS], 0);
+    return PyBool_FromLong(free);
+}
+
+PyDoc_STRVAR(hdr_read_doc, "hdr_read(addr) -> (gen, sent, loaded, holders)\n\nThe header at addr, each field read atomically.");
+
+static PyObject *hdr_read(PyObject *Py_UNUSED(module), PyObject *addr) {
+    _Atomic uint64_t *h = header_of(addr);
+    if (h == NULL)
+        return NULL;
+    return Py_BuildValue("KKKK", (unsigned long long)atomic_load(&h[HDR_GEN]), (unsigned long long)atomic_load(&h[HDR_SENT]),
+                         (unsigned long long)atomic_load(&h[HDR_LOADED]), (unsigned long long)atomic_load(&h[HDR_HOLDERS]));
+}
+
 static PyMethodDef native_methods[] = {
+    {"hdr_sent", hdr_sent, METH_O, hdr_count_doc},
+    {"hdr_loaded", hdr_loaded, METH_O, hdr_count_doc},
+    {"hdr_hold", (PyCFunction)(void (*)(void))hdr_hold, METH_FASTCALL, hdr_hold_doc},
+    {"hdr_unhold", (PyCFunction)(void (*)(void))hdr_unhold, METH_FASTCALL, hdr_unhold_doc},
+    {"hdr_free", (PyCFunction)(void (*)(void))hdr_free, METH_FASTCALL, hdr_free_doc},
+    {"hdr_read", hdr_read, METH_O, hdr_read_doc},
+
     {"dead", native_dead, METH_NOARGS, dead_doc},
     {"pending", native_pending, METH_NOARGS, pending_doc},
     {"dltype", native_dltype, METH_O, dltype_doc},

@@ -71,7 +71,6 @@ from typing import Any
 import torch
 
 from shmreduce import _native, _torch, segments
-from shmreduce.broker.protocol import gen_name
 from shmreduce.errors import OutOfSharedMemory, SharingError, out_of_shm
 
 HEADER = 64  # a pooled segment's first bytes: its generation (u64); storages start after
@@ -128,7 +127,8 @@ class Segment:
         "gen",
         "token",
         "pool",
-        "announced",
+        "deposited",
+        "tag",
         "retired",
         "sealed",
         "used",
@@ -150,7 +150,8 @@ class Segment:
         self.gen = 0  # the generation whose token lives here (or is being filled)
         self.token: weakref.ref | None = None
         self.pool: Pool | None = None  # the pool that made it, in its owner only
-        self.announced = False  # its owner holds the current generation at the broker
+        self.deposited = False  # a memfd: its descriptor is at this process's broker
+        self.tag: tuple[int, int] = (0, 0)  # a file: (generation, its refs' tag), see transfer.fs_tag
         self.retired = False  # never reused: closed once free
         self.sealed = False  # filled no further (its file went with a broker that died)
         self.used = HEADER  # a slab's next free offset
@@ -181,14 +182,13 @@ class Segment:
             raise self._write_error(exc, self.size, "writing a segment header") from exc
         self.filled = max(self.filled, HEADER)  # its first page is allocated now
         self.used = HEADER
-        self.announced = False
         return self.new_token(gen, None)
 
-    def new_token(self, gen: int, kept: tuple | None) -> Any:
+    def new_token(self, gen: int, kept: str | None) -> Any:
         """The token of *gen* in this process, made held once: its maker ``release()``s
-        that hold (or hands it to a ``Hold``). *kept*: what this process keeps at the
-        broker through the message that brought it, (directory, message key, names),
-        let go of when the token dies (``settle``)."""
+        that hold (or hands it to a ``Hold``). *kept*: a receiver's, the directory of
+        the broker told it holds *gen* (``hdr_hold`` counted it in the header), let go
+        of when the token dies (``settle``)."""
         if kept is not None:
             self.rtokens = self.rtokens + 1 if self.rgen == gen else 1
             self.rgen = gen
@@ -341,58 +341,47 @@ class Hold:
 
 
 def has_dead() -> bool:
-    """Whether settle has something to do (one atomic load, in the common case)."""
-    return _native.pending() or bool(_later)
+    """Whether settle has something to do (one atomic load)."""
+    return _native.pending()
 
 
 class Releases:
-    """What this process lets go of at brokers, queued until the next ``collect``."""
+    """What this process lets go of, per broker directory: the generations it held
+    as a receiver, (segment, generation) pairs, told to the broker and then counted
+    out of their headers (``transfer._send_releases``)."""
 
     def __init__(self) -> None:
-        self.held: dict[str, list[str]] = {}  # directory -> names it held itself
-        self.kept: dict[tuple[str, bytes], list[str]] = {}  # (directory, message) -> names kept through it
+        self.gens: dict[str, list[tuple[Segment, int]]] = {}
 
 
-_later: list[Any] = []  # dead tokens whose release waits for their message's claim
-
-
-def settle(releases: Releases, unclaimed: Callable[[str, bytes], bool]) -> None:
+def settle(releases: Releases) -> None:
     """Account for every generation whose last storage died here since the last call.
 
-    *unclaimed(directory, key)*: the message is still being received here, its claim
-    not yet sent; what was kept through it waits for the next call, so that the
-    broker never hears of a release before the claim it undoes. What a receiver
-    kept through a slab's generation is let go of once its parked token goes (see
-    "parked tokens" below).
-    """
-    global _later
+    In its owner the generation is over here: its segment is free at once if nobody
+    holds it elsewhere and every ref sent in it was loaded (``_native.hdr_free``),
+    else it waits for that (``Pool.reap``). A receiver lets go of its hold. What a
+    receiver held of a slab's generation is let go of once its parked token goes
+    (see "parked tokens" below)."""
     pid = os.getpid()
-    later = []
-    dead, _later = _later + _native.dead(), []
-    for token in dead:
-        kept, owner = token.info
+    for token in _native.dead():
+        info: Any = token.info
+        kept, owner = info
         if owner != pid:
             continue  # a forked child's copy of its parent's token: not ours to tell
+        seg: Segment = token.owner  # type: ignore[assignment]
+        gen = token.number
         if kept is not None:
-            directory, key, names = kept
-            if unclaimed(directory, key):
-                later.append(token)
-                continue
-            releases.kept.setdefault((directory, key), []).extend(names)
+            releases.gens.setdefault(kept, []).append((seg, gen))
             continue
-        seg, gen = token.owner, token.number
         pool = seg.pool
         if pool is None or seg.gen != gen:
             continue
-        if seg.announced:
-            name = gen_name(gen)
-            releases.held.setdefault(seg.directory or pool.directory(), []).append(name)
-            if not seg.retired and pool.active:
-                # Sent: the broker says when nobody holds it any more (a free notice).
-                pool.waiting[name] = seg
-                continue
-        pool.give_back(seg)  # closes it instead if it is never to be reused
-    _later.extend(later)
+        if seg.retired or not pool.active:
+            pool.closed(seg)  # never reused: what is in flight in it stays readable (the broker)
+        elif _native.hdr_free(seg.addr, gen):
+            pool.give_back(seg)
+        else:
+            pool.waiting[seg.key] = seg  # held elsewhere, or refs to it in flight
 
 
 def _in_use() -> list[Segment]:
@@ -473,7 +462,7 @@ class Pool:
 
     def __init__(self) -> None:
         self.free: dict[int, list[Segment]] = {}
-        self.waiting: dict[str, Segment] = {}  # generation name -> segment
+        self.waiting: dict[int | str, Segment] = {}  # segment key -> a segment whose generation is over here, not yet free
         self.free_bytes = 0
         self.made = 0  # segments made, for stats
         self.reused = 0
@@ -486,9 +475,6 @@ class Pool:
         raise NotImplementedError
 
     def directory(self) -> str:
-        raise NotImplementedError
-
-    def notices(self) -> list[str]:
         raise NotImplementedError
 
     def full(self) -> None:
@@ -574,11 +560,12 @@ class Pool:
         return seg
 
     def reap(self) -> None:
-        """Take in the broker's free notices: those segments are free."""
-        for name in self.notices():
-            seg = self.waiting.pop(name, None)
-            if seg is not None:
-                self.give_back(seg)
+        """Give back the waiting segments that are free now: nobody holds their
+        generation and every ref sent in it was loaded (their headers say)."""
+        for key, seg in list(self.waiting.items()):
+            if _native.hdr_free(seg.addr, seg.gen):
+                if self.waiting.pop(key, None) is seg:
+                    self.give_back(seg)
 
     def give_back(self, seg: Segment) -> None:
         """*seg* is free: nobody anywhere holds a storage in it."""
@@ -586,10 +573,6 @@ class Pool:
             return
         if seg.retired or not self.active:
             self.closed(seg)  # not reused: after unregister(), memory goes back as storages die
-            return
-        try:
-            os.pwrite(seg.fd, bytes(8), 0)  # its generation is over: a stale handle is refused
-        except OSError:
             return
         seg.since = time.monotonic()
         with self.lock:
@@ -628,11 +611,11 @@ class Pool:
         found.update((id(seg), seg) for seg in list(self.waiting.values()))
         return [seg for seg in found.values() if seg.pid == os.getpid()]
 
-    def retire_all(self, announced_only: bool = False) -> None:
-        """Never reuse what is in use or awaited now: at a fork, everything in use;
-        after a broker died, what it had heard of (*announced_only*)."""
+    def retire_all(self) -> None:
+        """Never reuse what is in use or awaited now (at a fork: the child may use
+        those storages without its parent's pool knowing)."""
         for seg in _in_use():
-            if seg.pool is self and (seg.announced or not announced_only):
+            if seg.pool is self:
                 seg.retired = True
         self._drop_waiting()
 
@@ -651,8 +634,7 @@ class Pool:
                     self.closed(seg)
 
     def _drop_waiting(self) -> None:
-        """Stop waiting for the broker's notices: those segments are never reused (this
-        process lets go of its file holds now; others' holds keep the files)."""
+        """Stop waiting for the segments whose generation is over here: never reused."""
         waiting, self.waiting = self.waiting, {}
         for seg in waiting.values():
             seg.retired = True
@@ -693,15 +675,12 @@ class FdPool(Pool):
 
     kind = "fd"
 
-    def __init__(self, directory: Callable[[], str], notices: Callable[[], list[str]]) -> None:
+    def __init__(self, directory: Callable[[], str], drop: Callable[[Segment], None]) -> None:
         super().__init__()
-        self._directory, self._notices = directory, notices
+        self._directory, self._drop = directory, drop
 
     def directory(self) -> str:
         return self._directory()
-
-    def notices(self) -> list[str]:
-        return self._notices()
 
     def create(self, size: int) -> Segment:
         try:
@@ -716,6 +695,11 @@ class FdPool(Pool):
             os.close(fd)
             raise _no_memory(exc, "mapping a new memfd", size) from exc
 
+    def closed(self, seg: Segment) -> None:
+        if seg.deposited:
+            seg.deposited = False
+            self._drop(seg)
+
 
 class FilePool(Pool):
     """file_system: files in the program directory, each held at the broker by this
@@ -727,12 +711,11 @@ class FilePool(Pool):
         self,
         make: Callable[[int], Segment],
         directory: Callable[[], str],
-        notices: Callable[[], list[str]],
         release: Callable[[str, list[str]], None],
         full: Callable[[], None],
     ) -> None:
         super().__init__()
-        self._make, self._directory, self._notices, self._release = make, directory, notices, release
+        self._make, self._directory, self._release = make, directory, release
         self._full = full
 
     def full(self) -> None:
@@ -740,9 +723,6 @@ class FilePool(Pool):
 
     def directory(self) -> str:
         return self._directory()
-
-    def notices(self) -> list[str]:
-        return self._notices()
 
     def create(self, size: int) -> Segment:
         return self._make(size)
@@ -771,6 +751,12 @@ def forget_mappings() -> None:
     _mapped.clear()
 
 
+def forget_deposits() -> None:
+    """This process's broker is new: it keeps none of the memfds sent before."""
+    for seg in list(_mapped.values()):
+        seg.deposited = False
+
+
 def mapped_stats() -> dict[str, int]:
     segs = list(_mapped.values())
     return {
@@ -792,6 +778,7 @@ def _after_fork_in_child() -> None:
         # Never revive a token of the parent's here: what this process keeps, it claims
         # itself (a new token), or its owner could reuse memory this process reads.
         seg.token = None
+        seg.deposited = False  # the parent's deposit, not ours
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

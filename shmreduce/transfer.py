@@ -1,46 +1,51 @@
-"""One pickled message = one deposit at the broker, then one claim (and at most one
-fetch) by its receiver.
+"""Sharing a storage (sender) and loading it (receiver): no broker record per message.
 
-``share(storage)`` (sender) moves a storage into this process's pool (``pool``) once
-and returns the ``SegmentRef`` a pickle carries, as a plain tuple; ``receive(ref)``
-(receiver) turns it back into a storage. Inside a ``sending()`` scope (opened by
-``registry``'s ``ForkingPickler.dumps`` and by ``shmreduce.dumps``) every storage of
-the message joins one deposit, sent when the scope closes; outside a scope (a plain
-``ForkingPickler(file).dump()``, e.g. spawn's process object) each storage is
-deposited on its own. A file_descriptor receiver fetches a message's descriptors
-only for a segment it does not map yet; it claims the message, naming the
-generations it keeps, when its ``receiving()`` scope closes. ``collect()`` then lets
-go of what died, at most every PURGE_EVERY seconds in a quiet process.
+``share(storage)`` (sender) moves a storage into this process's pool (``pool``)
+once and returns the ``SegmentRef`` a pickle carries, as a plain tuple, counting it
+*sent* in its segment's shared header; ``receive(ref)`` (receiver) turns it back
+into a storage, counting it *loaded*. A receiver holds each generation it makes
+storages of (``_native.hdr_hold``, before it trusts the generation) and lets go when
+its last storage of it dies; an owner reuses a segment once its own storages of
+the generation died, nobody holds it and every ref sent was loaded (``pool``).
+
+The broker hears, fire-and-forget, only what it needs when a process dies: a memfd
+the first time this process sends a ref to it (a receiver fetches it once, by inode,
+to map it), the generations a receiver holds (counted out of their headers if it
+dies), the files a sender made. In a steady stream, where receivers map the
+segments already, a message costs no record to the broker from either side.
+
+Inside a ``sending()`` scope (``registry``'s ``ForkingPickler.dumps``,
+``shmreduce.dumps``) a message's refs are counted sent when the scope closes
+without an error; outside one, at once. ``collect()`` lets go of what died, at most
+every PURGE_EVERY seconds in a quiet process.
 """
 
 from __future__ import annotations
 
 import gc
 import hashlib
-import itertools
 import logging
 import multiprocessing
 import os
 import sys
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import torch
 
-from shmreduce import _torch, pool, program, segments
+from shmreduce import _native, _torch, pool, program, segments
 from shmreduce.broker import client as broker
-from shmreduce.broker.protocol import KEY_LEN, gen_name, is_program_dir
+from shmreduce.broker.protocol import is_program_dir
 from shmreduce.cache import Place, cache
 from shmreduce.errors import OutOfSharedMemory, SharingError, stale_message
 from shmreduce.strategy import get_sharing_strategy
 
-_T = TypeVar("_T")
 log = logging.getLogger("shmreduce")
 
-MAX_PENDING = 64  # fetched messages whose refs have not all been rebuilt yet
+_hdr_sent = _native.hdr_sent
+_hdr_loaded = _native.hdr_loaded
 
 
 class SegmentRef(NamedTuple):
@@ -49,25 +54,23 @@ class SegmentRef(NamedTuple):
     Checked in one place, ``_checked``."""
 
     kind: str  # "fd" | "fs"
-    program: str  # broker directory the message was deposited with
-    message: bytes  # deposit key
+    program: str  # the broker directory that keeps the segment (fd) / holds the file (fs)
     segment: int | str  # fd: the memfd's inode; fs: the file's name
     gen: int  # the segment's generation (0: a segment shmreduce does not pool)
     offset: int
     nbytes: int
-    # fd: index of the descriptor in the deposit. fs: the handle's tag, a keyed hash
-    # of its directory, message, file and generation under the program's authkey (see
-    # fs_tag): nothing asks the broker before a file is mapped, so the receiver checks
-    # the tag instead, once per message and generation.
-    slot: int
+    # fs: a keyed hash of directory, file and generation under the program's authkey
+    # (see fs_tag): nothing asks the broker before a file is mapped, so the receiver
+    # checks the tag instead, once per generation. fd: 0 (the broker authenticates).
+    tag: int
 
 
-def fs_tag(directory: str, message: bytes, name: str, gen: int) -> int:
-    """The tag of a file_system handle: refuses forged or mixed-up directories, keys,
-    names, generations. Computed once per message and generation on either side:
-    offsets and sizes are checked against the mapped segment itself (``_native``)."""
+def fs_tag(directory: str, name: str, gen: int) -> int:
+    """The tag of a file_system ref: refuses forged or mixed-up directories, names,
+    generations. Computed once per generation on either side: offsets and sizes are
+    checked against the mapped segment itself (``_native``)."""
     h = _tagger().copy()
-    h.update(b"%s/%s%s/%d" % (directory.encode(), message, name.encode(), gen))
+    h.update(b"%s/%s/%d" % (directory.encode(), name.encode(), gen))
     return int.from_bytes(h.digest(), "little")
 
 
@@ -106,15 +109,16 @@ def _program_dir() -> str:
     return program.current().directory
 
 
-def _notices() -> list[str]:
-    client = broker.connected_client(_program_dir())
-    return client.notices() if client is not None else []
-
-
 def _release_files(directory: str, names: list[str]) -> None:
     client = broker.connected_client(directory)
     if client is not None:
         _quietly(client.release, names)
+
+
+def _drop_memfd(seg: pool.Segment) -> None:
+    client = broker.connected_client(_program_dir())
+    if client is not None:
+        _quietly(client.drop, [seg.key])
 
 
 def _make_file(size: int) -> pool.Segment:
@@ -141,8 +145,6 @@ def _fs_full() -> None:
     prog = program.current()
     client = broker.client_for(prog.directory, prog.root_pid)
     collect()
-    client.ping()  # barrier: our releases are in, the notices they caused are out
-    collect()
     _fs_pool.trim(idle=-1.0)
     client.ping()  # barrier: the broker unlinked the files nobody holds
 
@@ -158,117 +160,11 @@ def _new_file(size: int) -> pool.Segment:
         raise segments.os_error(exc, f"mapping {prog.directory}/{name}") from exc
 
 
-_fd_pool = pool.FdPool(_program_dir, _notices)
-_fs_pool = pool.FilePool(_make_file, _program_dir, _notices, _release_files, _fs_full)
+_fd_pool = pool.FdPool(_program_dir, _drop_memfd)
+_fs_pool = pool.FilePool(_make_file, _program_dir, _release_files, _fs_full)
 
 
 # -- sending -----------------------------------------------------------------------
-
-
-# Message keys: a random per-process prefix and a counter. Unique without a
-# getrandom() call per message; the prefix is drawn again in a forked child.
-_key_prefix = os.urandom(KEY_LEN - 8)
-_key_count = itertools.count()
-
-
-def _new_key() -> bytes:
-    return _key_prefix + next(_key_count).to_bytes(8, "little")
-
-
-class _Outgoing:
-    """The deposit a message is building: its descriptors (file_descriptor) and the
-    names it holds until received, per broker directory it touches."""
-
-    __slots__ = ("key", "program", "root", "fds", "slots", "keep", "names", "gens", "tags", "holds", "announced", "files")
-
-    def __init__(self) -> None:
-        self.key = _new_key()
-        prog = program.current()
-        self.program, self.root = prog.directory, prog.root_pid
-        self.fds: list[int] = []  # the deposit's descriptors, one per memfd, by slot
-        self.slots: dict[int, int] = {}  # memfd inode -> slot
-        self.keep: list[torch.UntypedStorage] = []  # keeps torch's descriptors valid until the deposit
-        self.names: dict[str, dict[str, None]] = {}  # directory -> names the message holds
-        self.gens: set[int] = set()  # generations among them
-        self.tags: dict[int, int] = {}  # file_system generation -> its handles' tag
-        self.holds: dict[str, list[str]] = {}  # directory -> generations this process starts holding
-        self.announced: list[pool.Segment] = []
-        self.files = False  # the fs program directory's broker was checked live
-
-    def add(self, storage: torch.UntypedStorage) -> tuple:
-        """The storage's ref (a ``SegmentRef`` as a plain tuple) in this message."""
-        key = _storage_key(storage)
-        place = cache.place_of(storage, key)
-        if not self.files and (place.segment.kind == "fs" if place is not None else _current_pool() is _fs_pool):
-            # Once per message, before its first file is named or filled: a broker
-            # that died since is replaced now, and the files that went with it are
-            # forgotten (the storage is shared again: issue 11, item 5) or held at the
-            # new broker. Without it a sender went on packing messages into its slab,
-            # a file of the dead broker's directory, until its next deposit noticed
-            # (issue 19, item 4). One non-blocking peek when the broker lives.
-            self.files = True
-            _live_program()
-            place = cache.place_of(storage, key)
-        if place is None:
-            place = _move_once(storage, key)
-        else:
-            _counters["storages_reused"] += 1
-        seg, gen, offset, nbytes = place
-        if seg.kind == "fs":
-            directory = seg.directory
-            self._hold(directory, seg, gen)
-            self.names.setdefault(directory, {})[seg.key] = None
-            tag = self.tags.get(gen)
-            if tag is None:
-                tag = self.tags[gen] = fs_tag(directory, self.key, seg.key, gen)
-            return ("fs", directory, self.key, seg.key, gen, offset, nbytes, tag)
-        if gen:
-            self._hold(self.program, seg, gen)
-        slot = self.slots.get(seg.key)
-        if slot is None:
-            slot = self.slots[seg.key] = len(self.fds)
-            if seg.fd is None:  # a storage torch shared keeps its own descriptor
-                self.fds.append(_torch.storage_fd(storage))
-                self.keep.append(storage)
-            else:
-                self.fds.append(seg.fd)
-        return ("fd", self.program, self.key, seg.key, gen, offset, nbytes, slot)
-
-    def _hold(self, directory: str, seg: pool.Segment, gen: int) -> None:
-        """The message holds generation *gen*; its owner too, from its first send on."""
-        if gen in self.gens:
-            return
-        self.gens.add(gen)
-        name = gen_name(gen)
-        self.names.setdefault(directory, {})[name] = None
-        if seg.pool is not None and not seg.announced and seg.gen == gen and seg.pid == os.getpid():
-            seg.announced = True
-            self.announced.append(seg)
-            self.holds.setdefault(directory, []).append(name)
-
-    def flush(self, deliver: bool = True) -> None:
-        """Send the deposit (or, if not *deliver*, nothing: the generations it would
-        have announced are this process's alone again)."""
-        try:
-            if not deliver:
-                for seg in self.announced:
-                    seg.announced = False
-                return
-            targets = set(self.names)
-            if self.fds:
-                targets.add(self.program)
-            releases = _take_releases() if pool.has_dead() else None
-            for directory in targets:
-                fds = self.fds if directory == self.program else []
-                client = broker.client_for(directory, self.root if directory == self.program else None)
-                if releases is not None:
-                    _send_releases(releases, directory, client)
-                client.deposit(self.key, fds, self.holds.get(directory, []), list(self.names.get(directory, ())))
-            if releases is not None:
-                _send_releases(releases)
-            _counters["messages_sent"] += 1
-        finally:
-            self.keep.clear()
 
 
 class _NameReserve:
@@ -301,27 +197,40 @@ _names = _NameReserve()
 _local = threading.local()
 
 
-_OPEN = object()  # _local.out of a sending scope that has no storage yet
+class _Outgoing:
+    """The message a ``sending()`` scope is pickling: the segments of its refs (each
+    counted sent when the scope closes), and whether its files' broker was checked."""
+
+    __slots__ = ("counted", "files", "program")
+
+    def __init__(self) -> None:
+        self.counted: list[pool.Segment] = []
+        self.files = False
+        self.program = ""
 
 
 class sending:
-    """``with sending():`` groups every storage pickled inside into one deposit, sent
-    when the scope closes (nested scopes join the outer one). If the block raises,
-    nothing is delivered. A scope that shared nothing (most of multiprocessing's own
-    messages) costs no deposit."""
+    """``with sending():`` counts the refs pickled inside sent when the scope closes
+    (nested scopes join the outer one); if the block raises, none is: a message that
+    was never pickled whole is never loaded."""
 
     __slots__ = ("outer",)
 
     def __enter__(self) -> None:
         self.outer = getattr(_local, "out", None) is not None
         if not self.outer:
-            _local.out = _OPEN
+            _local.out = _Outgoing()
 
     def __exit__(self, exc_type: type | None, *_: object) -> None:
         if not self.outer:
             out, _local.out = _local.out, None
-            if out is not _OPEN:
-                out.flush(deliver=exc_type is None)
+            if out.counted:
+                if exc_type is None:
+                    for seg in out.counted:
+                        _hdr_sent(seg.addr)
+                    _counters["messages_sent"] += 1
+                if pool.has_dead():
+                    _send_releases(_take_releases())
 
 
 def share(storage: torch.UntypedStorage) -> tuple:
@@ -331,9 +240,42 @@ def share(storage: torch.UntypedStorage) -> tuple:
     if out is None:
         with sending():
             return share(storage)
-    if out is _OPEN:
-        out = _local.out = _Outgoing()
-    return out.add(storage)
+    key = _storage_key(storage)
+    place = cache.place_of(storage, key)
+    if not out.files and (place.segment.kind == "fs" if place is not None else _current_pool() is _fs_pool):
+        # Once per message, before its first file is named or filled: a broker that
+        # died since is replaced now, and the files that went with it are forgotten
+        # (the storage is shared again: issue 11, item 5) or held at the new broker
+        # (issue 19, item 4). One non-blocking poll when the broker lives.
+        out.files = True
+        _live_program()
+        place = cache.place_of(storage, key)
+    if place is None:
+        place = _move_once(storage, key)
+    else:
+        _counters["storages_reused"] += 1
+    seg, gen, offset, nbytes = place
+    if gen:
+        out.counted.append(seg)
+    if seg.kind == "fs":
+        tag_gen, tag = seg.tag
+        if tag_gen != gen:
+            tag = fs_tag(seg.directory, seg.key, gen)
+            seg.tag = (gen, tag)
+        return ("fs", seg.directory, seg.key, gen, offset, nbytes, tag)
+    if not out.program:
+        out.program = _program_dir()
+    if not seg.deposited:
+        _deposit(seg, storage, gen)
+    return ("fd", out.program, seg.key, gen, offset, nbytes, 0)
+
+
+def _deposit(seg: pool.Segment, storage: torch.UntypedStorage, gen: int) -> None:
+    """This process's first ref to the memfd *seg*: its descriptor goes to the broker."""
+    prog = program.current()
+    fd = seg.fd if seg.fd is not None else _torch.storage_fd(storage)  # a storage torch shared keeps its own
+    broker.client_for(prog.directory, prog.root_pid).segment(fd, header=gen != 0)
+    seg.deposited = True
 
 
 # A storage moves into shared memory once, whatever the number of threads pickling it
@@ -454,33 +396,27 @@ PURGE_EVERY = 0.5  # seconds between two looks for what died, in a process that 
 _releases_lock = threading.Lock()
 
 
-def _unclaimed(directory: str, key: bytes) -> bool:
-    entry = _pending.get((directory, key))
-    return entry is not None and bool(entry.keep)
-
-
 def _take_releases(wait: bool = False) -> pool.Releases:
     """What died since the last call; *wait*: also for a call running in another
     thread (the collector's) to finish, so that its effects are seen on return."""
     releases = pool.Releases()
     if wait or pool.has_dead():
         with _releases_lock:
-            pool.settle(releases, _unclaimed)
+            pool.settle(releases)
     return releases
 
 
-def _send_releases(releases: pool.Releases, directory: str | None = None, client: broker.BrokerClient | None = None) -> None:
-    """Send what *releases* holds for *directory* (every directory if None)."""
-    for held_dir in [d for d in releases.held if directory is None or d == directory]:
-        names = releases.held.pop(held_dir)
-        target = client or broker.connected_client(held_dir)
-        if target is not None:
-            _quietly(target.release, names)
-    for msg_dir, key in [k for k in releases.kept if directory is None or k[0] == directory]:
-        names = releases.kept.pop((msg_dir, key))
-        target = client or broker.connected_client(msg_dir)
-        if target is not None:
-            _quietly(target.release, names, key)
+def _send_releases(releases: pool.Releases) -> None:
+    """Let go of the generations this process held as a receiver: the broker is told
+    first, then each is counted out of its header (dying in between leaves one count
+    too many, which keeps the segment out of reuse, never one too few)."""
+    for directory, pairs in releases.gens.items():
+        client = broker.connected_client(directory)
+        if client is not None:
+            _quietly(client.hold_gens, [(seg.key, gen) for seg, gen in pairs], False)
+        for seg, gen in pairs:
+            _native.hdr_unhold(seg.addr, gen)
+    releases.gens.clear()
 
 
 def _quietly(send: Callable[..., None], *args: Any) -> None:
@@ -493,10 +429,10 @@ def _quietly(send: Callable[..., None], *args: Any) -> None:
 
 
 def collect(linger: float = 0.0) -> None:
-    """Let go now of what died here: generations (at the broker, or back to the pool),
-    free notices taken in, idle segments closed, dead cache entries dropped. A
-    receiver's parked tokens go once parked *linger* seconds (all of them by
-    default; the collector thread gives them ``pool.LINGER``)."""
+    """Let go now of what died here: generations (back to the pool, or let go of as
+    a receiver), waiting segments given back once free, idle segments closed, dead
+    cache entries dropped. A receiver's parked tokens go once parked *linger*
+    seconds (all of them by default; the collector thread gives them ``pool.LINGER``)."""
     cache.purge()
     pool.unpark(linger)
     _send_releases(_take_releases(wait=True))
@@ -541,108 +477,59 @@ _collector = _Collector()
 # -- receiving ---------------------------------------------------------------------
 
 
-class _Incoming:
-    """A message this process has started to receive.
-
-    Inside a ``receiving()`` scope the broker hears of it at most twice: a fetch of
-    its descriptors (one round trip) only for a memfd this process does not map yet,
-    and a claim when the load ends (fire-and-forget), naming what this process keeps
-    through the message: the generations (and files) of the storages it made
-    anew. Outside a scope (see ``_incoming``) each reference is claimed at once.
-    """
-
-    __slots__ = ("client", "message", "fds", "inos", "fetched", "delivered", "claimed", "keep", "last")
-
-    def __init__(self, client: broker.BrokerClient, message: bytes) -> None:
-        self.client, self.message = client, message
-        self.fds: list[int | None] = []  # fetched, by slot, until mapped or closed
-        self.inos: dict[int, int] = {}  # slot -> memfd inode, once its fd is mapped
-        self.fetched = False
-        self.delivered = False  # the broker was told it reached this process
-        self.claimed = False  # its final claim was sent
-        self.keep: list[str] = []  # names to keep, not yet claimed
-        self.last: tuple | None = None  # (segment key, generation, segment, token) of the last storage made (in a scope)
-
-    def fetch(self) -> None:
-        """The message's descriptors, once (one round trip)."""
-        if not self.fetched:
-            self.fetched = self.delivered = True
-            self.fds = list(self.client.fetch(self.message) or ())
-
-    def segment(self, slot: int, ino: int) -> pool.Segment:
-        """This process's new mapping of the memfd in *slot*, which must be *ino*,
-        fetching the message's descriptors first if need be."""
-        self.fetch()
-        if not 0 <= slot < len(self.fds):
-            raise stale_message(f"cannot receive segment {ino}")
-        known = self.inos.get(slot)
-        if known is not None:
-            if known != ino:
-                raise _not_in_slot(ino, slot)
-            seg = pool.lookup("fd", ino)
-            if seg is None:  # every storage of it died during the load
-                raise stale_message(f"cannot receive segment {ino}")
-            return seg
-        fd = self.fds[slot]
-        if fd is None:
-            raise stale_message(f"cannot receive segment {ino}")
-        self.fds[slot] = None
-        seg = pool.open_fd(fd, ino)  # checks the identity; owns fd from now on
-        self.inos[slot] = ino
-        return seg
-
-    def known(self, slot: int) -> None:
-        """A ref of *slot* in a segment this process maps already: if the message was
-        fetched, that slot's descriptor is not needed."""
-        if 0 <= slot < len(self.fds) and slot not in self.inos:
-            fd = self.fds[slot]
-            if fd is not None:
-                os.close(fd)
-                self.fds[slot] = None
-
-    def claim_now(self) -> None:
-        """Outside a scope: claim what this reference keeps now, the message not done
-        (delivered: it goes with this process's connections at the latest)."""
-        if self.keep or not self.delivered:
-            self.delivered = True
-            try:
-                self.client.claim(self.message, done=False, keep=self.keep)
-            except SharingError:
-                pass
-            self.keep = []  # only now: until the claim is sent, what it keeps is not released (_unclaimed)
-
-    def close(self) -> None:
-        """Close the descriptors no storage took; claim the message, done."""
-        self.last = None
-        for i, fd in enumerate(self.fds):
-            if fd is not None:
-                os.close(fd)
-                self.fds[i] = None
-        if not self.claimed:
-            self.claimed = True
-            try:
-                self.client.claim(self.message, done=True, keep=self.keep)
-            except SharingError:
-                pass  # that broker is gone, and the message with it
-            self.keep = []  # only now: until the claim is sent, what it keeps is not released (_unclaimed)
+def receive(ref: tuple) -> torch.UntypedStorage:
+    """The storage *ref* (a ``SegmentRef`` or its plain tuple) names: from the cache
+    if this process has it already."""
+    storage = receive_tensor(ref, None)
+    assert isinstance(storage, torch.UntypedStorage)
+    return storage
 
 
-def _not_in_slot(ino: int, slot: int) -> SharingError:
-    return SharingError(f"segment {ino} is not in slot {slot} of its message: forged or corrupted message")
+def receive_tensor(ref: tuple, layout: tuple | None) -> torch.UntypedStorage | torch.Tensor:
+    """What ``receive(ref)`` returns, or, given a tensor's *layout* (DLPack dtype,
+    itemsize, size, stride) and where that tensor spans its storage exactly, the
+    tensor itself, made over the mapping in one step (its storage is the storage
+    ``receive`` would return, and is cached as such). Counts the ref loaded."""
+    kind, directory, segkey, gen, offset, nbytes, tag = _checked(ref)
+    last = getattr(_local, "last", None)
+    if last is not None and last[0] == segkey and last[1] == gen and last[2] == directory and last[4].acquire():
+        # The previous ref lay in this generation too (a slab's small storages):
+        # same segment, same token, nothing to look up.
+        seg, token = last[3], last[4]
+    else:
+        seg = pool.lookup(kind, segkey)
+        if seg is not None and kind == "fs" and seg.directory != directory:
+            seg = None
+        token = seg.live_token(gen) if seg is not None else None
+        if token is None or not token.acquire():
+            if seg is None:
+                seg = _map(kind, directory, segkey, gen, tag)
+            token = _new_token(seg, kind, directory, segkey, gen, tag)
+        elif gen and seg.pool is None:  # a live token of an earlier message: a slab's, here again
+            pool.park(seg, token)
+        _local.last = (segkey, gen, directory, seg, token)
+    try:
+        if gen:
+            _hdr_loaded(seg.addr)
+        storage = cache.storage_at((kind, segkey, gen, offset))
+        if storage is not None and storage.nbytes() == nbytes:
+            return storage
+        tensor = token.tensor(offset, nbytes, *layout) if layout is not None else None
+        storage = token.storage(offset, nbytes) if tensor is None else tensor.untyped_storage()
+    finally:
+        token.release()  # the load's hold: from now on its storages (and a park) hold it
+    _counters["storages_received"] += 1
+    _counters["bytes_received"] += nbytes
+    cache.remember(storage, Place(seg, gen, offset, nbytes))
+    incoming = getattr(_local, "incoming", None)
+    if incoming is not None:
+        _local.incoming = incoming + 1
+    return storage if tensor is None else tensor
 
 
-_pending: OrderedDict[tuple[str, bytes], _Incoming] = OrderedDict()
-_pending_lock = threading.Lock()
-
-
-def _incoming(directory: str, message: bytes, kind: str) -> tuple[_Incoming, bool]:
-    """The pending entry of a message, starting its receipt on its first reference;
-    and whether it is in a ``receiving()`` scope."""
-    key = (directory, message)
-    entry = _pending.get(key)
-    scope = getattr(_local, "incoming", None)
-    if entry is not None:
-        return entry, scope is not None
+def _map(kind: str, directory: str, segkey: Any, gen: int, tag: int) -> pool.Segment:
+    """Map a segment this process does not map yet: a memfd fetched from the broker
+    of *directory* (once per segment), or the file *segkey* there."""
     client = broker.client_for(directory)
     if not client.connected() and not client.broker_pid:
         # A directory named by a pickle could be anywhere: only one shmreduce made,
@@ -658,136 +545,55 @@ def _incoming(directory: str, message: bytes, kind: str) -> tuple[_Incoming, boo
             )
         if not is_program_dir(directory, program.shm_base()):
             raise SharingError(f"refusing handle for {directory!r}: not a shmreduce program directory (forged message?)")
-    entry = _Incoming(client, message)
-    if scope is None and kind == "fd":
-        # Outside a receiving() scope (a plain pickle.load, e.g. spawn's process
-        # object) nothing tells when the message ends: its descriptors come now.
-        entry.fetch()
-    _counters["messages_received"] += 1
-    with _pending_lock:
-        _pending[key] = entry
-        if scope is not None:
-            scope.append(key)
-        while len(_pending) > MAX_PENDING:
-            oldest = next(iter(_pending))
-            _pending[oldest].close()  # claimed before it leaves _pending (see _forget)
-            del _pending[oldest]
-    _collector.ensure()
-    return entry, scope is not None
+    if kind == "fs":
+        _check_tag(directory, segkey, gen, tag)
+        return pool.open_file(directory, segkey)
+    fd = client.fetch(segkey)
+    if fd is None:
+        raise stale_message(f"cannot receive segment {segkey}")
+    return pool.open_fd(fd, segkey)  # checks the identity; owns fd from now on
 
 
-def _forget(key: tuple[str, bytes]) -> None:
-    entry = _pending.get(key)
-    if entry is not None:
-        # Claimed while still pending (see _unclaimed): a release under its key, from
-        # the collector thread, then reaches the broker after the claim it undoes.
-        entry.close()
-        with _pending_lock:
-            if _pending.get(key) is entry:
-                del _pending[key]
+def _check_tag(directory: str, segkey: str, gen: int, tag: int) -> None:
+    if tag != fs_tag(directory, segkey, gen):
+        raise SharingError(
+            f"refusing file_system handle {segkey!r}: its tag does not match its handle (forged or corrupted message, or another program's)"
+        )
 
 
-def receive(ref: tuple) -> torch.UntypedStorage:
-    """The storage *ref* (a ``SegmentRef`` or its plain tuple) names: from the cache
-    if this process has it already."""
-    storage = receive_tensor(ref, None)
-    assert isinstance(storage, torch.UntypedStorage)
-    return storage
-
-
-def receive_tensor(ref: tuple, layout: tuple | None) -> torch.UntypedStorage | torch.Tensor:
-    """What ``receive(ref)`` returns, or, given a tensor's *layout* (DLPack dtype,
-    itemsize, size, stride) and where that tensor spans its storage exactly, the
-    tensor itself, made over the mapping in one step (its storage is the storage
-    ``receive`` would return, and is cached as such)."""
-    kind, directory, message, segkey, gen, offset, nbytes, slot = _checked(ref)
-    entry, scoped = _incoming(directory, message, kind)
-    storage = cache.storage_at((kind, segkey, gen, offset))
-    if storage is not None and storage.nbytes() == nbytes:
-        if kind == "fd" and entry.fds:
-            entry.known(slot)
-        if not scoped:
-            entry.claim_now()
-        return storage
-    last = entry.last
-    token = None
-    if last is not None and last[0] == segkey and last[1] == gen:
-        # The message's previous storage lay in this generation too (a slab's small
-        # storages): same segment, same token, nothing to look up.
-        seg, token = last[2], last[3]
-        if not token.acquire():
-            token = None  # every storage of it died, and settle took it, meanwhile
-    if token is None:
-        if kind == "fs" and slot != fs_tag(directory, message, segkey, gen):
-            raise SharingError(
-                f"refusing file_system handle {segkey!r}: its tag does not match its handle "
-                "(forged or corrupted message, or another program's)"
-            )
-        seg, token = _token_for(entry, kind, directory, message, segkey, gen, slot)
-        if scoped:
-            entry.last = (segkey, gen, seg, token)
-    tensor = None
-    try:
-        if layout is not None:
-            tensor = token.tensor(offset, nbytes, *layout)
-        storage = token.storage(offset, nbytes) if tensor is None else tensor.untyped_storage()
-    finally:
-        token.release()  # the load's hold: from now on its storages (and a park) hold it
-    if not scoped:
-        entry.claim_now()
-    _counters["storages_received"] += 1
-    _counters["bytes_received"] += nbytes
-    cache.remember(storage, Place(seg, gen, offset, nbytes))
-    return storage if tensor is None else tensor
-
-
-def _token_for(entry: _Incoming, kind: str, directory: str, message: bytes, segkey: Any, gen: int, slot: int) -> tuple[pool.Segment, Any]:
-    """The segment *segkey* as mapped here (found, or mapped now: its descriptor
-    fetched first if need be) and the token of its generation *gen*, held once for
-    the caller to release: live, or dead but not yet settled (it revives with what it
-    kept), or new (checked against the segment's header and named in the message's
-    claim). Parked once its generation has come in more than one message, or is met
-    again while its token lives."""
-    seg = pool.lookup(kind, segkey)
-    if kind == "fd":
-        if seg is None:
-            seg = entry.segment(slot, segkey)
-        elif entry.fds:
-            entry.known(slot)
-    elif seg is None or seg.directory != directory:
-        seg = pool.open_file(directory, segkey)
-    token = seg.live_token(gen)
-    if token is not None and token.acquire():
-        if gen and seg.pool is None:  # a live token of an earlier message: a slab's, here again
-            pool.park(seg, token)
-        return seg, token
-    if gen:
-        if seg.header() != gen & 0xFFFFFFFFFFFFFFFF:
+def _new_token(seg: pool.Segment, kind: str, directory: str, segkey: Any, gen: int, tag: int) -> Any:
+    """A new token of *gen* in *seg*, held once for the caller to release. A pooled
+    generation is held first (counted in the header, then checked to be the one
+    there: its owner never reuses the segment under this load), and the broker told.
+    Parked once the generation has come in more than one message."""
+    if not gen:
+        token = seg.new_token(0, None)
+    else:
+        if kind == "fs":
+            _check_tag(directory, segkey, gen, tag)
+        if not _native.hdr_hold(seg.addr, gen):
             raise stale_message(f"segment {segkey!r} holds other data now (generation {gen:x} is over)")
-        names = [gen_name(gen), segkey] if kind == "fs" else [gen_name(gen)]
-        entry.keep.extend(names)
-        token = seg.new_token(gen, (directory, message, names))
+        _quietly(broker.client_for(directory).hold_gens, [(segkey, gen)])
+        token = seg.new_token(gen, directory)
         if seg.rtokens >= 2:  # the generation came in more than one message (a slab's)
             pool.park(seg, token)
-    else:
-        token = seg.new_token(0, None)
     if seg.pool is None:
         pool.keep(seg)
-    return seg, token
+    if not _collector.started:
+        _collector.ensure()  # what this process holds is let go of without further loads
+    return token
 
 
 def _checked(ref: Any) -> tuple:
     """*ref*'s fields, each of the type and range a ``SegmentRef`` has, or
     SharingError: the one place a handle from a pickle is checked before use."""
     try:
-        kind, directory, message, segkey, gen, offset, nbytes, slot = ref
+        kind, directory, segkey, gen, offset, nbytes, tag = ref
     except (TypeError, ValueError):
         raise SharingError(f"not a shmreduce segment handle: {ref!r}") from None
     if (
         (kind != "fd" and kind != "fs")
         or type(directory) is not str
-        or type(message) is not bytes
-        or len(message) != KEY_LEN
         or type(segkey) is not (int if kind == "fd" else str)
         or type(gen) is not int
         or not 0 <= gen < 1 << 96
@@ -795,36 +601,31 @@ def _checked(ref: Any) -> tuple:
         or offset < 0
         or type(nbytes) is not int
         or nbytes <= 0
-        or type(slot) is not int
-        or (kind == "fd" and slot < 0)
+        or type(tag) is not int
     ):
         raise SharingError(f"not a shmreduce segment handle: {ref!r} (forged or corrupted message?)")
     return ref
 
 
 class receiving:
-    """``with receiving():`` claims the messages loaded inside when the load ends, and
-    closes whatever a failed or partial load left over (nested scopes join the outer
-    one). Then lets go of what died since the last message."""
+    """``with receiving():`` marks one message's load; when it ends, lets go of what
+    died since the last message (nested scopes join the outer one)."""
 
     __slots__ = ("outer",)
 
     def __enter__(self) -> None:
         self.outer = getattr(_local, "incoming", None) is not None
         if not self.outer:
-            _local.incoming = []
+            _local.incoming = 0
 
     def __exit__(self, *_: object) -> None:
         if not self.outer:
-            keys, _local.incoming = _local.incoming, None
-            for key in keys:
-                _forget(key)
+            count, _local.incoming = _local.incoming, None
+            _local.last = None
+            if count:
+                _counters["messages_received"] += 1
             if pool.has_dead():
                 _send_releases(_take_releases())
-
-
-def pending_count() -> int:
-    return len(_pending)
 
 
 def stats() -> dict[str, int]:
@@ -844,19 +645,13 @@ def _before_fork() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _pending_lock, _key_prefix, _stripes, _releases_lock
-    _key_prefix = os.urandom(KEY_LEN - 8)
-    _pending_lock = threading.Lock()
+    global _stripes, _releases_lock
     _stripes = [threading.Lock() for _ in range(_STRIPES)]  # a parent's thread may have held one
     _releases_lock = threading.Lock()
     _names.names.clear()  # the parent's holds, not ours
     _collector.started = False  # its thread did not come along
     _fd_pool.reset_after_fork()
     _fs_pool.reset_after_fork()
-    for entry in _pending.values():
-        entry.claimed = True  # the parent's to fetch or claim, not ours
-        entry.close()
-    _pending.clear()
     _local.__dict__.clear()
     _connected_before.clear()
 
@@ -869,14 +664,17 @@ _connected_before: set[str] = set()
 
 def _on_connect(client: broker.BrokerClient) -> None:
     # A new connection (first use, after fork, after a broker restart). After a
-    # restart, the broker that knew who holds what is gone: nothing sent through it
-    # is reused, and files that went with it are forgotten (their storages are shared
-    # anew when sent again).
+    # restart, the broker that kept this process's memfds is gone: each goes to the
+    # new one with the next ref sent to it; files that went with the old one's
+    # directory are forgotten (their storages are shared anew when sent again).
+    # Which generation is free is in the segments' headers: that survives the broker.
     directory = client.directory
     _names.drop(directory)
     if directory not in _connected_before:
         _connected_before.add(directory)
         return
+    if directory == _program_dir():
+        pool.forget_deposits()
     try:
         present = set(os.listdir(directory))
     except OSError:
@@ -887,14 +685,12 @@ def _on_connect(client: broker.BrokerClient) -> None:
 
     # This process's files that outlived the broker (all of its processes were
     # killed: nobody removed the directory) are held at the new one, which knows
-    # nothing of them: else it unlinked each as soon as the first message naming it
-    # was done, while this process went on filling and reusing it, and every message
-    # after failed ('shared-memory file ... is gone', issue 19, item 4).
+    # nothing of them: else it unlinked each as soon as nothing was in flight in it,
+    # while this process went on filling and reusing it, and every message after
+    # failed ('shared-memory file ... is gone', issue 19, item 4).
     kept = [seg.name for seg in _fs_pool.owned() if seg.directory == directory and seg.key in present]
     if kept:
         client.hold(kept)
-    _fd_pool.retire_all(announced_only=True)
-    _fs_pool.retire_all(announced_only=True)
     _fs_pool.retire_where(file_gone)
     cache.forget(lambda p: file_gone(p.segment))
 

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from shmreduce.broker import protocol as P
-from shmreduce.errors import SharingError, broker_gone, broker_out_of_files, stale_message, too_many_files
+from shmreduce.errors import SharingError, broker_gone, stale_message, too_many_files
 
 IO_TIMEOUT = float(os.environ.get("SHMREDUCE_IO_TIMEOUT", "10"))
 START_TIMEOUT = 30.0
@@ -55,7 +55,7 @@ def _kernel_timeouts(sock: socket.socket) -> None:
     # call on a socket with a Python-level timeout (~40 us per deposit, measured by
     # make bench). A reply may wait up to FETCH_WAIT for its deposit at the broker.
     sock.settimeout(None)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(IO_TIMEOUT + P.FETCH_WAIT))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(IO_TIMEOUT))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(IO_TIMEOUT))
 
 
@@ -350,120 +350,80 @@ class BrokerClient:
                 except OSError as exc:
                     raise self._broken(exc) from exc
 
-    def deposit(self, key: bytes, fds: list[int], holds: list[str], inflight: list[str], nbytes: int = 0) -> None:
-        """Leave *fds* (*nbytes* of memory) and the in-flight *names* under *key* for one receiver.
+    def segment(self, fd: int, header: bool) -> None:
+        """This process sends refs to the memfd *fd* (*header*: a pooled segment): the
+        broker keeps its descriptor, by inode, for the receivers to fetch, while this
+        process lives and then while refs sent in it are not all loaded."""
+        self._send(P.SEGMENT, P.NO_KEY, b"h" if header else b"-", [fd], start=True)
 
-        As many records as it takes for each to fit (MAX_FDS descriptors,
-        NAMES_PER_RECORD names of each list), the last one marked. Only the first may
-        go to a fresh broker: the rest belong with the broker that has the first.
-        """
-        count = max(-(-len(fds) // P.MAX_FDS), -(-len(holds) // P.NAMES_PER_RECORD), -(-len(inflight) // P.NAMES_PER_RECORD), 1)
-        with self.lock:
-            for i in range(count):
-                names = slice(i * P.NAMES_PER_RECORD, (i + 1) * P.NAMES_PER_RECORD)
-                body = P.encode_deposit(holds[names], inflight[names], nbytes if i == 0 else 0, i == count - 1)
-                self._send(P.DEPOSIT, key, body, fds[i * P.MAX_FDS : (i + 1) * P.MAX_FDS], start=True, retry=i == 0)
-
-    def claim(self, key: bytes, done: bool = False, keep: Iterable[str] = ()) -> None:
-        """Message *key* is this process's; it *keep*s these of its names (segment
-        files, generations) until it releases them under *key*. *done*: its
-        descriptors will not be fetched (the broker closes them) and the names not
-        kept go. No reply: the message holds everything until the broker reads this."""
-        keep = list(keep)
-        for i in range(0, max(len(keep), 1), P.NAMES_PER_RECORD):
-            last = i + P.NAMES_PER_RECORD >= len(keep)
-            # The first record may go to a fresh broker (the message may have been
-            # deposited with the successor of one that died since our last record).
-            self._send(P.CLAIM, key, P.encode_claim(done and last, keep[i : i + P.NAMES_PER_RECORD]), retry=i == 0)
+    def drop(self, inos: list[int]) -> None:
+        """This process no longer sends refs to these memfds (closed: out of its pool)."""
+        for i in range(0, len(inos), P.INOS_PER_RECORD):
+            self._send(P.DROP, P.NO_KEY, P.encode_inos(inos[i : i + P.INOS_PER_RECORD]), retry=False)
 
     def hold(self, names: Iterable[str]) -> None:
-        self._send_names(P.HOLD, P.NO_KEY, list(names), start=True)
+        """Hold segment files (this process made them): unlinked once nobody holds them
+        and nothing sent in them is in flight."""
+        self._send_names(P.HOLD, list(names), start=True)
 
-    def release(self, names: Iterable[str], key: bytes = P.NO_KEY) -> None:
-        """Let go of *names*: held by this process (no *key*), or kept through the
-        message *key*."""
-        self._send_names(P.RELEASE, key, list(names), start=False)
+    def release(self, names: Iterable[str]) -> None:
+        self._send_names(P.RELEASE, list(names), start=False)
 
-    def _send_names(self, op: bytes, key: bytes, names: list[str], start: bool) -> None:
+    def _send_names(self, op: bytes, names: list[str], start: bool) -> None:
         for i in range(0, len(names), P.NAMES_PER_RECORD):
-            self._send(op, key, P.encode_names(names[i : i + P.NAMES_PER_RECORD]), start=start)
+            self._send(op, P.NO_KEY, P.encode_names(names[i : i + P.NAMES_PER_RECORD]), start=start)
 
-    def notices(self) -> list[str]:
-        """The generations of this process's segments the broker has said nobody
-        holds any more (read without waiting: no round trip)."""
-        with self.lock:
-            post = self.post
-            if post is None:
-                return []
-            freed: list[str] = []
-            while True:
-                try:
-                    record = P.recv_record(post, socket.MSG_DONTWAIT)
-                except (BlockingIOError, InterruptedError):
-                    return freed
-                except (OSError, P.ProtocolError):
-                    return freed  # the next send finds out and reconnects
-                if record is None:
-                    return freed
-                op, _key, body, fds = record
-                for fd in fds:
-                    os.close(fd)
-                if op == P.NOTICE:
-                    try:
-                        freed.extend(P.decode_names(body))
-                    except P.ProtocolError:
-                        pass
+    def hold_gens(self, gens: list[tuple[int | str, int]], hold: bool = True) -> None:
+        """This process holds (or, not *hold*, no longer holds) these (segment,
+        generation) pairs as a receiver, counted in their headers: if it dies holding
+        one, the broker counts it out. Never starts a broker."""
+        op = P.GENS if hold else P.UNGENS
+        for i in range(0, len(gens), P.GENS_PER_RECORD):
+            self._send(op, P.NO_KEY, P.encode_gens(gens[i : i + P.GENS_PER_RECORD]), retry=hold)
 
     # -- round trips -----------------------------------------------------------
 
-    def fetch(self, key: bytes) -> list[int] | None:
-        """The descriptors deposited under *key*, or None if the broker has no such message.
-
-        The caller owns the returned descriptors. All or nothing: on failure every
-        descriptor received so far is closed.
-        """
+    def fetch(self, ino: int) -> int | None:
+        """The descriptor of the memfd *ino* deposited at the broker (the caller owns
+        it), or None if the broker keeps no such segment (any more)."""
         with self.lock:
             sock = self._socket(start=False)
             fds: list[int] = []
             try:
                 try:
-                    P.send_record(sock, P.FETCH, key)
+                    P.send_record(sock, P.FETCH, P.NO_KEY, P.encode_inos([ino]))
                 except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError):
-                    # Our connection is to a broker that died since our last message;
-                    # this message may have been deposited with its successor (as in
+                    # Our connection is to a broker that died since our last request;
+                    # the segment may have been deposited with its successor (as in
                     # _send): ask a fresh connection. Nothing was sent yet.
                     self.close()
                     sock = self._socket(start=False)
-                    P.send_record(sock, P.FETCH, key)
+                    P.send_record(sock, P.FETCH, P.NO_KEY, P.encode_inos([ino]))
                 self.round_trips += 1
-                while True:
-                    record = P.recv_record(sock)
-                    if record is None:
-                        raise ConnectionResetError("broker closed the connection")
-                    op, rkey, body, got = record
-                    fds.extend(got)
-                    if op != P.FETCHED or rkey != key:
-                        raise P.ProtocolError(f"unexpected reply {op!r}")
-                    status, total = P.decode_fetched(body)
-                    if status == P.STATUS_UNKNOWN:
-                        return None
-                    if status == P.STATUS_LOST:
-                        raise broker_out_of_files()
-                    if len(fds) >= total:
-                        return fds
+                record = P.recv_record(sock)
+                if record is None:
+                    raise ConnectionResetError("broker closed the connection")
+                op, _key, body, fds = record
+                if op != P.FETCHED:
+                    raise P.ProtocolError(f"unexpected reply {op!r}")
+                status, total = P.decode_fetched(body)
+                if status != P.STATUS_OK:
+                    return None
+                if total != 1 or len(fds) != 1:
+                    raise P.ProtocolError(f"a fetch reply with {len(fds)} descriptors")
+                return fds.pop()
             except OSError as exc:
-                for fd in fds:
-                    os.close(fd)
                 if exc.errno == errno.EMFILE:
-                    # The reply is lost with the descriptors the kernel dropped;
+                    # The reply is lost with the descriptor the kernel dropped;
                     # resynchronise by reconnecting.
                     self.close()
-                    raise too_many_files("receiving a message") from exc
+                    raise too_many_files("receiving a segment") from exc
                 raise self._broken(exc) from exc
             except P.ProtocolError as exc:
+                raise self._broken(exc) from exc
+            finally:
                 for fd in fds:
                     os.close(fd)
-                raise self._broken(exc) from exc
 
     def ping(self) -> dict:
         """The broker's counters; also a barrier for this connection's earlier sends."""

@@ -172,19 +172,23 @@ ROLE_POST = b"o"
 POST_WINDOW = 0.002  # seconds the broker lets post records queue up before reading them
 POST_QUIET = 0.05  # seconds a post connection must stay quiet before a record wakes the broker again
 
-DEPOSIT = b"D"
-CLAIM = b"C"
+SEGMENT = b"S"
+DROP = b"X"
 FETCH = b"F"
 FETCHED = b"f"
 HOLD = b"H"
 RELEASE = b"R"
+GENS = b"G"
+UNGENS = b"U"
 PING = b"P"
 PONG = b"p"
-NOTICE = b"N"
+
+HEADER_BYTES = 64  # a pooled segment's header: generation, sent, loaded, holders (u64 each)
+INOS_PER_RECORD = 4000
+GENS_PER_RECORD = 2000
 
 STATUS_OK = 0
 STATUS_UNKNOWN = 1
-STATUS_LOST = 2
 _FETCH_HEAD = struct.Struct("!BI")
 _PID = struct.Struct("!I")
 NO_KEY = bytes(KEY_LEN)
@@ -204,16 +208,13 @@ class DescriptorsDropped(OSError):
 
 
 _SEGMENT_NAME = re.compile(SEG_PREFIX + "[0-9a-f]{24}")
-_NAME_LIST = re.compile(rb"(?:(?:seg|gen)-[0-9a-f]{24})(?:\n(?:seg|gen)-[0-9a-f]{24})*")
+_NAME_LIST = re.compile(rb"(?:seg-[0-9a-f]{24})(?:\nseg-[0-9a-f]{24})*")
+_INO_LIST = re.compile(rb"[0-9]{1,20}(?:\n[0-9]{1,20})*")
+_GEN_LIST = re.compile(rb"(?:(?:[0-9]{1,20}|seg-[0-9a-f]{24}) [0-9a-f]{1,24})(?:\n(?:[0-9]{1,20}|seg-[0-9a-f]{24}) [0-9a-f]{1,24})*")
 
 
 def is_segment_name(name: str) -> bool:
     return _SEGMENT_NAME.fullmatch(name) is not None
-
-
-def gen_name(gen: int) -> str:
-    """The broker's name of a segment generation (see Pools above)."""
-    return f"{GEN_PREFIX}{gen:024x}"
 
 
 def is_program_dir(path: str, base: str | None = None) -> bool:
@@ -254,27 +255,31 @@ def decode_names(blob: bytes) -> list[str]:
     return blob.decode("ascii").split("\n")
 
 
-def encode_deposit(holds, inflight, nbytes: int, last: bool) -> bytes:
-    return b"%s|%s|%d|%d" % (encode_names(holds), encode_names(inflight), nbytes, last)
+def encode_inos(inos) -> bytes:
+    return b"\n".join(b"%d" % ino for ino in inos)
 
 
-def decode_deposit(body: bytes) -> tuple[list[str], list[str], int, bool]:
-    """(holds, inflight, nbytes, last); raises ProtocolError if malformed."""
-    parts = body.split(b"|")
-    if len(parts) != 4 or not parts[2].isdigit() or len(parts[2]) > MAX_NBYTES_DIGITS or parts[3] not in (b"0", b"1"):
-        raise ProtocolError(f"malformed deposit body {body[:80]!r}")
-    return decode_names(parts[0]), decode_names(parts[1]), int(parts[2]), parts[3] == b"1"
+def decode_inos(blob: bytes) -> list[int]:
+    """Inodes of memfds; raises ProtocolError if malformed."""
+    if _INO_LIST.fullmatch(blob) is None:
+        raise ProtocolError(f"bad inodes {blob[:80]!r}")
+    return [int(i) for i in blob.split(b"\n")]
 
 
-def encode_claim(done: bool, keep) -> bytes:
-    return (b"d" if done else b"p") + encode_names(keep)
+def encode_gens(gens) -> bytes:
+    """(segment, generation) pairs: a memfd's inode or a file's name, and a generation."""
+    return "\n".join(f"{key} {gen & 0xFFFFFFFFFFFFFFFF:x}" for key, gen in gens).encode("ascii")
 
 
-def decode_claim(body: bytes) -> tuple[bool, list[str]]:
-    """(done, names kept); raises ProtocolError if malformed."""
-    if body[:1] not in (b"d", b"p"):
-        raise ProtocolError(f"malformed claim body {body[:80]!r}")
-    return body[:1] == b"d", decode_names(body[1:])
+def decode_gens(blob: bytes) -> list[tuple[int | str, int]]:
+    """(segment, generation) pairs; raises ProtocolError if malformed."""
+    if _GEN_LIST.fullmatch(blob) is None:
+        raise ProtocolError(f"bad generations {blob[:80]!r}")
+    pairs: list[tuple[int | str, int]] = []
+    for line in blob.decode("ascii").split("\n"):
+        key, gen = line.split(" ")
+        pairs.append((key if key.startswith(SEG_PREFIX) else int(key), int(gen, 16)))
+    return pairs
 
 
 def encode_fetched(status: int, total: int) -> bytes:

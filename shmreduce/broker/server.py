@@ -31,10 +31,12 @@ every launcher and by ``python -m shmreduce cleanup``.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import json
 import logging
+import mmap
 import os
 import select
 import shutil
@@ -43,6 +45,7 @@ import socket
 import sys
 import time
 
+from shmreduce import _native
 from shmreduce._platform import peer_pid, peer_uid, raise_nofile_limit
 from shmreduce.broker import protocol as P
 
@@ -54,19 +57,18 @@ log = logging.getLogger("shmreduce.broker")
 
 
 class _Client:
-    """One client process: the names it holds, the messages it received and keeps
-    names of, across its connections."""
+    """One client process, across its connections: the segments it deposited, the
+    files it holds, the generations it holds as a receiver."""
 
-    __slots__ = ("token", "pid", "holds", "kept", "conns", "post", "notices")
+    __slots__ = ("token", "pid", "holds", "segs", "gens", "conns")
 
     def __init__(self, token: bytes, pid: int) -> None:
         self.token = token
         self.pid = pid  # its first connection's peer, for log lines
-        self.holds: set[str] = set()
-        self.kept: set[bytes] = set()  # keys of delivered messages whose names it keeps
+        self.holds: set[str] = set()  # segment files it holds (their owner)
+        self.segs: set[int] = set()  # memfds it deposited, by inode
+        self.gens: set[tuple[int | str, int]] = set()  # (segment, generation) it holds as a receiver
         self.conns = 0
-        self.post: _Conn | None = None  # where its free notices go
-        self.notices: list[str] = []  # generations of its segments freed, not yet sent
 
 
 class _Conn:
@@ -93,86 +95,25 @@ class _Handshake:
         self.pid = pid
 
 
-class _Descriptors:
-    """The descriptors the broker holds for undelivered messages: one per distinct
-    file (memfd) however many messages name it, each counted by the messages that do.
+class _Segment:
+    """A segment the broker keeps for the program: a memfd (its descriptor, by inode)
+    or a file of the program directory (by name). Kept while a client uses it (a
+    memfd's depositors, a file's holders), then while refs sent in its current
+    generation are not all loaded (read in its shared header), at most ORPHAN_TTL."""
 
-    Every storage of a sender's slab travels with the slab's descriptor, so a
-    sender running far ahead of its receivers deposits the same file again and
-    again: one descriptor per message would hold thousands for one segment and
-    run the broker out of descriptors (then it can neither take deposits nor
-    accept connections). A descriptor that arrives for a file held already is
-    closed at once; a message keeps the file's identity."""
+    __slots__ = ("key", "fd", "header", "users", "until", "map", "addr")
 
-    __slots__ = ("by_file",)
-
-    def __init__(self) -> None:
-        self.by_file: dict[tuple[int, int], list[int]] = {}  # (st_dev, st_ino) -> [fd, messages naming it]
-
-    def take(self, fd: int) -> tuple[int, int]:
-        """Own *fd* from now on; the identity of its file."""
-        try:
-            st = os.fstat(fd)
-            ident = (st.st_dev, st.st_ino)
-        except OSError:
-            ident = (-1, fd)  # cannot happen for a descriptor just received; held apart
-        held = self.by_file.get(ident)
-        if held is None:
-            self.by_file[ident] = [fd, 1]
-        else:
-            os.close(fd)
-            held[1] += 1
-        return ident
-
-    def fd(self, ident: tuple[int, int]) -> int:
-        return self.by_file[ident][0]
-
-    def drop(self, idents: list[tuple[int, int]]) -> None:
-        """One message less names each of *idents*: a file nobody names is closed."""
-        for ident in idents:
-            held = self.by_file[ident]
-            held[1] -= 1
-            if not held[1]:
-                del self.by_file[ident]
-                os.close(held[0])
-
-    def close_all(self) -> None:
-        for fd, _count in self.by_file.values():
-            os.close(fd)
-        self.by_file.clear()
-
-    def __len__(self) -> int:
-        return len(self.by_file)
-
-
-class _Message:
-    __slots__ = ("files", "names", "sender", "sender_pid", "nbytes", "complete", "lost", "receiver", "done")
-
-    def __init__(self, sender: bytes, sender_pid: int) -> None:
-        self.files: list[tuple[int, int]] = []  # its descriptors by slot, as identities in _Descriptors
-        self.names: dict[str, bool] = {}  # name -> kept by its receiver
-        self.nbytes = 0  # memory behind its descriptors, as its sender declared it
-        self.sender = sender  # the depositing client's token
-        self.sender_pid = sender_pid  # for log lines
-        self.complete = False  # its deposit's last record is in
-        self.lost = False  # a deposit record came without its descriptors (EMFILE)
-        self.receiver: _Client | None = None  # once delivered (claimed or fetched)
-        self.done = False  # its receiver has all it needs: descriptors closed, names not kept dropped
-
-    def keep(self, names) -> None:
-        """Its receiver keeps these of its names (those it has)."""
-        for name in names:
-            if name in self.names:
-                self.names[name] = True
-
-    def close(self, descriptors: _Descriptors) -> None:
-        """Let go of its descriptors (given away or dropped)."""
-        files, self.files = self.files, []
-        descriptors.drop(files)
+    def __init__(self, key: int | str, fd: int, header: bool) -> None:
+        self.key = key
+        self.fd = fd  # a memfd's; -1 for a file
+        self.header = header  # pooled: the first HEADER bytes are the generation and its counters
+        self.users = 0
+        self.until = 0.0  # once no client uses it: when it goes whatever is in flight
+        self.map: mmap.mmap | None = None  # its header, once read
+        self.addr = 0
 
 
 _POST_EVENTS = select.EPOLLIN | select.EPOLLONESHOT
-EARLY_CLAIM_TTL = 30.0  # seconds a claim that arrived before its deposit is remembered
 
 
 class Broker:
@@ -184,28 +125,18 @@ class Broker:
         self.conns: dict[int, _Conn] = {}
         self.handshakes: dict[int, _Handshake] = {}
         self.clients: dict[bytes, _Client] = {}
-        self.messages: dict[bytes, _Message] = {}
-        self.descriptors = _Descriptors()
-        # Per sender token: its undelivered messages in deposit order.
-        self.pending: dict[bytes, dict[bytes, None]] = {}
-        self.refs: dict[str, int] = {}
-        self.owners: dict[str, _Client] = {}  # generation name -> the client told when it is free
-        self.notify: set[_Client] = set()  # clients with notices to send
-        self.parked: list[tuple[float, _Conn, bytes]] = []
-        self.early_claims: dict[bytes, tuple[float, _Client, bool, set[str]]] = {}
-        # Sender tokens whose connections all closed -> when their undelivered
-        # messages expire (ORPHAN_TTL).
-        self.orphans: dict[bytes, float] = {}
+        self.memfds: dict[int, _Segment] = {}  # inode -> deposited memfd
+        self.files: dict[str, _Segment] = {}  # name -> held file
+        self.draining: set[_Segment] = set()  # no user left, refs still in flight
         # Post connections are armed one-shot: the first record after a quiet spell
         # wakes the broker; then the connection "cools": it is read in one batch at
         # the end of every POST_WINDOW, and armed again only once it has stayed
         # quiet for POST_QUIET. A busy sender's records then never wake the broker,
         # which matters because such a wake puts the broker on the sender's CPU
-        # (a sync wakeup): behind a sender that computes, it would answer the next
-        # fetch only at the sender's next preemption, milliseconds later.
+        # (a sync wakeup).
         self.cooling: set[int] = set()
         self.cool_until: float | None = None
-        self.draining = False
+        self.reading = False
         self.poller = select.epoll()
         listener.setblocking(False)
         self.poller.register(listener.fileno(), select.EPOLLIN)
@@ -219,112 +150,139 @@ class Broker:
         self.idle_since: float | None = time.monotonic()
         self.stopping = False
 
-    # -- bookkeeping -----------------------------------------------------------
+    # -- segments --------------------------------------------------------------
 
-    def _incref(self, name: str) -> None:
-        self.refs[name] = self.refs.get(name, 0) + 1
-
-    def _decref(self, name: str) -> None:
-        count = self.refs.get(name, 0) - 1
-        if count > 0:
-            self.refs[name] = count
-            return
-        self.refs.pop(name, None)
-        if name.startswith(P.GEN_PREFIX):
-            # Nobody holds this generation any more: its owner may reuse the segment.
-            owner = self.owners.pop(name, None)
-            if owner is not None and owner.post is not None:
-                owner.notices.append(name)
-                self.notify.add(owner)
-            return
+    def _deposit(self, client: _Client, fd: int, header: bool) -> None:
+        """*client* sends refs to the memfd *fd* (taken over here): kept by inode."""
         try:
-            os.unlink(os.path.join(self.dir, name))
-        except FileNotFoundError:
-            pass
+            ino = os.fstat(fd).st_ino
+        except OSError:
+            os.close(fd)
+            return
+        seg = self.memfds.get(ino)
+        if seg is None:
+            seg = self.memfds[ino] = _Segment(ino, fd, header)
+        else:
+            os.close(fd)  # the one kept already serves
+        if ino not in client.segs:
+            client.segs.add(ino)
+            self._use(seg)
 
     def _hold(self, client: _Client, names) -> None:
         for name in names:
-            if name not in client.holds:
-                if name.startswith(P.GEN_PREFIX) and name not in self.refs:
-                    self.owners[name] = client  # its first holder made it (see HOLD in protocol.py)
-                client.holds.add(name)
-                self._incref(name)
+            if name in client.holds or not P.is_segment_name(name):
+                continue
+            seg = self.files.get(name)
+            if seg is None:
+                seg = self.files[name] = _Segment(name, -1, True)
+            client.holds.add(name)
+            self._use(seg)
 
-    def _release(self, client: _Client, names) -> None:
+    def _use(self, seg: _Segment) -> None:
+        seg.users += 1
+        self.draining.discard(seg)
+
+    def _unuse(self, seg: _Segment, died: bool) -> None:
+        """One user less; with none left, *seg* goes once nothing is in flight in it
+        (or ORPHAN_TTL from now). A segment without a header (a storage torch shared)
+        that its depositor *died* with is kept for ORPHAN_TTL: a receiver may still
+        load what that process sent. A file never made (a name held for later) goes."""
+        seg.users -= 1
+        if seg.users > 0:
+            return
+        if self._in_flight(seg) or (died and seg.fd >= 0 and not seg.header):
+            seg.until = time.monotonic() + ORPHAN_TTL
+            self.draining.add(seg)
+        else:
+            self._close(seg)
+
+    def _in_flight(self, seg: _Segment) -> bool:
+        """Whether refs sent in *seg*'s current generation are not all loaded yet
+        (bytes loaded twice count twice: more loaded than sent is nothing in flight)."""
+        header = self._header(seg)
+        return header is not None and header[1] > header[2]
+
+    def _header(self, seg: _Segment) -> tuple[int, int, int, int] | None:
+        """(generation, sent, loaded, holders) of *seg*, or None if it has none."""
+        if not seg.header:
+            return None
+        if seg.map is None:
+            try:
+                if seg.fd >= 0:
+                    seg.map = mmap.mmap(seg.fd, P.HEADER_BYTES)
+                else:
+                    fd = os.open(os.path.join(self.dir, str(seg.key)), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+                    try:
+                        seg.map = mmap.mmap(fd, P.HEADER_BYTES)
+                    finally:
+                        os.close(fd)
+            except (OSError, ValueError):
+                seg.header = False  # gone, or too small to be a pooled segment
+                return None
+            seg.addr = ctypes.addressof(ctypes.c_char.from_buffer(seg.map))
+        return _native.hdr_read(seg.addr)
+
+    def _close(self, seg: _Segment) -> None:
+        self.draining.discard(seg)
+        if seg.map is not None:
+            seg.addr = 0
+            try:
+                seg.map.close()
+            except BufferError:
+                pass  # an address into it is still referenced: the GC unmaps it
+            seg.map = None
+        if seg.fd >= 0:
+            self.memfds.pop(seg.key, None)  # type: ignore[arg-type]
+            os.close(seg.fd)
+            seg.fd = -1
+        else:
+            self.files.pop(str(seg.key), None)
+            try:
+                os.unlink(os.path.join(self.dir, str(seg.key)))
+            except FileNotFoundError:
+                pass
+
+    def _drop_deposits(self, client: _Client, inos, died: bool) -> None:
+        for ino in inos:
+            if ino in client.segs:
+                client.segs.discard(ino)
+                self._unuse(self.memfds[ino], died)
+
+    def _release(self, client: _Client, names, died: bool) -> None:
         for name in names:
             if name in client.holds:
                 client.holds.discard(name)
-                self._decref(name)
+                self._unuse(self.files[name], died)
 
-    def _deliver(self, client: _Client, key: bytes, msg: _Message) -> None:
-        """*msg* reached *client*: it is no longer its sender's to expire (an orphan's
-        undelivered messages), and goes with its receiver's connections instead."""
-        if msg.receiver is not None:
-            return
-        msg.receiver = client
-        self._unpend(key, msg)
-        if client.conns:
-            client.kept.add(key)
-        else:
-            self._finish(key, msg, ())
+    def _let_go_gens(self, client: _Client) -> None:
+        """A receiver died holding these generations: count it out of their holders
+        (a segment the broker no longer keeps is unmapped wherever it was, or went
+        with its owner: nobody reuses it)."""
+        for key, gen in client.gens:
+            seg = self.memfds.get(key) if isinstance(key, int) else self.files.get(key)
+            if seg is not None and self._header(seg) is not None:
+                _native.hdr_unhold(seg.addr, gen)
+        client.gens.clear()
 
-    def _finish(self, key: bytes, msg: _Message, keep) -> None:
-        """Its receiver is done with *msg*: close its descriptors, drop the names it
-        does not *keep*; the message goes once no name is left."""
-        msg.done = True
-        msg.close(self.descriptors)
-        msg.keep(keep)
-        for name in [n for n, kept in msg.names.items() if not kept]:
-            del msg.names[name]
-            self._decref(name)
-        if not msg.names:
-            self._forget(key, msg)
-
-    def _forget(self, key: bytes, msg: _Message) -> None:
-        self.messages.pop(key, None)
-        if msg.receiver is not None:
-            msg.receiver.kept.discard(key)
-
-    def _let_go(self, client: _Client, key: bytes, names) -> None:
-        """*client* lets go of *names* it kept through message *key*."""
-        msg = self.messages.get(key)
-        if msg is None or msg.receiver is not client:
-            return
-        for name in names:
-            if msg.names.pop(name, None) is not None:
-                self._decref(name)
-        if msg.done and not msg.names:
-            self._forget(key, msg)
-
-    def _flush_notices(self) -> None:
-        """Tell owners which generations of their segments nobody holds any more."""
-        for client in self.notify:
-            conn = client.post
-            names, client.notices = client.notices, []
-            if conn is None or not names:
-                continue
-            for i in range(0, len(names), P.NAMES_PER_RECORD):
-                try:
-                    P.send_record(conn.sock, P.NOTICE, P.NO_KEY, P.encode_names(names[i : i + P.NAMES_PER_RECORD]))
-                except BlockingIOError:
-                    client.notices.extend(names[i:])  # its socket is full: next time
-                    break
-                except OSError:
-                    break  # it is going; its segments with it
-        self.notify = {c for c in self.notify if c.notices}
+    def _drain(self, now: float) -> None:
+        """Close the segments nobody uses whose refs are all loaded, or whose time is up."""
+        for seg in list(self.draining):
+            in_flight = self._in_flight(seg) if seg.header else True
+            if not in_flight or now >= seg.until:
+                if in_flight and seg.header:
+                    log.debug("let go of segment %s: refs sent in it not loaded within %.0f s (SHMREDUCE_ORPHAN_TTL)", seg.key, ORPHAN_TTL)
+                self._close(seg)
 
     def counters(self) -> dict:
         return {
             "pid": os.getpid(),
             "clients": len(self.clients),
             "connections": len(self.conns),
-            "messages": sum(1 for m in self.messages.values() if m.receiver is None),
-            "kept_messages": sum(1 for m in self.messages.values() if m.receiver is not None),
-            "generations": sum(1 for name in self.refs if name.startswith(P.GEN_PREFIX)),
-            "message_fds": len(self.descriptors),
-            "message_bytes": sum(m.nbytes for m in self.messages.values() if m.files),
+            "segments": len(self.memfds),
+            "segment_files": len(self.files),
+            "draining": len(self.draining),
+            "generations_held": sum(len(c.gens) for c in self.clients.values()),
             "handshakes": len(self.handshakes),
-            "segment_files": sum(1 for name in self.refs if not name.startswith(P.GEN_PREFIX)),
             "root_alive": self.root_alive,
         }
 
@@ -383,102 +341,49 @@ class Broker:
         client = self.clients.get(token)
         if client is None:
             client = self.clients[token] = _Client(token, shake.pid)
-            self.orphans.pop(token, None)
         client.conns += 1
         conn = _Conn(shake.sock, client, role == P.ROLE_POST, shake.pid)
         self.conns[fd] = conn
-        if conn.post:
-            client.post = conn
         self.poller.modify(fd, _POST_EVENTS if conn.post else select.EPOLLIN)
         self.idle_since = None
 
     def _drop(self, conn: _Conn, reason: str = "", level: int = logging.WARNING) -> None:
         """Close *conn*; with a *reason* (it broke the protocol, or its I/O failed), log
-        it at *level*: DEBUG where its process merely went away (see ``_level``)."""
+        it at *level*: DEBUG where its process merely went away (see ``_level``).
+        A client whose connections have all closed has exited (or was killed): what
+        it held goes, what it sent stays while in flight."""
         if self.conns.pop(conn.fd, None) is None:
             return
         if reason:
             log.log(level, "dropped the connection of pid %d: %s", conn.pid, reason)
         self.poller.unregister(conn.fd)
         self.cooling.discard(conn.fd)
-        self.parked = [p for p in self.parked if p[1] is not conn]
         conn.sock.close()
         client = conn.client
         client.conns -= 1
-        if client.post is conn:
-            client.post = None
         if not client.conns:
             log.debug("pid %d disconnected", client.pid)
             self.clients.pop(client.token, None)
-            self._release(client, list(client.holds))
-            for key in list(client.kept):
-                msg = self.messages.get(key)
-                if msg is not None:
-                    self._let_go(client, key, list(msg.names))
-                    self._finish(key, msg, ())
-            client.kept.clear()
-            self._orphan(client.token, conn.pid)
+            self._let_go_gens(client)
+            self._drop_deposits(client, list(client.segs), died=True)
+            self._release(client, list(client.holds), died=True)
         if not self.conns:
             self.idle_since = time.monotonic()
-            if self.messages and self.root_alive and log.isEnabledFor(logging.DEBUG):
-                # Normal: a sender that exited before its receiver read what it put
-                # (the receiver may not even have connected yet), or messages nobody
-                # will read (a DataLoader stopped early). They go with the program's
-                # root, or after ORPHAN_TTL.
-                log.debug("no client left, staying for what is still held: %s", self.holdings())
+            if self.draining and self.root_alive and log.isEnabledFor(logging.DEBUG):
+                # Normal: a sender that exited before its receiver loaded what it put,
+                # or refs nobody will load (a DataLoader stopped early). They go with
+                # the program's root, or after ORPHAN_TTL.
+                log.debug("no client left, staying for what is still in flight: %s", self.holdings())
 
     def holdings(self, limit: int = 20) -> str:
-        """What keeps this broker alive without clients, for its log: each message
-        (key, sender, state, names) and each name still counted, with its holders."""
-        holders: dict[str, list[str]] = {}
-        for client in self.clients.values():
-            for name in client.holds:
-                holders.setdefault(name, []).append(f"pid {client.pid}")
-        parts: list[str] = []
-        for key, msg in self.messages.items():
-            if msg.receiver is not None:
-                state = f"{'done' if msg.done else 'delivered'} to pid {msg.receiver.pid}"
-            else:
-                state = "undelivered" if msg.complete else "incomplete"
-            kept = [f"{name}{' (kept)' if is_kept else ''}" for name, is_kept in msg.names.items()]
-            for name in msg.names:
-                holders.setdefault(name, []).append(f"message {key.hex()}")
-            if len(parts) < limit:
-                parts.append(f"message {key.hex()} of pid {msg.sender_pid}, {state}, names [{', '.join(kept)}]")
-        if len(self.messages) > limit:
-            parts.append(f"... {len(self.messages) - limit} more message(s)")
-        names = sorted(self.refs)
-        for name in names[:limit]:
-            held = holders.get(name, ["nobody known"])
-            more = f" and {len(held) - 5} more" if len(held) > 5 else ""
-            parts.append(f"{name} x{self.refs[name]} held by {', '.join(held[:5])}{more}")
-        if len(names) > limit:
-            parts.append(f"... {len(names) - limit} more name(s)")
-        if self.early_claims:
-            parts.append(f"early claims of {', '.join(key.hex() for key in list(self.early_claims)[:limit])}")
+        """What keeps this broker alive without clients, for its log: each segment
+        with refs in flight, and its header."""
+        parts = []
+        for seg in list(self.draining)[:limit]:
+            parts.append(f"segment {seg.key} (header {self._header(seg)}, until {seg.until - time.monotonic():.0f} s from now)")
+        if len(self.draining) > limit:
+            parts.append(f"... {len(self.draining) - limit} more segment(s)")
         return "; ".join(parts) or "nothing"
-
-    def _orphan(self, token: bytes, pid: int) -> None:
-        """A sender is gone: its incomplete deposits can never complete (dropped now);
-        its undelivered messages stay for ORPHAN_TTL."""
-        keys = self.pending.get(token)
-        if not keys:
-            return
-        broken = [key for key in keys if not self.messages[key].complete]
-        for key in broken:
-            self._discard(key)
-        if broken:
-            log.debug("dropped %d incomplete deposit(s) of pid %d, which disconnected mid-deposit", len(broken), pid)
-        if token in self.pending:
-            self.orphans[token] = time.monotonic() + ORPHAN_TTL
-
-    def _discard(self, key: bytes) -> None:
-        """Drop an undelivered message: its descriptors and its names."""
-        msg = self._remove(key)
-        for name in msg.names:
-            self._decref(name)
-        msg.names = {}
-        msg.close(self.descriptors)
 
     def _serve(self, conn: _Conn) -> int:
         """Handle every record *conn* has queued; return how many (-1: conn dropped).
@@ -496,16 +401,14 @@ class Broker:
                 return count
             except P.DescriptorsDropped as exc:
                 # At the descriptor limit: the record is whole, its descriptors are
-                # not. Keep the connection (the stream is in step); the message is lost.
+                # not. Keep the connection (the stream is in step).
                 record, lost = exc.record, True
                 log.warning("out of descriptors: a %r record of pid %d came without its descriptors", record[0], conn.pid)
             except ConnectionResetError:
-                # Its process closed the connection with records of ours unread (free
-                # notices on a post connection): Linux reports ECONNRESET once, *before*
-                # the records that process sent us and that are still queued. They
-                # count (a claim among them is the only word that its message was
-                # received): read on to the end of stream. A request connection's
-                # records want replies nobody will read.
+                # Its process closed the connection with records of ours unread: Linux
+                # reports ECONNRESET once, *before* the records that process sent us
+                # and that are still queued. They count: read on to the end of stream.
+                # A request connection's records want replies nobody will read.
                 if reset or not conn.post:
                     self._drop(conn)
                     return -1
@@ -522,22 +425,20 @@ class Broker:
             count += 1
         return count
 
-    def _drain_posts(self) -> None:
+    def _read_posts(self) -> None:
         """Read every post connection now: a barrier for what clients sent before."""
-        if self.draining:
+        if self.reading:
             return
-        self.draining = True
+        self.reading = True
         try:
             now = time.monotonic()
             for conn in [c for c in self.conns.values() if c.post]:
                 if self._serve(conn) > 0:
-                    # An active sender: its connection cools (disarmed) like one that
-                    # woke the broker, so that its next records do not wake it.
                     if conn.fd not in self.cooling:
                         self.poller.modify(conn.fd, 0)
                     self._cool(conn, now)
         finally:
-            self.draining = False
+            self.reading = False
 
     def _cool(self, conn: _Conn, now: float) -> None:
         conn.last_post = now
@@ -566,49 +467,39 @@ class Broker:
         """One record; False if the connection was dropped.
 
         Whatever goes wrong with one record drops its connection only: the broker
-        holds every other process's messages. Descriptors a record brought and the
-        message did not take are closed.
+        keeps every other process's segments. Descriptors a record brought and did
+        not leave here are closed.
         """
         client = conn.client
         try:
-            if op == P.DEPOSIT:
-                holds, inflight, nbytes, last = P.decode_deposit(body)
-                self._hold(client, holds)
-                self._deposit(client, key, fds, inflight, nbytes, last, lost)  # takes fds out of the list
-            elif op == P.CLAIM:
-                done, keep = P.decode_claim(body)
-                msg = self.messages.get(key)
-                if msg is not None and msg.complete:
-                    self._claim(client, key, done, keep)
+            if op == P.SEGMENT:
+                if lost:
+                    pass  # the deposit is lost: a receiver's fetch of it is refused (stale)
+                elif len(fds) != 1 or body not in (b"h", b"-"):
+                    raise P.ProtocolError("a segment record carries one descriptor and its kind")
                 else:
-                    self._claim_early(client, key, done, keep)
+                    self._deposit(client, fds.pop(), body == b"h")
+            elif op == P.DROP:
+                self._drop_deposits(client, P.decode_inos(body), died=False)
             elif op == P.FETCH:
-                msg = self.messages.get(key)
-                if msg is None or not msg.complete:
-                    # Its deposit (or its last records) may still be queued on a
-                    # post connection.
-                    self._drain_posts()
-                    msg = self.messages.get(key)
-                if msg is not None and msg.complete:
-                    self._reply_fetch(conn, key)
+                (ino,) = P.decode_inos(body)
+                if ino not in self.memfds:
+                    self._read_posts()  # its deposit may still be queued on a post connection
+                seg = self.memfds.get(ino)
+                if seg is None:
+                    P.send_record(conn.sock, P.FETCHED, P.NO_KEY, P.encode_fetched(P.STATUS_UNKNOWN, 0))
                 else:
-                    self.parked.append((time.monotonic() + P.FETCH_WAIT, conn, key))
+                    P.send_record(conn.sock, P.FETCHED, P.NO_KEY, P.encode_fetched(P.STATUS_OK, 1), [seg.fd])
             elif op == P.HOLD:
                 self._hold(client, P.decode_names(body))
             elif op == P.RELEASE:
-                names = P.decode_names(body)
-                if key == P.NO_KEY:
-                    self._release(client, names)
-                elif key in self.early_claims:  # its claim waits for the deposit's last record
-                    early = self.early_claims[key]
-                    if early[1] is client:
-                        early[3].difference_update(names)
-                elif key in self.messages:
-                    self._let_go(client, key, names)
+                self._release(client, P.decode_names(body), died=False)
+            elif op == P.GENS:
+                client.gens.update(P.decode_gens(body))
+            elif op == P.UNGENS:
+                client.gens.difference_update(P.decode_gens(body))
             elif op == P.PING:
-                self._drain_posts()
-                if self.notify:
-                    self._flush_notices()  # a barrier for notices too
+                self._read_posts()
                 P.send_record(conn.sock, P.PONG, P.NO_KEY, json.dumps(self.counters()).encode())
             else:
                 raise P.ProtocolError(f"unknown op {op!r}")
@@ -624,145 +515,14 @@ class Broker:
             for fd in fds:
                 os.close(fd)
 
-    def _deposit(self, client: _Client, key: bytes, fds: list[int], inflight: list[str], nbytes: int, last: bool, lost: bool) -> None:
-        """One deposit record; the message is delivered once its *last* record is in.
-        *fds* (the caller's list) are taken out of it once the record is known good:
-        what is still in it when this raises is the caller's to close."""
-        msg = self.messages.get(key)
-        if msg is None:
-            if not (fds or inflight or lost):
-                return  # holds only: no message
-            msg = self.messages[key] = _Message(client.token, client.pid)
-            self.pending.setdefault(client.token, {})[key] = None
-        elif msg.complete:
-            raise P.ProtocolError("deposit record after the last one of its message")
-        taken = fds[:]
-        fds.clear()  # the caller's list: from here on the table owns them, not _handle's cleanup
-        msg.files.extend([self.descriptors.take(fd) for fd in taken])
-        msg.nbytes += nbytes
-        for name in inflight:
-            if name not in msg.names:
-                msg.names[name] = False
-                self._incref(name)
-        if lost and not msg.lost:
-            msg.lost = True
-        if msg.lost:
-            msg.close(self.descriptors)  # a message without all its descriptors is of no use
-        if not last:
-            return
-        msg.complete = True
-        early = self.early_claims.pop(key, None) if self.early_claims else None
-        if early is not None:
-            self._claim(early[1], key, early[2], early[3])
-        if self.parked and key in self.messages:
-            self._answer_parked(key)
-
-    def _claim_early(self, client: _Client, key: bytes, done: bool, keep) -> None:
-        """A claim read before its deposit's last record: applied when that comes
-        (``_deposit``). What one receiver claims adds up, as claims applied in turn
-        would (one claim per storage of a load outside a receiving() scope); a claim
-        from another client than the first changes nothing, as in ``_claim``."""
-        early = self.early_claims.get(key)
-        if early is None:
-            self.early_claims[key] = (time.monotonic() + EARLY_CLAIM_TTL, client, done, set(keep))
-        elif early[1] is client:
-            early[3].update(keep)
-            if done and not early[2]:
-                self.early_claims[key] = (early[0], client, True, early[3])
-
-    def _claim(self, client: _Client, key: bytes, done: bool, keep) -> None:
-        """*client* received the message and *keep*s these of its names (until it lets
-        go of them, or its connections close). *done*: it is done with the message:
-        descriptors closed unused, names it does not keep dropped; else it may still
-        fetch the descriptors and claim more names. A claim by another process than
-        the first receiver (bytes loaded twice) changes nothing."""
-        msg = self.messages[key]
-        self._deliver(client, key, msg)
-        if msg.receiver is not client:
-            return
-        if done:
-            self._finish(key, msg, keep)
-        else:
-            msg.keep(keep)
-
-    def _remove(self, key: bytes) -> _Message:
-        msg = self.messages.pop(key)
-        self._unpend(key, msg)
-        return msg
-
-    def _unpend(self, key: bytes, msg: _Message) -> None:
-        """*msg* is no longer among its sender's undelivered messages."""
-        keys = self.pending.get(msg.sender)
-        if keys is not None:
-            keys.pop(key, None)
-            if not keys:
-                del self.pending[msg.sender]
-
-    def _reply_fetch(self, conn: _Conn, key: bytes) -> None:
-        if self.messages[key].lost:
-            self._discard(key)
-            P.send_record(conn.sock, P.FETCHED, key, P.encode_fetched(P.STATUS_LOST, 0))
-            return
-        msg = self.messages[key]
-        if msg.receiver is not None and (msg.receiver is not conn.client or msg.done):
-            self._reply_unknown(conn, key)  # another process's, or its descriptors are gone
-            return
-        # Delivered before anything can fail, so that a client dying mid-reply lets
-        # go of it through _drop. Its names stay until the receiver's claim says
-        # which it keeps.
-        self._deliver(conn.client, key, msg)
-        files, msg.files = msg.files, []
-        try:
-            fds = [self.descriptors.fd(ident) for ident in files]
-            head = P.encode_fetched(P.STATUS_OK, len(fds))
-            chunks = [fds[i : i + P.MAX_FDS] for i in range(0, len(fds), P.MAX_FDS)] or [[]]
-            for chunk in chunks:
-                P.send_record(conn.sock, P.FETCHED, key, head, chunk)
-        finally:
-            self.descriptors.drop(files)
-
-    def _reply_unknown(self, conn: _Conn, key: bytes) -> None:
-        P.send_record(conn.sock, P.FETCHED, key, P.encode_fetched(P.STATUS_UNKNOWN, 0))
-
-    def _answer_parked(self, key: bytes) -> None:
-        for entry in self.parked:
-            if entry[2] == key:
-                self.parked.remove(entry)
-                try:
-                    self._reply_fetch(entry[1], key)
-                except OSError as exc:
-                    self._drop(entry[1], f"fetch reply: {exc}", _level(exc))
-                return
-
     def _expire(self, now: float) -> None:
-        if self.early_claims:
-            for key in [k for k, (until, *_rest) in self.early_claims.items() if until <= now]:
-                del self.early_claims[key]
         for fd in [fd for fd, shake in self.handshakes.items() if shake.deadline <= now]:
             shake = self.handshakes.pop(fd)
             log.warning("closed a connection of pid %d: no handshake within %.0f s", shake.pid, P.HANDSHAKE_TIMEOUT)
             self.poller.unregister(fd)
             shake.sock.close()
-        for token in [t for t, until in self.orphans.items() if until <= now]:
-            del self.orphans[token]
-            keys = list(self.pending.get(token, ()))
-            for key in keys:
-                self._discard(key)
-            if keys:
-                log.debug(
-                    "dropped %d undelivered message(s) of a sender that exited %.0f s ago (SHMREDUCE_ORPHAN_TTL)",
-                    len(keys),
-                    ORPHAN_TTL,
-                )
-        due = [p for p in self.parked if p[0] <= now]
-        if not due:
-            return
-        self.parked = [p for p in self.parked if p[0] > now]
-        for _deadline, conn, key in due:
-            try:
-                self._reply_unknown(conn, key)
-            except OSError as exc:
-                self._drop(conn, f"fetch reply: {exc}", _level(exc))
+        if self.draining:
+            self._drain(now)
 
     # -- main loop -------------------------------------------------------------
 
@@ -771,7 +531,7 @@ class Broker:
             return True
         if self.conns or self.handshakes or self.idle_since is None:
             return False
-        if self.messages and self.root_alive:
+        if self.draining and self.root_alive:
             return False
         return now - self.idle_since >= GRACE
 
@@ -782,8 +542,6 @@ class Broker:
             if self._should_exit(now):
                 break
             timeout = 0.25
-            if self.parked:
-                timeout = min(timeout, max(0.0, min(p[0] for p in self.parked) - now))
             if self.handshakes:
                 timeout = min(timeout, max(0.0, min(h.deadline for h in self.handshakes.values()) - now))
             if self.cool_until is not None:
@@ -807,14 +565,21 @@ class Broker:
             now = time.monotonic()
             if self.cool_until is not None and now >= self.cool_until:
                 self._end_window(now)
-            if self.parked or self.early_claims or self.handshakes or self.orphans:
+            if self.handshakes or self.draining:
                 self._expire(now)
-            if self.notify:
-                self._flush_notices()
 
     def shutdown(self) -> None:
-        self.messages.clear()
-        self.descriptors.close_all()
+        for seg in list(self.memfds.values()) + list(self.files.values()):
+            if seg.map is not None:
+                seg.addr = 0
+                try:
+                    seg.map.close()
+                except BufferError:
+                    pass
+            if seg.fd >= 0:
+                os.close(seg.fd)
+        self.memfds.clear()
+        self.files.clear()
         for conn in list(self.conns.values()):
             conn.sock.close()
         for shake in self.handshakes.values():
