@@ -491,7 +491,8 @@ def receive_tensor(ref: tuple, layout: tuple | None) -> torch.UntypedStorage | t
     tensor itself, made over the mapping in one step (its storage is the storage
     ``receive`` would return, and is cached as such). Counts the ref loaded."""
     kind, directory, segkey, gen, offset, nbytes, tag = _checked(ref)
-    last = getattr(_local, "last", None)
+    incoming = getattr(_local, "incoming", None)
+    last = getattr(_local, "last", None) if incoming is not None else None
     if last is not None and last[0] == segkey and last[1] == gen and last[2] == directory and last[4].acquire():
         # The previous ref lay in this generation too (a slab's small storages):
         # same segment, same token, nothing to look up.
@@ -507,7 +508,10 @@ def receive_tensor(ref: tuple, layout: tuple | None) -> torch.UntypedStorage | t
             token = _new_token(seg, kind, directory, segkey, gen, tag)
         elif gen and seg.pool is None:  # a live token of an earlier message: a slab's, here again
             pool.park(seg, token)
-        _local.last = (segkey, gen, directory, seg, token)
+        if incoming is not None:  # kept for the scope only: a token keeps its segment mapped
+            _local.last = (segkey, gen, directory, seg, token)
+    if incoming is not None:
+        _local.incoming = incoming + 1
     try:
         if gen:
             _hdr_loaded(seg.addr)
@@ -521,9 +525,6 @@ def receive_tensor(ref: tuple, layout: tuple | None) -> torch.UntypedStorage | t
     _counters["storages_received"] += 1
     _counters["bytes_received"] += nbytes
     cache.remember(storage, Place(seg, gen, offset, nbytes))
-    incoming = getattr(_local, "incoming", None)
-    if incoming is not None:
-        _local.incoming = incoming + 1
     return storage if tensor is None else tensor
 
 

@@ -1,7 +1,8 @@
-"""One message, one deposit (shmreduce/transfer.py), unit by unit and in-process: refs
-of a sending() scope, a scope that raises, receive() of this process's own refs, the
-file_system tag, malformed refs, share_in_place / new_shared, letting go, and
-collect() giving a dead segment back to its pool."""
+"""Refs and their counts (shmreduce/transfer.py), unit by unit and in-process: refs of
+a sending() scope (counted sent when it closes), a scope that raises (counts
+nothing), receive() of this process's own refs (counted loaded), the file_system
+tag, malformed refs, share_in_place / new_shared, letting go, and collect() giving a
+dead segment back to its pool."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ import pytest
 import torch
 
 import shmreduce
-from shmreduce import pool, program, transfer
-from shmreduce.broker.client import connected_client
+from shmreduce import _native, pool, program, transfer
 
 from helpers import forget_mappings, let_go_now, run_in_child, wait_for
 
@@ -53,15 +53,17 @@ def _delta(before: dict[str, int], *names: str) -> dict[str, int]:
     return {name: now[name] - before[name] for name in names}
 
 
-def _undelivered() -> int:
-    """Messages deposited at this program's broker that nobody has claimed yet."""
-    client = connected_client(program.current().directory)
-    return 0 if client is None else int(client.ping()["messages"])
+def _counts(ref: transfer.SegmentRef) -> tuple[int, int]:
+    """(sent, loaded) in the header of the segment *ref* lies in, this process's mapping."""
+    seg = pool.lookup(ref.kind, ref.segment)
+    assert seg is not None
+    gen, sent, loaded, _holders = _native.hdr_read(seg.addr)
+    assert gen == ref.gen & (1 << 64) - 1
+    return sent, loaded
 
 
 def _receive_here(refs: list[tuple]) -> list[torch.UntypedStorage]:
-    """Receive *refs* in this process, in one receiving() scope (which claims their
-    message: an unclaimed message would keep the broker)."""
+    """Receive *refs* in this process, in one receiving() scope."""
     with transfer.receiving():
         return [transfer.receive(ref) for ref in refs]
 
@@ -95,8 +97,9 @@ def test_one_scope_is_one_message_small_storages_share_a_slab(strategy: str, fre
         refs = [transfer.SegmentRef(*transfer.share(s)) for s in [*smalls, large]]
         assert _delta(before, "storages_reused") == {"storages_reused": 0}
         with transfer.sending():  # a nested scope joins the outer message
-            assert transfer.share(smalls[1]) == refs[1], "a storage sent twice in one message has one ref"
+            assert transfer.share(smalls[1]) == refs[1], "a storage sent twice in one message has the same ref"
         assert _delta(before, "messages_sent") == {"messages_sent": 0}, "sent before the scope closed"
+        assert _counts(refs[0]) == (0, 0), "counted sent before the scope closed"
     assert _delta(before, "storages_shared", "bytes_shared", "messages_sent", "storages_reused") == {
         "storages_shared": 4,
         "bytes_shared": sum(SMALL_SIZES) + LARGE_SIZE,
@@ -106,7 +109,6 @@ def test_one_scope_is_one_message_small_storages_share_a_slab(strategy: str, fre
     kind = "fd" if strategy == "file_descriptor" else "fs"
     assert {r.kind for r in refs} == {kind}
     assert {r.program for r in refs} == {program.current().directory}
-    assert len({r.message for r in refs}) == 1, "one scope, one message key"
     assert [r.nbytes for r in refs] == [*SMALL_SIZES, LARGE_SIZE]
 
     *small_refs, large_ref = refs
@@ -119,32 +121,33 @@ def test_one_scope_is_one_message_small_storages_share_a_slab(strategy: str, fre
     assert large_ref.segment != small_refs[0].segment
     assert large_ref.gen not in (0, small_refs[0].gen)
     assert large_ref.offset == pool.HEADER
-    if kind == "fs":
-        for r in refs:
-            assert r.slot == transfer.fs_tag(r.program, r.message, str(r.segment), r.gen)
-    else:  # one descriptor per segment in the deposit
-        assert len({r.slot for r in small_refs}) == 1 and large_ref.slot != small_refs[0].slot
+    for r in refs:
+        assert r.tag == (transfer.fs_tag(r.program, str(r.segment), r.gen) if kind == "fs" else 0)
+    # Every ref counted sent once, the one shared twice twice: 4 in the slab, 1 in the large segment.
+    assert _counts(small_refs[0]) == (4, 0) and _counts(large_ref) == (1, 0)
 
     # Each storage now lies where its ref says, its values kept.
     got = _receive_here(list(refs))
     for s, g in zip([*smalls, large], got, strict=True):
         assert g.data_ptr() == s.data_ptr()
     assert [int(_bytes_of(s)[0]) for s in smalls] == [1, 2, 3]
-    assert _undelivered() == 0
+    assert _counts(small_refs[0]) == (4, 3) and _counts(large_ref) == (1, 1)
+    assert _receive_here([refs[1]])[0].data_ptr() == smalls[1].data_ptr()
+    assert _counts(small_refs[0]) == (4, 4), "every ref loaded, none in flight"
 
 
 def test_a_scope_that_raises_delivers_nothing(strategy: str) -> None:
     s = _storage(2000, 7)
     before = transfer.counters()
     with transfer.sending():
-        pass  # a scope that shares nothing costs no deposit
+        pass  # a scope that shares nothing counts nothing
     assert _delta(before, "messages_sent") == {"messages_sent": 0}
     with pytest.raises(RuntimeError, match="mid-pickle"):
         with transfer.sending():
             dropped = transfer.SegmentRef(*transfer.share(s))
             raise RuntimeError("mid-pickle")
     assert _delta(before, "messages_sent", "storages_shared") == {"messages_sent": 0, "storages_shared": 1}
-    assert _undelivered() == 0
+    sent, loaded = _counts(dropped)
 
     # The next message works, and carries the storage from where it now lies.
     with transfer.sending():
@@ -154,11 +157,11 @@ def test_a_scope_that_raises_delivers_nothing(strategy: str) -> None:
         "storages_shared": 1,
         "storages_reused": 1,
     }
-    assert ref.message != dropped.message
-    assert (ref.segment, ref.gen, ref.offset, ref.nbytes) == (dropped.segment, dropped.gen, dropped.offset, dropped.nbytes)
+    assert ref == dropped
+    assert _counts(ref) == (sent + 1, loaded), "only the message pickled whole is counted sent"
     (got,) = _receive_here([ref])
     assert got.data_ptr() == s.data_ptr()
-    assert _undelivered() == 0
+    assert _counts(ref) == (sent + 1, loaded + 1)
     t = torch.arange(10.0)
     assert torch.equal(shmreduce.loads(shmreduce.dumps(t)), t)
 
@@ -171,18 +174,16 @@ def test_receiving_a_ref_of_this_process_gives_the_very_storage(strategy: str) -
         s = _storage(nbytes, 3)
         with transfer.sending():
             ref = transfer.share(s)
-        pending = transfer.pending_count()
         received = transfer.counters()["messages_received"]
         with transfer.receiving():
             got = transfer.receive(ref)
             again = transfer.receive(transfer.SegmentRef(*ref))  # a SegmentRef is its tuple
-            assert transfer.pending_count() == pending + 1
-        assert transfer.pending_count() == pending
         assert transfer.counters()["messages_received"] == received + 1
         assert got.data_ptr() == again.data_ptr() == s.data_ptr()
         assert got.nbytes() == nbytes
         assert bool((_bytes_of(got) == 3).all())
-    assert _undelivered() == 0
+        sent, loaded = _counts(transfer.SegmentRef(*ref))
+        assert loaded == sent + 1, "each load counts, the same bytes loaded twice twice"
 
 
 # -- the file_system tag ---------------------------------------------------------------
@@ -190,15 +191,14 @@ def test_receiving_a_ref_of_this_process_gives_the_very_storage(strategy: str) -
 
 def test_fs_tag_is_deterministic_and_covers_every_field() -> None:
     # Offsets and sizes are not in it: the mapped segment bounds them (_native).
-    args = ("/dev/shm/shmreduce-x", b"k" * 16, "seg-1", 5)
+    args = ("/dev/shm/shmreduce-x", "seg-1", 5)
     tag = transfer.fs_tag(*args)
     assert isinstance(tag, int) and 0 <= tag < 1 << 64
     assert transfer.fs_tag(*args) == tag
     changed = [
         ("/dev/shm/shmreduce-y", *args[1:]),
-        (args[0], b"j" * 16, *args[2:]),
-        (*args[:2], "seg-2", args[3]),
-        (*args[:3], 6),
+        (args[0], "seg-2", args[2]),
+        (*args[:2], 6),
     ]
     tags = [transfer.fs_tag(*c) for c in changed]
     assert tag not in tags, tags
@@ -208,33 +208,31 @@ def test_fs_tag_is_deterministic_and_covers_every_field() -> None:
 # -- malformed refs --------------------------------------------------------------------
 
 _NOWHERE = "/nonexistent/shmreduce-test-dir"
-_VALID = ("fd", _NOWHERE, b"\x01" * 16, 12345, 7, 64, 8, 0)  # well formed, names nothing
+_VALID = ("fd", _NOWHERE, 12345, 7, 64, 8, 0)  # well formed, names nothing
 
 _MALFORMED: dict[str, object] = {
     "None": None,
     "an int": 5,
-    "7 fields": _VALID[:7],
-    "9 fields": (*_VALID, 0),
-    "8 characters": "fdxxxxxx",
+    "6 fields": _VALID[:6],
+    "8 fields": (*_VALID, 0),
+    "7 characters": "fdxxxxx",
     "kind unknown": ("xx", *_VALID[1:]),
     "kind bytes": (b"fd", *_VALID[1:]),
     "program bytes": (_VALID[0], _NOWHERE.encode(), *_VALID[2:]),
     "program None": (_VALID[0], None, *_VALID[2:]),
-    "message str": (*_VALID[:2], "k" * 16, *_VALID[3:]),
-    "message short": (*_VALID[:2], b"k" * 15, *_VALID[3:]),
-    "fd segment str": (*_VALID[:3], "seg-1", *_VALID[4:]),
-    "fs segment int": ("fs", *_VALID[1:3], 12345, *_VALID[4:]),
-    "gen negative": (*_VALID[:4], -1, *_VALID[5:]),
-    "gen too large": (*_VALID[:4], 1 << 96, *_VALID[5:]),
-    "gen float": (*_VALID[:4], 7.0, *_VALID[5:]),
-    "gen bool": (*_VALID[:4], True, *_VALID[5:]),
-    "offset negative": (*_VALID[:5], -1, *_VALID[6:]),
-    "offset str": (*_VALID[:5], "64", *_VALID[6:]),
-    "nbytes zero": (*_VALID[:6], 0, _VALID[7]),
-    "nbytes negative": (*_VALID[:6], -8, _VALID[7]),
-    "nbytes float": (*_VALID[:6], 8.0, _VALID[7]),
-    "fd slot negative": (*_VALID[:7], -1),
-    "slot str": (*_VALID[:7], "0"),
+    "fd segment str": (*_VALID[:2], "seg-1", *_VALID[3:]),
+    "fs segment int": ("fs", _VALID[1], 12345, *_VALID[3:]),
+    "gen negative": (*_VALID[:3], -1, *_VALID[4:]),
+    "gen too large": (*_VALID[:3], 1 << 96, *_VALID[4:]),
+    "gen float": (*_VALID[:3], 7.0, *_VALID[4:]),
+    "gen bool": (*_VALID[:3], True, *_VALID[4:]),
+    "offset negative": (*_VALID[:4], -1, *_VALID[5:]),
+    "offset str": (*_VALID[:4], "64", *_VALID[5:]),
+    "nbytes zero": (*_VALID[:5], 0, _VALID[6]),
+    "nbytes negative": (*_VALID[:5], -8, _VALID[6]),
+    "nbytes float": (*_VALID[:5], 8.0, _VALID[6]),
+    "tag str": (*_VALID[:6], "0"),
+    "tag None": (*_VALID[:6], None),
 }
 
 
@@ -249,7 +247,7 @@ def test_the_well_formed_ref_the_malformed_ones_come_from_passes_the_check() -> 
     # refused later, for naming no program directory.
     for kind, segment in (("fd", 12345), ("fs", "seg-1")):
         with pytest.raises(shmreduce.SharingError, match="no such program directory"):
-            transfer.receive((kind, _VALID[1], _VALID[2], segment, *_VALID[4:]))
+            transfer.receive((kind, _VALID[1], segment, *_VALID[3:]))
 
 
 # -- shared storages outside a message -------------------------------------------------
@@ -367,7 +365,6 @@ def test_let_go_keeps_nothing_for_later(strategy: str) -> None:
     kept, child = value
     assert kept >= 1, "the child kept no mapping: the test proves nothing"
     assert (child["fd_segments_free"], child["fs_segments_free"], child["segments_kept"]) == (0, 0, 0), child
-    assert _undelivered() == 0
 
 
 # -- collect ---------------------------------------------------------------------------
@@ -392,4 +389,3 @@ def test_collect_returns_a_dead_segment_to_the_pool(strategy: str) -> None:
     assert again["segments_made"] == after["segments_made"], (after, again)
     assert again["segments_free"] == after["segments_free"] - 1, (after, again)
     assert bool((u == 2.0).all())
-    assert _undelivered() == 0
