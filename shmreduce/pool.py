@@ -9,32 +9,31 @@ its mapping, its bounds and, for a memfd, its descriptor. A sending process keep
 class (eight classes per doubling).
 
 Generations. A segment is filled anew in *generations*. A generation is a number
-unique in the program (``gen_name`` is its name at the broker), written into the
-segment's first ``HEADER`` bytes. In each process the storages of one generation are
-made by one *token*, a ``_native.Gen``: a storage over the mapping through DLPack,
-its range checked in C. The token counts its live storages (and holds: the slab it
-is, a parked receiver) natively; torch's deleter decrements the count when a storage
-dies, on any thread, and the token whose count reaches zero is handed to ``settle``
-(``_native.dead()``): "the last storage of generation G died here" is known exactly,
-without weak references. The token keeps its segment, and so the mapping. A token
-whose count reached zero is revived by a new storage until ``settle`` takes it. When
-a token dies:
+unique in the program, written into the segment's first ``HEADER`` bytes with its
+shared counters (refs sent, refs loaded, holders: ``broker/protocol.py``). In each
+process the storages of one generation are made by one *token*, a ``_native.Gen``:
+a storage over the mapping through DLPack, its range checked in C. The token counts
+its live storages (and holds: the slab it is, a parked receiver) natively; torch's
+deleter decrements the count when a storage dies, on any thread, and the token whose
+count reaches zero is handed to ``settle`` (``_native.dead()``): "the last storage
+of generation G died here" is known exactly, without weak references. The token
+keeps its segment, and so the mapping. A token whose count reached zero is revived
+by a new storage until ``settle`` takes it. When a token dies:
 
-- in the owner: the generation is over here. If it was never sent, the segment is
-  free at once; if it was, the owner lets go of its hold at the broker and waits.
-- in a receiver: it lets go of what it kept through the message that brought the
-  generation (its name, and a file's name under ``file_system``). A receiver keeps
-  the token of a generation that has come to it in more than one message (a
-  slab's) alive until LINGER seconds after the last message in it (see "parked
-  tokens" below).
+- in the owner: the generation is over here. The segment is free at once if nobody
+  holds the generation elsewhere and every ref sent in it was loaded
+  (``_native.hdr_free``, which ends the generation in the header: a stale ref is
+  refused); else it waits (``Pool.waiting``) and is checked again when the pool
+  needs a segment and by the collector, every ``transfer.PURGE_EVERY``.
+- in a receiver: it lets go of the generation (the broker told first, then the
+  header's holders). A receiver keeps the token of a generation that has come to it
+  in more than one message (a slab's) alive until LINGER seconds after the last
+  message in it (see "parked tokens" below).
 
-The broker counts holds on every generation name (its owner's, from the first
-deposit that carries it; each undelivered message's; each receiver's). When the
-count reaches zero it posts a free notice to the owner, which reads it without
-waiting when it next needs a segment: a free segment is then reused, its pages
-already in memory (no page fault per page, no new descriptor, no new mapping in any
-process that keeps it mapped). Memory stays valid wherever it is mapped until every
-process has let go of every storage in it: aliasing holds as with torch.
+A free segment is reused with its pages already in memory (no page fault per page,
+no new descriptor, no new mapping in any process that keeps it mapped). Memory stays
+valid wherever it is mapped until every process has let go of every storage in it:
+aliasing holds as with torch.
 
 A receiver finds a segment it maps already by identity (a memfd's inode, a file's
 name) and checks the header against the handle's generation: a stale handle is a
@@ -51,8 +50,7 @@ Memory bounds: a pool keeps at most ``POOL_BYTES`` of free segments (the
 ``SHMREDUCE_POOL_BYTES`` setting) and closes any left free for ``POOL_IDLE``
 seconds; a closed memfd's memory returns to the system once no process maps it, a
 closed file's once the broker unlinks it. Segments alive at a ``fork()`` are never
-reused (the child may use their storages without the broker knowing), nor are
-those a broker that died had heard of.
+reused (the child may use their storages without its parent's pool knowing).
 """
 
 from __future__ import annotations
@@ -456,7 +454,7 @@ def new_gen() -> int:
 
 class Pool:
     """The segments of one strategy this process made: free ones by size, those
-    waiting for the broker's free notice, the current slab of each thread."""
+    waiting until nobody holds their generation, the current slab of each thread."""
 
     kind = ""
 
@@ -603,7 +601,7 @@ class Pool:
 
     def owned(self) -> list[Segment]:
         """Every segment of this pool this process still has: in use, free, or
-        waiting for its free notice."""
+        waiting until its generation is free."""
         found = {id(seg): seg for seg in list(_mapped.values()) if seg.pool is self and seg.live_token(seg.gen) is not None}
         with self.lock:
             for segs in self.free.values():
@@ -642,7 +640,7 @@ class Pool:
 
     def let_go(self) -> None:
         """Drop this thread's current slab, every free segment, and those waiting for
-        a free notice (never reused: ``unregister()``)."""
+        their generation to be free (never reused: ``unregister()``)."""
         self.local.__dict__.pop("slab", None)
         self.active = False
         self._drop_waiting()

@@ -5,8 +5,8 @@ plus user types from ``register_reducer`` (resolved by MRO, nearest class wins),
 served to:
 
 * ``multiprocessing.reduction.ForkingPickler`` while registered: exact classes via
-  its public ``register``; subclasses of user types, and the one-deposit-per-message
-  scope, via a ``dumps``/``loads`` pair installed on it (no public hook exists for
+  its public ``register``; subclasses of user types, and the per-message scopes
+  (``transfer.sending`` / ``receiving``), via a ``dumps``/``loads`` pair installed on it (no public hook exists for
   either);
 * ``shmreduce.dumps`` / ``loads`` (cloudpickle), registered or not;
 * any user pickler, through ``dispatch_table()``.

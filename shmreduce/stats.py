@@ -15,7 +15,7 @@ def stats() -> dict[str, Any]:
     storages_shared / bytes_shared: storages moved into shared segments here;
     storages_reused: sends that found the storage already shared (no copy);
     storages_received / bytes_received: storages received here;
-    messages_sent / messages_received: deposits made / received;
+    messages_sent / messages_received: pickled messages that shared storages / loaded ones;
     round_trips: request-reply exchanges with a broker (a file_descriptor message
     costs one only if it uses a segment this process does not map yet);
     live_segments: cached storages alive here;
@@ -25,7 +25,7 @@ def stats() -> dict[str, Any]:
     reuse after their last storage died;
     {fd,fs}_segments_made / _reused / _free / _waiting, {fd,fs}_free_bytes: this
     process's pools (see ``shmreduce.pool``): segments made, reused, free for reuse,
-    waiting for the broker's free notice, and the bytes of the free ones.
+    waiting until their generation is free, and the bytes of the free ones.
     """
     result: dict[str, Any] = transfer.counters()
     result.update(transfer.stats())

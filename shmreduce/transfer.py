@@ -141,7 +141,8 @@ def _make_file(size: int) -> pool.Segment:
 
 def _fs_full() -> None:
     """The file_system mount is full: let go of every file this process does not use
-    (free notices taken in first), and wait until the broker has unlinked them."""
+    (waiting segments that are free given back first), and wait until the broker
+    has unlinked them."""
     prog = program.current()
     client = broker.client_for(prog.directory, prog.root_pid)
     collect()

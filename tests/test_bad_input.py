@@ -1,56 +1,118 @@
-"""Bad input on the receiving side: stale handles, forged keys, wrong sizes, names
-outside the program directory, truncated pickles (SPEC 8).
+"""Bad input on the receiving side: stale handles, forged segments, tags and
+generations, wrong sizes, names outside the program directory, truncated pickles
+(SPEC 8).
 
 Each raises SharingError with a message that says what happened, within seconds, and
-damages nothing: the next message works and no descriptor is left open.
+damages nothing: the intact message still loads, the next message works and no
+descriptor is left open.
+
+A handle names a segment (a memfd by its inode, which a receiver that does not map it
+yet fetches from the broker; a file by its name, with a keyed tag over directory,
+name and generation) and a generation of it, which the receiver holds (counted in the
+segment's shared header) before it trusts the bytes. So the same bytes load again, in
+any process of the program, while their generation lives; once it is over (the owner
+reused the segment: its header holds another generation; or closed it: the broker no
+longer keeps the memfd, the file is gone) they are stale: SharingError, never other
+bytes.
+
+Every ref a test pickles is loaded before the test ends (``_nothing_in_flight``): a
+ref pickled and never loaded is in flight, which keeps its segment from reuse and the
+broker, draining it, from exiting while this (root) process lives. A load refused, or
+that failed part way, is followed by a load of the intact message.
 
 Truncated pickles: the bytes themselves are broken, which is not a sharing failure,
 so pickle's own error surfaces (``pickle.UnpicklingError`` or ``EOFError``, as for
-any truncated pickle). If the cut falls after a handle, that part of the message was
-already fetched; shmreduce closes what the failed load left over (``receiving()``)
-and the rest of the message is consumed: load it again and you get SharingError
-(stale), never a hang.
+any truncated pickle). The refs before the cut were loaded, and what they made is let
+go of with the failed load; the whole bytes still load, in this process or another.
 """
 
 from __future__ import annotations
 
+import gc
+import multiprocessing as mp
 import os
 import pickle
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
 
 import shmreduce
-from shmreduce import program, reductions, transfer
-from shmreduce.broker.client import client_for
+from shmreduce import _native, pool, program, reductions, transfer
+from shmreduce.cache import cache
 
-from helpers import forget_mappings, let_go_now, open_fds, run_in_child, shm_base, wait_for
+from helpers import (
+    broker_pids,
+    forget_mappings,
+    let_go_now,
+    open_fds,
+    run_in_child,
+    shm_base,
+    wait_for,
+    what_brokers_hold,
+)
 
 TIMEOUT = 20.0
+LARGE = pool.SLAB_ITEM_MAX // 4 + 1024  # float32 elements: a storage with a segment of its own
+
+
+@pytest.fixture(autouse=True)
+def _nothing_in_flight():
+    """After each test (which unregisters on its way out: every fixture and context
+    here does), the broker exits: nothing it keeps is in flight. A test that left a
+    ref unloaded fails here, not at the module's leak check."""
+    yield
+    gc.collect()
+    transfer.collect()
+    assert wait_for(lambda: not broker_pids(), 10), f"refs left in flight: {what_brokers_hold()}"
 
 
 def _rebuild_sum(ref):
-    # a fork child inherits the parent's mappings (and cache): forget them, so the
-    # child is a receiver that has never seen the segment
+    # a fork child: no OpenMP (the parent's pool did not come along), and none of the
+    # parent's mappings (and cache): a receiver that has never seen the segment
+    torch.set_num_threads(1)
     forget_mappings()
     t = torch.empty(0).set_(reductions.rebuild_storage(ref))
     return float(t.sum()) if t.dtype.is_floating_point else t.numel()
 
 
+def _load_sum_as_stranger(data: bytes) -> float:
+    torch.set_num_threads(1)
+    forget_mappings()
+    return float(shmreduce.loads(data).sum())
+
+
+def _load_sum(data: bytes) -> float:
+    return float(shmreduce.loads(data).sum())
+
+
+def _load_twice(data: bytes) -> tuple[float, float, bool]:
+    a, b = shmreduce.loads(data), shmreduce.loads(data)
+    return float(a.sum()), float(b.sum()), a.data_ptr() == b.data_ptr()
+
+
 def _shared_ref(t):
-    """A real handle for t's storage, deposited as its own message."""
+    """A real handle for t's storage, counted sent as its own message."""
     with transfer.sending():
         ref = transfer.SegmentRef(*transfer.share(t.untyped_storage()))
     return ref
 
 
+def _load_here(ref) -> float:
+    """Load *ref* in this process, its owner (which maps it): the message is
+    delivered, nothing of it is left in flight."""
+    with transfer.receiving():
+        return float(torch.empty(0).set_(reductions.rebuild_storage(ref)).sum())
+
+
 def _next_message_works():
+    """A new message reaches a process that never saw this one's segments."""
     t = torch.arange(10.0)
-    status, value = run_in_child(lambda b: float(pickle.loads(b).sum()), shmreduce.dumps(t))
-    assert (status, value) == ("ok", 45.0)
+    assert run_in_child(_load_sum_as_stranger, shmreduce.dumps(t)) == ("ok", 45.0)
 
 
 def _assert_sharing_error(result, *words):
@@ -60,51 +122,157 @@ def _assert_sharing_error(result, *words):
         assert w in message, (w, message)
 
 
+def _serve(conn) -> None:
+    torch.set_num_threads(1)
+    forget_mappings()
+    while (call := conn.recv()) is not None:
+        fn, args = call
+        try:
+            result = ("ok", fn(*args))
+        except BaseException as exc:  # noqa: BLE001  reported to the test
+            result = (type(exc).__name__, str(exc))
+        # Let go now of what the call received (the collector thread would, within a
+        # second): its generations are no longer held by this process.
+        gc.collect()
+        transfer.collect()
+        conn.send(result)
+
+
+class _Receiver:
+    """A receiving process, forked before the segments a test then sends exist, that
+    runs calls on request. (A fork while a storage is shared retires its segment in
+    the sender, which then never reuses it: the child could use the storage unseen.)"""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("fork")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def __call__(self, fn, *args):
+        t0 = time.monotonic()
+        self.conn.send((fn, args))
+        assert self.conn.poll(TIMEOUT), "receiver hung"
+        result = self.conn.recv()
+        assert time.monotonic() - t0 < 10
+        return result
+
+    def close(self) -> None:
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        self.proc.join(TIMEOUT)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+
+
+@contextmanager
+def _receiver() -> Iterator[_Receiver]:
+    receiver = _Receiver()
+    try:
+        yield receiver
+    finally:
+        receiver.close()
+
+
 @pytest.fixture(params=["file_descriptor", "file_system"])
 def strat(request):
     with shmreduce.registered(strategy=request.param):
         yield request.param
 
 
-def test_forged_key_is_stale(strat):
-    t = torch.ones(8)
-    ref = _shared_ref(t)
-    forged = ref._replace(message=os.urandom(16))
+# -- forged handles ------------------------------------------------------------------
+
+
+def _memfd_inode_nobody_sent() -> int:
+    fd = os.memfd_create("shmreduce-test-not-sent", os.MFD_CLOEXEC)
+    try:
+        return os.fstat(fd).st_ino
+    finally:
+        os.close(fd)
+
+
+def test_forged_segment_inode_is_stale(registered_fd):
+    ref = _shared_ref(torch.ones(16))
     t0 = time.monotonic()
-    result = run_in_child(_rebuild_sum, forged)
+    # the broker keeps no memfd of that inode
+    _assert_sharing_error(run_in_child(_rebuild_sum, ref._replace(segment=_memfd_inode_nobody_sent())), "cannot receive segment")
     assert time.monotonic() - t0 < 10
-    # fd: the broker knows no such key; fs: the handle's tag does not match the key
-    _assert_sharing_error(result, "forged")
-    # the real message is still deliverable
-    assert run_in_child(_rebuild_sum, ref) == ("ok", 8.0)
+    # another segment the broker does keep, under this handle's generation: stale,
+    # never that segment's bytes
+    other = torch.full((LARGE,), 7.0)
+    other_ref = _shared_ref(other)
+    assert other_ref.segment != ref.segment
+    _assert_sharing_error(run_in_child(_rebuild_sum, ref._replace(segment=other_ref.segment)), "generation")
+    # a generation this segment never had
+    _assert_sharing_error(run_in_child(_rebuild_sum, ref._replace(gen=ref.gen ^ 1)), "generation")
+    # the intact handles still load
+    assert run_in_child(_rebuild_sum, ref) == ("ok", 16.0)
+    assert run_in_child(_rebuild_sum, other_ref) == ("ok", 7.0 * LARGE)
     _next_message_works()
 
 
-def test_bad_key_length_and_kind_refused(strat):
-    ref = _shared_ref(torch.ones(4))
-    _assert_sharing_error(run_in_child(_rebuild_sum, ref._replace(message=b"short")), "forged")
-    _assert_sharing_error(run_in_child(_rebuild_sum, ref._replace(kind="evil")), "not a shmreduce segment handle")
-    assert run_in_child(_rebuild_sum, ref) == ("ok", 4.0)
+@pytest.mark.parametrize("inode", [-1, 0, 1 << 64, 10**20 - 1, 1 << 70])
+def test_inode_out_of_range_is_refused_and_the_connection_kept(registered_fd, inode):
+    # An inode no file can have: refused as a handle (or as unknown to the broker),
+    # never taken for a broker that went away.
+    ref = _shared_ref(torch.ones(16))
+    status, message = run_in_child(_rebuild_sum, ref._replace(segment=inode))
+    assert status == "SharingError", (status, message)
+    assert "not a shmreduce segment handle" in message or "cannot receive segment" in message, message
+    assert "not reachable" not in message, message
+    assert run_in_child(_rebuild_sum, ref) == ("ok", 16.0)
     _next_message_works()
+
+
+def test_forged_file_system_handles_are_refused():
+    with shmreduce.registered(strategy="file_system"):
+        ref = _shared_ref(torch.ones(16))
+        other = torch.full((LARGE,), 7.0)
+        other_ref = _shared_ref(other)  # a file of its own
+        assert other_ref.segment != ref.segment
+        forged = [
+            ref._replace(tag=ref.tag ^ 1),  # a corrupted tag
+            ref._replace(gen=ref.gen ^ 1),  # another generation under this one's tag
+            ref._replace(segment=other_ref.segment),  # another file under this one's tag
+            ref._replace(segment=other_ref.segment, gen=other_ref.gen),  # another file and its generation, this tag
+        ]
+        for bad in forged:
+            t0 = time.monotonic()
+            _assert_sharing_error(run_in_child(_rebuild_sum, bad), "forged")
+            assert time.monotonic() - t0 < 10
+        assert run_in_child(_rebuild_sum, ref) == ("ok", 16.0)
+        assert run_in_child(_rebuild_sum, other_ref) == ("ok", 7.0 * LARGE)
+        _next_message_works()
 
 
 def test_wrong_size_refused(strat):
     t = torch.ones(16)
     ref = _shared_ref(t)
-    from shmreduce.pool import SLAB_SIZE
-
-    result = run_in_child(_rebuild_sum, ref._replace(nbytes=SLAB_SIZE + 4))  # beyond its segment
+    result = run_in_child(_rebuild_sum, ref._replace(nbytes=pool.SLAB_SIZE + 4))  # beyond its segment
     _assert_sharing_error(result, "does not match")
+    assert run_in_child(_rebuild_sum, ref) == ("ok", 16.0)
     _next_message_works()
 
 
-def test_wrong_fd_slot_or_identity_refused(registered_fd):
-    ref = _shared_ref(torch.ones(16))
-    _assert_sharing_error(run_in_child(_rebuild_sum, ref._replace(slot=5)), "cannot receive")
-    ref = _shared_ref(torch.ones(16))
-    _assert_sharing_error(run_in_child(_rebuild_sum, ref._replace(segment=12345)), "does not match its handle")
-    ref = _shared_ref(torch.ones(16))
-    _assert_sharing_error(run_in_child(_rebuild_sum, ref._replace(segment="1:2")), "not a shmreduce segment handle")
+def test_refused_handle_does_not_count_as_loaded(strat):
+    # A corrupted copy of a handle is refused; the intact message is still in flight,
+    # and stays deliverable after its sender dropped the storage (SPEC 7): the owner
+    # must not take the refused load for the message's, and free or close the
+    # segment under it.
+    with _receiver() as recv:
+        t = torch.full((LARGE,), 3.0)
+        ref = _shared_ref(t)
+        for bad in (ref._replace(nbytes=ref.nbytes + (1 << 20)), ref._replace(offset=1 << 30)):
+            _assert_sharing_error(recv(_rebuild_sum, bad), "does not match")
+        del t
+        gc.collect()
+        transfer.collect()
+        assert recv(_rebuild_sum, ref) == ("ok", 3.0 * LARGE)
     _next_message_works()
 
 
@@ -119,6 +287,7 @@ def test_names_outside_program_dir_refused(name):
         status, message = result
         assert status == "SharingError", result
         assert "forged" in message or "gone" in message or "stale" in message, message
+        assert run_in_child(_rebuild_sum, ref) == ("ok", 4.0)
         _next_message_works()
 
 
@@ -133,8 +302,11 @@ def test_program_dir_outside_base_refused(strat, directory, tmp_path):
     assert result[0] == "SharingError", result
     assert existed or not os.path.exists(directory), "a forged handle made a directory"
     assert set(os.listdir("/tmp")) <= before | {tmp_path.name}
+    assert run_in_child(_rebuild_sum, ref) == ("ok", 4.0)
     _next_message_works()
 
+
+# -- stale handles -------------------------------------------------------------------
 
 _DUMPER = """
 import sys, torch, shmreduce
@@ -162,52 +334,102 @@ def test_stale_handle_program_gone(strat):
     _next_message_works()
 
 
-def test_stale_handle_already_received(strat):
-    t = torch.full((32,), 2.0)
-    data = shmreduce.dumps(t)
-
-    def load(b: bytes) -> float:
-        forget_mappings()  # a fork child inherits this process's mappings: receive as a stranger
-        return float(shmreduce.loads(b).sum())
-
-    assert run_in_child(load, data) == ("ok", 64.0)
-    if strat == "file_descriptor":
-        # the descriptors went to the first receiver
-        _assert_sharing_error(run_in_child(load, data), "already received")
-    else:
-        # file_system: the bytes load again while a process holds the files ...
-        assert run_in_child(load, data) == ("ok", 64.0)
-        # ... and are stale once the last holder (this process, the sender) lets go
-        # (the thread's current slab is dropped: its generation would go on otherwise)
+def test_second_load_works_while_the_generation_lives(strat):
+    want = 2.0 * LARGE
+    with _receiver() as recv:
+        t = torch.full((LARGE,), 2.0)
+        data = shmreduce.dumps(t)
+        assert recv(_load_sum, data) == ("ok", want)
+        # again, in the process that loaded it and let go since ...
+        assert recv(_load_sum, data) == ("ok", want)
+        # ... twice at once: one storage over one mapping, as torch
+        assert recv(_load_twice, data) == ("ok", (want, want, True))
+        # ... and in a process that never saw it
+        assert run_in_child(_load_sum_as_stranger, data) == ("ok", want)
+        # The owner closes the segment (let_go: nothing kept for reuse) and the broker
+        # lets go of it (nothing in flight): the generation is over.
         del t
         transfer.let_go()
-        let_go_now()
-        result = run_in_child(load, data)
+        let_go_now()  # the broker has read the close
+        t0 = time.monotonic()
+        result = run_in_child(_load_sum_as_stranger, data)
+        assert time.monotonic() - t0 < 10
         _assert_sharing_error(result)
-        assert "gone" in result[1] or "generation" in result[1], result
+        assert "cannot receive segment" in result[1] or "gone" in result[1], result
+        # A process that still maps the segment: the bytes (nobody can reuse a closed
+        # segment) or stale; never other bytes.
+        status, value = recv(_load_sum, data)
+        assert (status, value) == ("ok", want) or status == "SharingError", (status, value)
+    _next_message_works()
+
+
+def test_stale_once_the_owner_reuses_the_segment(strat):
+    transfer.let_go()  # no free segment kept from earlier tests: the next one freed is the one reused
+    with _receiver() as recv:
+        t = torch.full((LARGE,), 2.0)
+        data = shmreduce.dumps(t)
+        place = cache.place_of(t.untyped_storage())
+        seg, gen = place.segment, place.gen
+        del place
+        # loaded once and let go of: nothing in flight, nobody holds the generation
+        assert recv(_load_sum, data) == ("ok", 2.0 * LARGE)
+        del t
+
+        def freed() -> bool:
+            gc.collect()
+            transfer.collect()
+            return _native.hdr_read(seg.addr)[0] != gen
+
+        assert wait_for(freed, 10), f"the owner never freed its segment: header {_native.hdr_read(seg.addr)}"
+        t2 = torch.full((LARGE,), 5.0)
+        data2 = shmreduce.dumps(t2)
+        place = cache.place_of(t2.untyped_storage())
+        assert place.segment is seg and place.gen != gen, "the owner did not reuse its free segment"
+        del place
+        # the old bytes: stale, never the new message's data, in the receiver that
+        # maps the segment and in a process that never saw it
+        t0 = time.monotonic()
+        _assert_sharing_error(recv(_load_sum, data), "generation")
+        _assert_sharing_error(run_in_child(_load_sum_as_stranger, data), "generation")
+        assert time.monotonic() - t0 < 10
+        assert recv(_load_sum, data2) == ("ok", 5.0 * LARGE)
     _next_message_works()
 
 
 def test_truncated_pickle(strat):
     data = shmreduce.dumps({"a": torch.ones(100), "b": torch.zeros(100), "c": list(range(50))})
-    fds, pending = len(open_fds()), transfer.pending_count()
+    fds = len(open_fds())
     for cut in (1, len(data) // 3, len(data) // 2, len(data) - 1):
         with pytest.raises((pickle.UnpicklingError, EOFError, shmreduce.SharingError)):
             shmreduce.loads(data[:cut])
-    assert transfer.pending_count() <= pending
+    gc.collect()
+    transfer.collect()
     assert len(open_fds()) <= fds
-    # the whole bytes still load: a truncated copy consumed nothing
+    # the whole bytes still load: a truncated copy took nothing away
     assert float(shmreduce.loads(data)["a"].sum()) == 100.0
-    # a truncated message received in another process: pickle's error, nothing hangs
+
+    # in another process, which never saw the segments: pickle's error, nothing
+    # hangs, and the whole bytes load there after it
+    def truncated_then_whole(b: bytes) -> tuple[str, float]:
+        torch.set_num_threads(1)
+        forget_mappings()
+        try:
+            shmreduce.loads(b[: len(b) - 2])
+            error = "none"
+        except Exception as exc:  # noqa: BLE001  reported
+            error = type(exc).__name__
+        return error, float(sum(t.sum() for t in shmreduce.loads(b)))
+
     data = shmreduce.dumps([torch.ones(100), torch.ones(100)])
-    result = run_in_child(lambda b: shmreduce.loads(b), data[: len(data) - 2])
-    assert result[0] in ("UnpicklingError", "EOFError"), result
-    assert float(sum(t.sum() for t in shmreduce.loads(data))) == 200.0
+    status, (error, total) = run_in_child(truncated_then_whole, data)
+    assert status == "ok" and error in ("UnpicklingError", "EOFError"), (status, error)
+    assert total == 200.0
     _next_message_works()
 
 
 def test_broker_gone_is_sharing_error(registered_fd):
-    """A handle whose broker was killed: SharingError within seconds."""
+    """A handle whose broker was killed, in a process that does not map its segment
+    yet: SharingError within seconds."""
     import signal
 
     from shmreduce.broker import client
@@ -217,22 +439,20 @@ def test_broker_gone_is_sharing_error(registered_fd):
     c = client.client_for(prog.directory, prog.root_pid)
     pid = c.broker_pid
     os.kill(pid, signal.SIGKILL)
-    # Gone means gone: its janitor removes the program directory. Before that, a fork
-    # child that inherited the sender's mapping of the segment may load the message
-    # without the broker (seen under AddressSanitizer's slowness), which is no error.
+    # Gone means gone: its janitor removes the program directory.
     assert wait_for(lambda: not os.path.isdir(prog.directory), 10.0)
     t0 = time.monotonic()
-    result = run_in_child(lambda b: shmreduce.loads(b), data)
+    result = run_in_child(_load_sum_as_stranger, data)
     assert time.monotonic() - t0 < 10
     _assert_sharing_error(result)
+    # A process that maps the segment needs no broker: its generation lives.
+    assert float(shmreduce.loads(data).sum()) == 8.0
     _next_message_works()
 
 
 def test_missing_file_is_gone_and_never_created():
     # torch's from_file would create a missing path full of zeros: map_file must not
     # let it (a file released a moment ago is an error, never silent zeros).
-    from shmreduce import pool
-
     with shmreduce.registered(strategy="file_system"):
         shmreduce.loads(shmreduce.dumps(torch.ones(4)))  # the program directory exists
         directory = program.current().directory
@@ -243,14 +463,13 @@ def test_missing_file_is_gone_and_never_created():
 
 
 _CORRUPTIONS: dict[str, list[object]] = {
-    "kind": [None, b"fd", 0],
+    "kind": [None, b"fd", 0, "evil"],
     "program": [None, b"/dev/shm", "", "\x00"],
-    "message": [None, "k" * 16, b"\x00" * 15],
-    "segment": [None, b"seg-", 2.5, "seg-\x00", "", 1 << 70],
+    "segment": [None, b"seg-", 2.5, "seg-\x00", "", 1 << 70, -1],
     "gen": [None, -1, 1 << 96, "1", 2.5, 12345],
     "offset": [None, -1, 1 << 62, 2.5, 3],
     "nbytes": [None, -1, 0, 1 << 62, 2.5],
-    "slot": [None, -1, 1 << 40, "0"],
+    "tag": [None, "0", 2.5, b"\x00"],
 }
 
 
@@ -263,18 +482,8 @@ def test_corrupted_handle_fields_are_sharing_errors(strat, field):
         ref = _shared_ref(torch.ones(4))
         result = run_in_child(_rebuild_sum, ref._replace(**{field: value}))
         assert result[0] == "SharingError", (field, value, result)
-        _receive_if_undelivered(ref)
+        assert _load_here(ref) == 4.0
     _next_message_works()
-
-
-def _receive_if_undelivered(ref):
-    """Receive *ref*'s message here if no receiver took it (a refused handle may be
-    refused before it reaches the broker): an undelivered message keeps the broker."""
-    client = client_for(ref.program, program.current().root_pid)
-    if client.ping()["messages"]:
-        with transfer.receiving():
-            reductions.rebuild_storage(ref)
-    assert client.ping()["messages"] == 0
 
 
 def test_handle_naming_a_folder_shmreduce_did_not_make_is_refused(strat):
@@ -288,7 +497,7 @@ def test_handle_naming_a_folder_shmreduce_did_not_make_is_refused(strat):
         ref = _shared_ref(torch.ones(4))
         _assert_sharing_error(run_in_child(_rebuild_sum, ref._replace(program=folder)), "not a shmreduce program directory")
         assert os.listdir(folder) == ["notes.txt"]
-        _receive_if_undelivered(ref)
+        assert _load_here(ref) == 4.0
         _next_message_works()
     finally:
         import shutil

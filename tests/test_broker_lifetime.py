@@ -1,32 +1,46 @@
-"""What keeps a broker alive, and that nothing a client posted is lost on its way out.
+"""What keeps a segment (and its broker) alive, and that nothing a client posted is
+lost on its way out.
 
-The broker stays after its last client only for messages nobody received yet (for
-``SHMREDUCE_ORPHAN_TTL``, while the program's root lives). A claim is the only word
-that a message was received: one the broker loses keeps it, and its program
-directory, for a minute after everything closed (the CI flake of the file_system
-stress test, 1 run in 4: tests/test_concurrent_sends.py).
+A pooled segment's header counts the refs sent and loaded in its generation and the
+receivers holding it; its owner reuses it only with no holder and nothing in flight.
+A receiver that dies holding a generation is counted out by the broker, from the
+records it posted before its connections closed (``G``/``U``): one the broker loses,
+or counts twice, either keeps the segment from reuse for good or lets its owner
+overwrite memory a live receiver still reads. The broker stays after its last client
+only for refs still in flight (draining), while the program's root lives.
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
+import mmap
+import multiprocessing as mp
 import os
 import signal
+import time
 
 import pytest
+import torch
 
-from shmreduce import program
+import shmreduce
+from shmreduce import _native, program, transfer
 from shmreduce.broker import client as broker_client
 from shmreduce.broker import protocol as P
+from shmreduce.cache import cache
+from shmreduce.pool import SLAB_ITEM_MAX
 
 from helpers import broker_pids, wait_for
 
 TIMEOUT = 10.0
+CTX = mp.get_context("fork")
+NUMEL = SLAB_ITEM_MAX // 4 + 16  # a float32 tensor this long gets a segment of its own
 
 
 @pytest.fixture
 def broker_log(monkeypatch, tmp_path):
     """A fresh broker for this test (started on first use) that logs to a file; gone
-    again at the end, which a message left behind would prevent."""
+    again at the end, which a segment left in flight would prevent."""
     broker_client.close_all()
     assert wait_for(lambda: not broker_pids(), TIMEOUT)
     path = tmp_path / "broker.log"
@@ -41,142 +55,303 @@ def _log_text(path) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def _clients(count: int) -> list[broker_client.BrokerClient]:
-    """*count* clients of this program's broker, each an identity of its own (as
-    processes are), the first its sender (it may start the broker)."""
+def _client() -> broker_client.BrokerClient:
+    prog = program.current()
+    return broker_client.client_for(prog.directory, prog.root_pid)
+
+
+def _segment_of(t: torch.Tensor):
+    place = cache.place_of(t.untyped_storage())
+    assert place is not None, "not a shared tensor"
+    return place.segment
+
+
+def _holders(seg) -> int:
+    return _native.hdr_read(seg.addr)[3]
+
+
+class _Memfd:
+    """A pooled-looking memfd made here: *gen* in its header, mapped."""
+
+    def __init__(self, gen: int) -> None:
+        self.fd = os.memfd_create("shmreduce-test", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, mmap.PAGESIZE)
+        os.pwrite(self.fd, gen.to_bytes(8, "little"), 0)
+        self.ino = os.fstat(self.fd).st_ino
+        self.gen = gen
+        self.map = mmap.mmap(self.fd, mmap.PAGESIZE)
+        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.map))  # the export goes with the temporary
+
+    def header(self) -> tuple[int, int, int, int]:
+        return _native.hdr_read(self.addr)
+
+    def close(self) -> None:
+        self.map.close()
+        os.close(self.fd)
+
+
+def _receivers(count: int) -> list[broker_client.BrokerClient]:
+    """*count* receiver identities (as processes are), both connections open."""
+    directory = program.current().directory
+    clients = [broker_client.BrokerClient(directory, None) for _ in range(count)]
+    for c in clients:
+        c.ping()
+        c._post_socket(start=False)
+    return clients
+
+
+# -- a receiver that goes while holding a generation --------------------------------------
+
+
+def _hold_until_killed(conn) -> None:
+    """A receiver: maps the segment and lets go of it (its connections open, the
+    mapping kept), then holds the next message's generation until it is killed."""
+    t = shmreduce.loads(conn.recv_bytes())
+    assert float(t.sum()) == 3.0 * NUMEL
+    del t
+    gc.collect()
+    transfer.collect()  # its hold goes: U, then counted out of the header by itself
+    conn.send("mapped")
+    kept = shmreduce.loads(conn.recv_bytes())  # the segment mapped already: no request to the broker
+    conn.send(float(kept.sum()))
+    conn.recv()  # killed here, holding *kept*
+
+
+@pytest.mark.parametrize("queued", [False, True], ids=["read", "queued"])
+def test_a_receiver_killed_holding_a_generation_is_counted_out_and_the_owner_reuses_the_segment(strategy, queued):
+    # queued: the broker is stopped from before the receiver's load until after its
+    # death, so its G record is still queued on its post connection when its
+    # connections close: read before the close, it counts.
+    ours, theirs = CTX.Pipe()
+    proc = CTX.Process(target=_hold_until_killed, args=(theirs,))
+    proc.start()  # before the tensor exists: it inherits no mapping of it
+    stopped = 0
+    try:
+        t = torch.full((NUMEL,), 3.0)
+        ours.send_bytes(shmreduce.dumps(t))
+        assert ours.poll(30) and ours.recv() == "mapped"
+        seg = _segment_of(t)
+        assert _holders(seg) == 0
+        if queued:
+            stopped = _client().broker_pid
+            os.kill(stopped, signal.SIGSTOP)
+        ours.send_bytes(shmreduce.dumps(t))
+        assert ours.poll(30) and ours.recv() == 3.0 * NUMEL
+        assert _holders(seg) == 1
+        # Its own storage dead, the owner does not reuse a segment a receiver holds.
+        del t
+        gc.collect()
+        transfer.collect()
+        other = torch.full((NUMEL,), 5.0)
+        transfer.share_in_place(other.untyped_storage())
+        assert _segment_of(other) is not seg
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(TIMEOUT)
+        assert proc.exitcode == -signal.SIGKILL
+    finally:
+        if stopped:
+            os.kill(stopped, signal.SIGCONT)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(TIMEOUT)
+        ours.close()
+        theirs.close()
+    assert wait_for(lambda: _holders(seg) == 0, TIMEOUT), _native.hdr_read(seg.addr)
+    _gen, sent, loaded, _ = _native.hdr_read(seg.addr)
+    assert sent == loaded == 2
+    again = torch.full((NUMEL,), 6.0)
+    transfer.share_in_place(again.untyped_storage())
+    assert _segment_of(again) is seg, "the owner did not reuse a segment nobody holds"
+    assert bool((again == 6.0).all()) and bool((other == 5.0).all())
+
+
+def _hold_then(conn, unregister: bool) -> None:
+    """A receiver: holds the message's generation; on "go", unregisters (if
+    *unregister*: its connections close while it still holds) and lets go of its
+    storage; reports the tensor's sum whenever asked."""
+    kept = shmreduce.loads(conn.recv_bytes())
+    conn.send(float(kept.sum()))
+    while (order := conn.recv()) is not None:
+        if order == "go":
+            if unregister:
+                shmreduce.unregister()
+            del kept
+            gc.collect()
+            transfer.collect()
+            conn.send("let go")
+        else:
+            conn.send(float(kept.sum()))
+
+
+def test_a_receiver_whose_connections_close_while_it_holds_is_counted_out_once(strategy):
+    # A receiver that unregisters (its connections close: the broker counts it out of
+    # the header) and then lets go of its storage (which counts it out again, itself)
+    # must not take another receiver's count with it: the owner would overwrite
+    # memory that receiver still reads.
+    first_conn, first_theirs = CTX.Pipe()
+    second_conn, second_theirs = CTX.Pipe()
+    first = CTX.Process(target=_hold_then, args=(first_theirs, True))
+    second = CTX.Process(target=_hold_then, args=(second_theirs, False))
+    first.start()
+    second.start()  # both before the tensor exists
+    try:
+        t = torch.full((NUMEL,), 3.0)
+        for conn in (first_conn, second_conn):
+            conn.send_bytes(shmreduce.dumps(t))
+            assert conn.poll(30) and conn.recv() == 3.0 * NUMEL
+        seg = _segment_of(t)
+        assert _holders(seg) == 2
+        first_conn.send("go")
+        assert first_conn.poll(30) and first_conn.recv() == "let go"
+        client = _client()
+        assert wait_for(lambda: client.ping()["clients"] == 2, TIMEOUT)  # this process and the second receiver
+        del t
+        gc.collect()
+        transfer.collect()  # the owner's storage dead: the segment is free only if nobody holds it
+        other = torch.full((NUMEL,), 5.0)
+        transfer.share_in_place(other.untyped_storage())
+        second_conn.send("sum")
+        assert second_conn.poll(30) and second_conn.recv() == 3.0 * NUMEL, "the owner overwrote a segment a receiver holds"
+        assert _segment_of(other) is not seg
+        assert _holders(seg) == 1, _native.hdr_read(seg.addr)
+    finally:
+        for conn, proc in ((first_conn, first), (second_conn, second)):
+            conn.send(None)
+            proc.join(TIMEOUT)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(TIMEOUT)
+            conn.close()
+        first_theirs.close()
+        second_theirs.close()
+    assert first.exitcode == 0 and second.exitcode == 0
+
+
+def test_a_release_posted_before_a_close_counts(broker_log):
+    # A receiver lets go of a generation (U, then counted out of the header by itself)
+    # and closes, the broker stopped meanwhile: it reads the U before the close and
+    # does not count the receiver out a second time, which would take the other
+    # receiver's count.
     prog = program.current()
     sender = broker_client.BrokerClient(prog.directory, prog.root_pid)
     sender.connect()
-    return [sender] + [broker_client.BrokerClient(prog.directory, None) for _ in range(count - 1)]
-
-
-def _gen() -> str:
-    return P.gen_name(int.from_bytes(os.urandom(12), "little"))
-
-
-def test_records_posted_before_a_close_count_though_notices_were_left_unread(broker_log):
-    # A receiver that owns a segment (a process that also sends) closes with a free
-    # notice unread. Linux then reports ECONNRESET on the broker's end once, before the
-    # records the receiver posted and that are still queued: its claim among them.
-    sender, receiver = _clients(2)
-    key = os.urandom(P.KEY_LEN)
+    seg = _Memfd(int.from_bytes(os.urandom(8), "little") | 1)
+    first, second = _receivers(2)
     try:
-        sender.deposit(key, [], [], [_gen()])  # a message that holds a name
-        assert sender.ping()["messages"] == 1
-        mine = _gen()
-        receiver.hold([mine])  # its first holder owns it...
-        receiver.release([mine])  # ...and is told when nobody holds it any more
-        receiver.ping()  # barrier: that notice waits, unread, in the receiver's post socket
-        os.kill(sender.broker_pid, signal.SIGSTOP)  # so that the claim is still queued at the close
+        sender.segment(seg.fd, header=True)
+        for receiver in (first, second):
+            assert _native.hdr_hold(seg.addr, seg.gen)
+            receiver.hold_gens([(seg.ino, seg.gen)])
+        counters = sender.ping()
+        assert (counters["segments"], counters["generations_held"]) == (1, 2), counters
+        pid = sender.broker_pid
+        os.kill(pid, signal.SIGSTOP)
         try:
-            receiver.claim(key, done=True)
-            receiver.close()
+            first.hold_gens([(seg.ino, seg.gen)], hold=False)
+            assert _native.hdr_unhold(seg.addr, seg.gen)
+            first.close()
         finally:
-            os.kill(sender.broker_pid, signal.SIGCONT)
-        counters = sender.ping()  # a barrier: the broker has read (and dropped) the receiver
-        assert counters["clients"] == 1
-        assert (counters["messages"], counters["kept_messages"], counters["generations"]) == (0, 0, 0), counters
+            os.kill(pid, signal.SIGCONT)
+        assert wait_for(lambda: sender.ping()["clients"] == 2, TIMEOUT)  # the first receiver is gone
+        assert seg.header()[3] == 1, seg.header()
+        assert sender.ping()["generations_held"] == 1
+        second.close()  # closes holding: the broker counts it out
+        assert wait_for(lambda: seg.header()[3] == 0, TIMEOUT), seg.header()
+        assert sender.ping()["generations_held"] == 0
     finally:
+        for c in (first, second, sender):
+            c.close()
+        seg.close()
+    assert "no client left, staying" not in _log_text(broker_log)
+
+
+def test_a_receiver_killed_before_its_owners_hold_is_read_is_still_counted_out(broker_log):
+    # file_system: a receiver maps a file by name, with no request to the broker; the
+    # owner's H record for it (posted before the file was made, so before any ref to
+    # it was sent) may still be queued on the owner's post connection when the
+    # receiver's connections close. The broker must still count the receiver out of
+    # the file's header.
+    prog = program.current()
+    sender = broker_client.BrokerClient(prog.directory, prog.root_pid)
+    sender.connect()
+    (receiver,) = _receivers(1)
+    name = "seg-" + os.urandom(12).hex()
+    gen = int.from_bytes(os.urandom(8), "little") | 1
+    path = os.path.join(prog.directory, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    m = None
+    try:
+        os.ftruncate(fd, mmap.PAGESIZE)
+        os.pwrite(fd, gen.to_bytes(8, "little"), 0)
+        m = mmap.mmap(fd, mmap.PAGESIZE)
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        pid = sender.broker_pid
+        # The owner posts without pause, then its H: its post connection stays
+        # "cooling" (read at the end of each post window, not armed), so the broker
+        # reads it only after the connections that wake it (the receiver's).
+        for _ in range(30):
+            sender.release(["seg-" + "0" * 24])  # a name it does not hold: changes nothing
+            time.sleep(0.001)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            sender.hold([name])
+            assert _native.hdr_hold(addr, gen)
+            receiver.hold_gens([(name, gen)])
+            receiver.close()  # its process is gone
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert wait_for(lambda: sender.ping()["clients"] == 1, TIMEOUT)
+        assert wait_for(lambda: _native.hdr_read(addr)[3] == 0, TIMEOUT), _native.hdr_read(addr)
+    finally:
+        if m is not None:
+            m.close()
+        os.close(fd)
         receiver.close()
-        sender.close()
-    assert "no client left" not in _log_text(broker_log)
+        sender.close()  # the file's holder goes: the broker unlinks it
+    assert wait_for(lambda: not os.path.exists(path), TIMEOUT)
 
 
-def test_a_broker_left_with_a_message_logs_what_it_holds_and_goes_once_it_is_claimed(broker_log):
-    sender, receiver = _clients(2)
-    key, name = os.urandom(P.KEY_LEN), _gen()
-    sender.deposit(key, [], [], [name])
-    sender.ping()
-    pid = sender.broker_pid
-    sender.close()  # the program's root (this process) lives: the message keeps the broker
+# -- what keeps a broker after its last client ----------------------------------------------
+
+
+def test_a_broker_left_with_refs_in_flight_logs_them_and_goes_once_they_are_loaded(registered_fd, broker_log):
+    t = torch.arange(6.0)
+    data = shmreduce.dumps(t)  # counted sent, not loaded
+    seg = _segment_of(t)
+    gen = _native.hdr_read(seg.addr)[0]
+    pid = _client().broker_pid
+    broker_client.close_all()  # the program's root (this process) lives: the segment keeps the broker
     assert wait_for(lambda: "no client left" in _log_text(broker_log), TIMEOUT)
     line = next(line for line in _log_text(broker_log).splitlines() if "no client left" in line)
-    assert f"message {key.hex()} of pid {os.getpid()}, undelivered, names [{name}]" in line, line
-    assert f"{name} x1 held by message {key.hex()}" in line, line
-    assert broker_pids()
-    receiver.claim(key, done=True)  # its receiver comes after all
-    assert receiver.ping()["messages"] == 0 and receiver.broker_pid == pid
-    receiver.close()  # the broker_log fixture: the broker goes
+    assert f"segment {seg.key} (header ({gen}, 1, 0, 0)" in line, line
+    assert pid in broker_pids()
+    assert shmreduce.loads(data).tolist() == t.tolist()  # counted loaded (mapped here: no connection)
+    assert wait_for(lambda: pid not in broker_pids(), TIMEOUT), _log_text(broker_log)
 
 
-def test_early_claims_of_one_receiver_add_up(broker_log):
-    # Claims read before their deposit (the receiver's post connection was read first)
-    # are remembered; several claims of one message by one receiver (one per storage
-    # when loaded outside a receiving() scope) keep every name each of them named.
-    sender, receiver = _clients(2)
-    key, first, second = os.urandom(P.KEY_LEN), _gen(), _gen()
-    try:
-        receiver.claim(key, done=False, keep=[first])
-        receiver.claim(key, done=False, keep=[second])
-        receiver.ping()  # barrier: both are early claims now
-        sender.deposit(key, [], [], [first, second])
-        counters = sender.ping()
-        assert (counters["messages"], counters["kept_messages"], counters["generations"]) == (0, 1, 2), counters
-        receiver.claim(key, done=True)
-        assert receiver.ping()["generations"] == 2  # kept until let go of
-        receiver.release([first, second], key)
-        counters = receiver.ping()
-        assert (counters["kept_messages"], counters["generations"]) == (0, 0), counters
-    finally:
-        receiver.close()
-        sender.close()
-
-
-def test_a_release_before_the_last_deposit_record_undoes_the_early_claim(broker_log):
-    sender, receiver = _clients(2)
-    key, first, second = os.urandom(P.KEY_LEN), _gen(), _gen()
-    try:
-        post = sender._post_socket(start=True)
-        P.send_record(post, P.DEPOSIT, key, P.encode_deposit([], [first], 0, False))
-        sender.ping()  # barrier: the message is in, incomplete
-        receiver.claim(key, done=True, keep=[first, second])
-        receiver.release([first], key)  # its storages of *first* died meanwhile
-        receiver.ping()
-        P.send_record(post, P.DEPOSIT, key, P.encode_deposit([], [second], 0, True))
-        counters = sender.ping()
-        assert (counters["messages"], counters["kept_messages"], counters["generations"]) == (0, 1, 1), counters
-    finally:
-        receiver.close()
-        sender.close()
-
-
-def test_a_client_dropped_by_close_all_never_connects_again(broker_log, monkeypatch):
-    # A message loaded outside a receiving() scope (a plain pickle.loads, or a ref
-    # rebuilt directly, as test_bad_input does) leaves its entry, and with it this
-    # process's client of that time, in transfer's pending table until MAX_PENDING
-    # later loads evict it; the eviction claims through that client. After
-    # close_all() (unregister) the client is no longer this process's: reconnected,
-    # it held a connection nothing closed, and the broker never exited (the symptom
-    # of issue 19, item 2; the suite has 10 such entries from test_bad_input.py on).
-    from collections import OrderedDict
-
-    import torch
-
-    import shmreduce
-    from shmreduce import reductions, transfer
-
-    monkeypatch.setattr(transfer, "_pending", OrderedDict())  # without the entries earlier tests left
-    monkeypatch.setattr(transfer, "MAX_PENDING", 2)
-    meta = (torch.float32, (4,), (1,), 0, None)
-    keys = []
-    with shmreduce.registered(strategy="file_descriptor"):
-        try:
-            refs = []
-            for i in range(3):
-                with transfer.sending():
-                    refs.append(transfer.share(torch.full((4,), float(i)).untyped_storage()))
-            stale = broker_client.client_for(program.current().directory)
-            for ref in refs[:2]:
-                reductions.rebuild_tensor(ref, meta)  # unscoped: its entry stays pending, with *stale*
-            keys = [ref[2] for ref in refs]
-            broker_client.close_all()  # as unregister() does; refs[2] keeps the broker
-            assert not stale.connected()
-            reductions.rebuild_tensor(refs[2], meta)  # a new client; evicts refs[0]'s entry
-            assert (refs[0][1], keys[0]) not in transfer._pending
-            assert not stale.connected(), "a client close_all() dropped connected again"
-            with pytest.raises(shmreduce.SharingError):
-                stale.ping()
-        finally:
-            for key in keys:
-                transfer._forget((program.current().directory, key))
+def test_a_client_retired_by_close_all_never_connects_again(registered_fd, broker_log):
+    # A thread may hold this process's client of a directory across close_all() (as
+    # unregister() calls it): a load telling the broker the generations it holds, a
+    # release. Reconnected, that client held a connection nothing closed, and the
+    # broker never exited (the symptom of issue 19, item 2).
+    t = torch.full((4,), 2.0)
+    data = shmreduce.dumps(t)
+    seg = _segment_of(t)
+    gen = _native.hdr_read(seg.addr)[0]
+    stale = broker_client.client_for(program.current().directory)
+    assert stale.connected()
+    broker_client.close_all()
+    assert not stale.connected()
+    for call in (
+        lambda: stale.hold_gens([(seg.key, gen)]),
+        lambda: stale.hold_gens([(seg.key, gen)], hold=False),
+        lambda: stale.release(["seg-" + "0" * 24]),
+        lambda: stale.fetch(seg.key),
+        stale.ping,
+    ):
+        with pytest.raises(shmreduce.SharingError):
+            call()
+        assert not stale.connected(), "a client close_all() dropped connected again"
+    assert broker_client.client_for(program.current().directory) is not stale
+    assert shmreduce.loads(data).tolist() == [2.0] * 4  # its ref loaded: nothing in flight
     # broker_log: every connection closed, the broker goes

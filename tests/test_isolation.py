@@ -92,6 +92,9 @@ def test_other_user_cannot_connect_or_open(strategy):
     authkey = bytes(mp.current_process().authkey)
 
     def as_nobody():
+        # A stranger to the segments: a fork child inherits its parent's mappings,
+        # memory it already has (as with torch), which no check can take back.
+        forget_mappings()
         os.setgroups([])
         os.setgid(65534)
         os.setuid(65534)

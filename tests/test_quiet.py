@@ -18,8 +18,9 @@ import threading
 import torch
 import torch.multiprocessing as tmp
 
-from shmreduce import program
+from shmreduce import _native, program
 from shmreduce.broker import client as broker_client
+from shmreduce.cache import cache
 
 from helpers import broker_pids, wait_for
 
@@ -178,11 +179,12 @@ def _put_many(q, n):
         q.put(torch.full((1000,), float(i)))
 
 
-def test_what_a_receiver_keeps_is_delivered_in_the_brokers_books(strategy, tmp_path, monkeypatch):
+def test_what_a_receiver_keeps_is_loaded_in_the_segments_books(strategy, tmp_path, monkeypatch):
     """README's quickstart shape, this process the receiver and the program's root
-    (which lives on, so an undelivered message would keep the broker for
-    SHMREDUCE_ORPHAN_TTL): once it has received all 10, the broker holds no
-    undelivered message, and it goes once this process lets go of them."""
+    (which lives on, so refs in flight would keep the broker for
+    SHMREDUCE_ORPHAN_TTL): once it has received all 10, every ref the sender counted
+    sent is counted loaded, the broker keeps nothing in flight and holds this
+    process's generations, and it goes once this process lets go of them."""
     broker_client.close_all()
     assert wait_for(lambda: not broker_pids(), 10)
     log = tmp_path / "broker.log"
@@ -196,10 +198,15 @@ def test_what_a_receiver_keeps_is_delivered_in_the_brokers_books(strategy, tmp_p
     p.join(60)
     assert p.exitcode == 0
     assert [t[0].item() for t in got] == [float(i) for i in range(10)]
+    for t in got:
+        place = cache.place_of(t.untyped_storage())
+        assert place is not None
+        _gen, sent, loaded, holders = _native.hdr_read(place.segment.addr)
+        assert sent == loaded and holders >= 1, (sent, loaded, holders)
     client = broker_client.client_for(program.current().directory)
-    counters = client.ping()  # a barrier: the broker has read our claims
-    assert counters["messages"] == 0, (counters, log.read_text())
-    assert counters["clients"] == 1 and counters["kept_messages"] >= 1, counters
+    counters = client.ping()  # a barrier: the broker has read our records
+    assert counters["draining"] == 0, (counters, log.read_text())
+    assert counters["clients"] == 1 and counters["generations_held"] >= 1, counters
     del got
     broker_client.close_all()
     # Nothing undelivered: the broker goes after SHMREDUCE_BROKER_GRACE, though the

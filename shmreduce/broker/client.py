@@ -52,8 +52,8 @@ def _timeval(seconds: float) -> bytes:
 def _kernel_timeouts(sock: socket.socket) -> None:
     # Blocking socket with SO_RCVTIMEO/SO_SNDTIMEO, set once: the kernel bounds every
     # call (it fails with EAGAIN), and CPython skips the poll() it runs before each
-    # call on a socket with a Python-level timeout (~40 us per deposit, measured by
-    # make bench). A reply may wait up to FETCH_WAIT for its deposit at the broker.
+    # call on a socket with a Python-level timeout (~40 us per record, measured by
+    # make bench).
     sock.settimeout(None)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(IO_TIMEOUT))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(IO_TIMEOUT))
@@ -183,15 +183,14 @@ class BrokerClient:
     """This process's connections to one broker; reconnects (and restarts it) on demand.
 
     Two connections, one identity: *post* carries the fire-and-forget records
-    (deposit, claim, hold, release), which the broker reads in batches without being
-    woken for each; *request* carries fetch and ping, which it answers at once. A wake
-    costs the waker ~20 us of CPU on these machines, about what a small storage
-    costs to share, so a message should cost at most the one wake of its fetch.
+    (segment, drop, hold, release, generations held and let go of), a few per
+    segment or generation, never one per message; *request* carries fetch and ping,
+    which the broker answers at once.
 
     *root_pid* is the root of the program that owns the directory, known only to the
     processes of that program (see ``client_for``): only then may a sending
     operation start the broker, which records it. Receiving operations (fetch,
-    claim, take, release) only connect: no broker there is a SharingError.
+    generations held, releases) only connect: no broker there is a SharingError.
     """
 
     def __init__(self, directory: str, root_pid: int | None) -> None:
@@ -283,10 +282,9 @@ class BrokerClient:
         threads making their first share at once connect once, never closing each
         other's fresh connection (issue 11, item 13).
 
-        The poll asks for the hang-up itself, not for something to read: free notices
-        the broker posted before it died stay readable after its death, and a peek
-        that took one for a sign of life let a sender pack the next message into files
-        the dead broker's janitor was removing (issue 19, item 4)."""
+        The poll asks for the hang-up itself, not for something to read: a peek that
+        took buffered data for a sign of life let a sender pack the next message into
+        files the dead broker's janitor was removing (issue 19, item 4)."""
         with self.lock:
             post = self.post
             if post is not None:
@@ -308,14 +306,12 @@ class BrokerClient:
     def retire(self) -> None:
         """Close for good: this client is no longer this process's client of its
         directory (``close_all``), so it never connects again; a send through it is a
-        SharingError (which a claim or a release lets pass).
+        SharingError (which a release lets pass).
 
-        A client outlives its place in ``_clients`` wherever it was kept: the entry of
-        a message loaded outside a ``receiving()`` scope keeps its client until
-        MAX_PENDING later loads evict it (``transfer._incoming``), and the eviction
-        claims through it; a thread may have taken it just before ``close_all``.
-        Reconnected, such a client held a connection nothing would close: the broker
-        saw a live client and never exited (the symptom of issue 19, item 2)."""
+        A client outlives its place in ``_clients`` wherever it was kept (a thread may
+        have taken it just before ``close_all``). Reconnected, such a client held a
+        connection nothing would close: the broker saw a live client and never
+        exited (the symptom of issue 19, item 2)."""
         with self.lock:
             self.retired = True
             self.close()

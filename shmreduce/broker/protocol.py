@@ -13,38 +13,35 @@ Where
     program) and the ``file_system`` strategy's segment files ``seg-<24 hex>`` (mode
     0600).
 
-Pools (``shmreduce/pool.py``)
+Segments and generations (``shmreduce/pool.py``, ``shmreduce/transfer.py``)
     A sender keeps its segments (memfds, or files here) and fills them anew, in
-    *generations*: a generation is a number unique in the program, its name here
-    ``gen-<24 hex>`` (``gen_name``). The broker counts holds on generation names as
-    on file names: its owner holds one from the first deposit that carries it (the
-    deposit's *holds*) until its own last storage of it dies; every undelivered
-    message holds the names of its storages; a receiver keeps, through the message
-    that brought it, each generation (and file) whose storages it made anew, until
-    its last storage of it dies (a release under that message's key; a receiver
-    keeps its token of a generation that came in more than one message alive 0.25
-    to 0.75 s after the last message in it, so that the next message finds it: see
-    ``pool.LINGER``). When a generation's count reaches zero the broker posts a
-    NOTICE to its owner (the first client that held the name), which reads it
-    without waiting when it next needs a segment and reuses the segment. A file's
-    count reaching zero unlinks it.
+    *generations* (a number unique in the program). A pooled segment's first
+    HEADER_BYTES are shared by every process that maps it: the generation, refs
+    *sent* in it, refs *loaded* from it, and its *holders* (u64 each, updated with
+    atomic operations by ``shmreduce._native``). A sender counts every ref it pickles
+    sent; a receiver counts every ref it loads loaded, and holds the generation once
+    (holders + 1, *then* it checks the generation: its owner never frees one under a
+    load) until its last storage of it dies. The owner reuses a segment once its own
+    storages of the generation died, nobody holds it and every ref sent was loaded:
+    it reads the header itself, nobody tells it. So in a steady stream, where every
+    segment a message uses is known to the broker and mapped by its receiver, a
+    message costs no record to the broker from either side.
+
+    The broker is there for what a header cannot do: pass a memfd's descriptor (it
+    keeps one per segment, deposited by the first ref a process sends to it, and a
+    receiver fetches it once per segment it maps), name and unlink files, and clean
+    up after a process that dies (holders it counted, segments it used).
 
 Transport
     AF_UNIX, SOCK_SEQPACKET: every ``sendmsg`` is one record, delivered whole and in
     order, with its descriptors (SCM_RIGHTS) attached to it. Each client process has
-    two connections, one identity (a random token sent in the handshake):
-    *post* (role ``o``) for the fire-and-forget records D, C, H, R, and *request*
-    (role ``q``) for F and P, which get replies. The broker answers requests at once
-    but reads post connections in batches: a post connection is armed one-shot, and
-    after it fires the broker reads it every POST_WINDOW, arming it again only after
-    POST_QUIET without records. Waking a process costs the waker ~20 us of CPU here,
-    as much as sharing a small storage, so a deposit or claim must not cost one; and
-    a wake from a sender that computes next would queue the broker behind it on the
-    sender's CPU. A fetch or ping first reads every post connection if it needs to
-    (a barrier: what any client posted before is seen). Every record posted before a
-    close counts: a client that closes with records unread (free notices) makes Linux
-    report ECONNRESET to the broker ahead of the records still queued, which the
-    broker reads on. A forked child opens its own connections.
+    two connections, one identity (a random token sent in the handshake): *post*
+    (role ``o``) for the fire-and-forget records S, X, H, R, G, U, and *request*
+    (role ``q``) for F and P, which get replies. A fetch or ping first reads every
+    post connection if it needs to (a barrier: what any client posted before is
+    seen). Every record posted before a close counts: Linux may report ECONNRESET
+    to the broker ahead of records still queued, which the broker reads on. A forked
+    child opens its own connections.
 
 Handshake (once per connection; the broker also checks SO_PEERCRED uid == its own)
     The broker runs it inside its event loop, a step per record, never blocking: a
@@ -56,71 +53,41 @@ Handshake (once per connection; the broker also checks SO_PEERCRED uid == its ow
     The authkey is the program's ``multiprocessing`` authkey; either side closes the
     connection on a wrong digest.
 
-Records after the handshake: ``op (1 byte) + key (16 bytes) + body``, at most
-MAX_RECORD bytes
-    D  deposit   key = message key. body = holds "|" inflight "|" nbytes "|" last:
-                 two "\\n"-joined lists of names (files, generations), the bytes of the
-                 descriptors attached (ASCII decimal, at most 20 digits) and "1" on
-                 the deposit's last record, else "0". A deposit is as many records
-                 as it takes for each to carry at most MAX_FDS descriptors and
-                 NAMES_PER_RECORD names of each list, all with the same key; the
-                 broker delivers the message (fetch, claim) only once its last
-                 record is in, and drops it if its sender's connections close
-                 before. Descriptors attached are the message's, by slot: one per
-                 file_descriptor segment its storages lie in. The broker
-                 holds one descriptor per file (memfd) however many undelivered
-                 messages name it, counted by those messages: a sender far ahead
-                 of its receivers, its messages in a few slabs, costs the broker a
-                 few descriptors, not one per message. Names in
-                 *inflight* get one reference owned by the message; names in
-                 *holds* get one reference owned by this client. No reply. A record
-                 whose descriptors the kernel dropped (the broker at its descriptor
-                 limit) makes the message *lost*: a fetch of it gets status 2.
-    C  claim     key = message key. The message reached this client, which keeps
-                 the names listed. body = flag + names: flag "d" (done): its
-                 descriptors are closed (fetched, or not needed: the receiver maps
-                 every segment already) and the names not kept go; flag "p": it may
-                 still fetch them and claim more (a load with no end in sight, e.g.
-                 spawn's process object). Kept names stay with the message, bound to
-                 this client, until released under its key or until the client's
-                 connections all close. A claim from another client than the first
-                 receiver (bytes loaded twice) changes nothing. A claim read before
-                 its deposit is complete is remembered for EARLY_CLAIM_TTL; one
-                 client's claims read before then add up, and its releases under
-                 the key undo them, as if read after. No reply.
-    F  fetch     key = message key. The broker removes the message and replies with
-                 one or more ``f`` records: body = status (u8) + total fds (u32);
-                 the descriptors ride on them, at most MAX_FDS a record. The message
-                 is delivered to the fetching client; its names wait for its claim.
-                 status 0 = ok, 1 = unknown key, 2 = lost (the broker could not take
-                 its descriptors). A fetch first reads every queued post record;
-                 one for a key not yet (wholly) deposited waits up to FETCH_WAIT
-                 seconds. A receiver fetches only for a segment it does not map yet:
-                 a sender fills and reuses its segments, so a steady receiver fetches
-                 once per segment, not once per message.
-    H  hold      key = NO_KEY, body = names; this client holds each name once. The
-                 first holder of a generation name is its owner. No reply.
-    R  release   body = names. key = NO_KEY: this client no longer holds them;
-                 key = a message key: it lets go of names it kept through that
-                 message (a message no name is left in is forgotten). No reply.
-    P  ping      reply ``p`` with body = JSON of the broker's counters (notices
-                 due are posted first: a barrier for them too).
-    N  notice    broker -> owner, on its post connection: body = generation names
-                 nobody holds any more. The owner reads them without waiting.
+Records after the handshake: ``op (1 byte) + key (16 bytes, unused: zeros) + body``,
+at most MAX_RECORD bytes. None has a reply but F and P.
+    S  segment   one memfd descriptor attached; body ``h`` (a pooled segment: it has
+                 a header) or ``-`` (a storage torch shared itself). This client sends
+                 refs to it: the broker keeps one descriptor per memfd (by inode),
+                 used by every client that deposited it. A record whose descriptor
+                 the kernel dropped (the broker at its descriptor limit) is lost: a
+                 receiver's fetch of that memfd is refused, a stale-message error.
+    X  drop      body = inodes (ASCII decimal, "\n"-joined): this client no longer
+                 uses these memfds (out of its pool).
+    F  fetch     body = one inode. Reply ``f``: body = status (u8) + descriptors
+                 attached (u32); status 0 = ok, the memfd's descriptor attached; 1 =
+                 no such memfd here (never deposited, or let go of: stale).
+    H  hold      body = segment file names: this client made them and holds them.
+    R  release   body = file names it no longer holds.
+    G  gens      body = "<inode or file name> <generation, hex>" lines: this client
+                 holds these generations as a receiver (counted in their headers).
+    U  ungens    the same body: it let go of them (it counts itself out after this
+                 record: dying in between leaves a count too many, never too few).
+    P  ping      reply ``p`` with body = JSON of the broker's counters, ``records``
+                 among them (how many of each op it has read).
 
 Lifetimes
-    A segment file is unlinked, and a generation's owner notified, when no client
-    holds it and no message holds it. A client whose connections have all closed
-    (its process exited or was killed) drops its holds and what it kept through
-    messages; its undelivered messages stay for
-    ``$SHMREDUCE_ORPHAN_TTL`` seconds (default 60), so a receiver can read what an
-    exited sender put, and are then dropped (with a DEBUG line): a program whose
-    workers come and go does not keep their unread messages for its whole life. The
-    broker exits once it has had no client for GRACE seconds and either holds no
-    undelivered message or the program's root process is gone; on exit it closes
-    every descriptor and removes the program directory. One that stays when its
-    last client leaves logs (DEBUG) what it still holds: each message (key, sender, state,
-    names) and each name with its holders.
+    A client whose connections have all closed (its process exited or was killed)
+    is counted out of the holders of every generation it held (G without U), and
+    lets go of its memfds and files. A memfd or file nobody uses any more is closed
+    or unlinked at once if every ref sent in its current generation was loaded, else
+    kept ("draining") until they are, or for ``$SHMREDUCE_ORPHAN_TTL`` seconds
+    (default 60): a receiver can read what an exited sender put, and a program whose
+    workers come and go does not keep their unread messages for its whole life. A
+    memfd without a header whose depositor died is kept ORPHAN_TTL. The broker exits
+    once it has had no client for GRACE seconds and either keeps nothing draining or
+    the program's root process is gone; on exit it closes every descriptor and
+    removes the program directory. One that stays when its last client leaves logs
+    (DEBUG) the segments it stays for, with their headers.
 
 Failures
     Any bad record, failed handshake or I/O error costs only the connection it came
@@ -169,8 +136,6 @@ HANDSHAKE_TIMEOUT = 5.0
 TOKEN_LEN = 16
 ROLE_REQUEST = b"q"
 ROLE_POST = b"o"
-POST_WINDOW = 0.002  # seconds the broker lets post records queue up before reading them
-POST_QUIET = 0.05  # seconds a post connection must stay quiet before a record wakes the broker again
 
 SEGMENT = b"S"
 DROP = b"X"

@@ -113,9 +113,6 @@ class _Segment:
         self.addr = 0
 
 
-_POST_EVENTS = select.EPOLLIN | select.EPOLLONESHOT
-
-
 class Broker:
     def __init__(self, directory: str, listener: socket.socket, authkey: bytes, root_pid: int) -> None:
         self.dir = directory
@@ -128,14 +125,7 @@ class Broker:
         self.memfds: dict[int, _Segment] = {}  # inode -> deposited memfd
         self.files: dict[str, _Segment] = {}  # name -> held file
         self.draining: set[_Segment] = set()  # no user left, refs still in flight
-        # Post connections are armed one-shot: the first record after a quiet spell
-        # wakes the broker; then the connection "cools": it is read in one batch at
-        # the end of every POST_WINDOW, and armed again only once it has stayed
-        # quiet for POST_QUIET. A busy sender's records then never wake the broker,
-        # which matters because such a wake puts the broker on the sender's CPU
-        # (a sync wakeup).
-        self.cooling: set[int] = set()
-        self.cool_until: float | None = None
+        self.records: dict[str, int] = {}  # records read, by op: how often clients need the broker
         self.reading = False
         self.poller = select.epoll()
         listener.setblocking(False)
@@ -284,6 +274,7 @@ class Broker:
             "generations_held": sum(len(c.gens) for c in self.clients.values()),
             "handshakes": len(self.handshakes),
             "root_alive": self.root_alive,
+            "records": dict(self.records),
         }
 
     # -- connections -----------------------------------------------------------
@@ -344,7 +335,6 @@ class Broker:
         client.conns += 1
         conn = _Conn(shake.sock, client, role == P.ROLE_POST, shake.pid)
         self.conns[fd] = conn
-        self.poller.modify(fd, _POST_EVENTS if conn.post else select.EPOLLIN)
         self.idle_since = None
 
     def _drop(self, conn: _Conn, reason: str = "", level: int = logging.WARNING) -> None:
@@ -357,7 +347,6 @@ class Broker:
         if reason:
             log.log(level, "dropped the connection of pid %d: %s", conn.pid, reason)
         self.poller.unregister(conn.fd)
-        self.cooling.discard(conn.fd)
         conn.sock.close()
         client = conn.client
         client.conns -= 1
@@ -426,42 +415,17 @@ class Broker:
         return count
 
     def _read_posts(self) -> None:
-        """Read every post connection now: a barrier for what clients sent before."""
+        """Read every post connection now: a barrier for what clients sent before (a
+        fetch may come on a request connection before the deposit it needs, posted
+        earlier by another process, is read)."""
         if self.reading:
             return
         self.reading = True
         try:
-            now = time.monotonic()
             for conn in [c for c in self.conns.values() if c.post]:
-                if self._serve(conn) > 0:
-                    if conn.fd not in self.cooling:
-                        self.poller.modify(conn.fd, 0)
-                    self._cool(conn, now)
+                self._serve(conn)
         finally:
             self.reading = False
-
-    def _cool(self, conn: _Conn, now: float) -> None:
-        conn.last_post = now
-        self.cooling.add(conn.fd)
-        if self.cool_until is None:
-            self.cool_until = now + P.POST_WINDOW
-
-    def _end_window(self, now: float) -> None:
-        """Read the cooling connections; re-arm those quiet for POST_QUIET."""
-        self.cool_until = None
-        for fd in list(self.cooling):
-            conn = self.conns.get(fd)
-            if conn is None:
-                self.cooling.discard(fd)
-                continue
-            got = self._serve(conn)
-            if got > 0:
-                conn.last_post = now
-            elif got == 0 and now - conn.last_post >= P.POST_QUIET:
-                self.cooling.discard(fd)
-                self.poller.modify(fd, _POST_EVENTS)
-        if self.cooling:
-            self.cool_until = now + P.POST_WINDOW
 
     def _handle(self, conn: _Conn, op: bytes, key: bytes, body: bytes, fds: list[int], lost: bool = False) -> bool:
         """One record; False if the connection was dropped.
@@ -471,6 +435,8 @@ class Broker:
         not leave here are closed.
         """
         client = conn.client
+        name = op.decode("ascii", "replace")
+        self.records[name] = self.records.get(name, 0) + 1
         try:
             if op == P.SEGMENT:
                 if lost:
@@ -544,13 +510,10 @@ class Broker:
             timeout = 0.25
             if self.handshakes:
                 timeout = min(timeout, max(0.0, min(h.deadline for h in self.handshakes.values()) - now))
-            if self.cool_until is not None:
-                timeout = min(timeout, max(0.0, self.cool_until - now))
             for fd, _events in self.poller.poll(timeout):
                 conn = conns.get(fd)
                 if conn is not None:
-                    if self._serve(conn) >= 0 and conn.post:
-                        self._cool(conn, now)
+                    self._serve(conn)
                 elif fd in self.handshakes:
                     self._answer(self.handshakes[fd])
                 elif fd == listener:
@@ -563,8 +526,6 @@ class Broker:
                     if not conns:
                         self.idle_since = time.monotonic()
             now = time.monotonic()
-            if self.cool_until is not None and now >= self.cool_until:
-                self._end_window(now)
             if self.handshakes or self.draining:
                 self._expire(now)
 
