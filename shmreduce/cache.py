@@ -1,27 +1,33 @@
-"""Weak-reference storage cache: ``storage -> Place`` (where it lies in a shared
-segment) and ``Place -> storage`` (so a storage received twice is one storage).
+"""Where a storage lies, and which storage lies at a place.
 
-Owns the only record of which shared segment backs which live storage in this
-process. Entries hold torch weak pointers to the StorageImpl (``_torch.WeakStorage``),
-never the storage itself, so caching never keeps memory alive (the ``Segment`` a
-place names stays mapped until its entry is purged: dead entries go in batches, at
-the latest every ``transfer.PURGE_EVERY``). It never talks to the broker: what a
-storage's death lets go of is the business of its segment generation (``pool``).
-Fork-safe: the lock is replaced in the child.
+``place_of(storage)``: a storage's ``Place`` (its segment, generation, offset, size)
+is where its memory is. A storage whose data lies inside a segment this process maps
+is in that segment's live generation, at its address minus the mapping's: found by
+address (``pool.segment_at``), with no record kept per storage. So a storage sent
+twice is moved once, and a received storage (or a slice of one) sent on goes out
+from where it is. The one exception, a storage torch shared by descriptor itself
+(a segment shmreduce maps elsewhere, generation 0), is remembered by its
+StorageImpl (``remember_adopted``) with a torch weak pointer.
+
+``storage_at(token, offset)``: the identity map of loads, so that views of one
+storage sent in one message or in several arrive over one storage (and a process
+loading its own ref gets its own storage back). Each token (a
+generation in this process) keeps its own, offset -> a torch weak pointer to the
+StorageImpl (``_torch.WeakStorage``), never the storage: it goes with the token
+when the generation's last storage here dies, so nothing is ever swept entry by
+entry. Fork-safe: the lock is replaced in the child.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
+from shmreduce import pool
 from shmreduce._torch import WeakStorage, storage_key
-
-PURGE_MIN_ENTRIES = 128  # a purge walks every entry: at most once per this many new ones (see _purge_locked)
 
 
 class Place(NamedTuple):
@@ -34,17 +40,10 @@ class Place(NamedTuple):
     offset: int
     nbytes: int
 
-    @property
-    def key(self) -> tuple:
-        """The place's identity in every process that maps it."""
-        return (self.segment.kind, self.segment.key, self.gen, self.offset)
-
 
 class StorageCache:
     def __init__(self) -> None:
-        self._by_storage: dict[int, tuple[WeakStorage, Place]] = {}
-        self._by_place: dict[tuple, WeakStorage] = {}
-        self._limit = PURGE_MIN_ENTRIES
+        self._adopted: dict[int, tuple[WeakStorage, Place]] = {}  # storage key -> place
         self._after_fork()
         os.register_at_fork(after_in_child=self._after_fork)
 
@@ -52,66 +51,41 @@ class StorageCache:
         self._lock = threading.Lock()
 
     def place_of(self, storage: torch.UntypedStorage, key: int | None = None) -> Place | None:
-        """*storage*'s place, if it has one (*key*: its ``storage_key``, if known)."""
-        entry = self._by_storage.get(storage_key(storage) if key is None else key)
-        if entry is None or entry[0].expired():
-            return None
-        return entry[1]
+        """*storage*'s place, if it lies in shared memory shmreduce knows (*key*: its
+        ``storage_key``, if known: only a storage torch shared needs it)."""
+        nbytes = storage.nbytes()
+        ptr = storage.data_ptr()
+        seg = pool.segment_at(ptr, nbytes)
+        if seg is not None:
+            return Place(seg, seg.gen, ptr - seg.addr, nbytes)
+        if self._adopted:
+            entry = self._adopted.get(storage_key(storage) if key is None else key)
+            if entry is not None and not entry[0].expired():
+                return entry[1]
+        return None
 
-    def storage_at(self, key: tuple) -> torch.UntypedStorage | None:
-        weak = self._by_place.get(key)
+    def remember_adopted(self, storage: torch.UntypedStorage, place: Place, key: int) -> None:
+        """A storage torch shared by descriptor lies in *place* (a segment mapped
+        elsewhere in this process)."""
+        with self._lock:
+            for dead in [k for k, (weak, _) in self._adopted.items() if weak.expired()]:
+                del self._adopted[dead]
+            self._adopted[key] = (WeakStorage(storage), place)
+
+    def storage_at(self, token: Any, offset: int) -> torch.UntypedStorage | None:
+        """The storage received at *offset* through *token* (a generation's
+        ``_native.Gen`` in this process), if it lives."""
+        weak = token.info[2].get(offset)
         return None if weak is None else weak.get()
 
-    def remember(self, storage: torch.UntypedStorage, place: Place, key: int | None = None) -> None:
-        """Record the pair (purging dead entries once they outnumber live ones)."""
-        weak = WeakStorage(storage)
-        if key is None:
-            key = storage_key(storage)
-        with self._lock:
-            self._by_storage[key] = (weak, place)
-            self._by_place[place.key] = weak
-            if len(self._by_storage) >= self._limit:
-                self._purge_locked()
-
-    def purge(self) -> None:
-        with self._lock:
-            self._purge_locked()
-
-    def _purge_locked(self) -> None:
-        for cdata, (weak, place) in list(self._by_storage.items()):
-            if weak.expired():
-                del self._by_storage[cdata]
-                key = place.key
-                if self._by_place.get(key) is weak:
-                    del self._by_place[key]
-        self._limit = max(PURGE_MIN_ENTRIES, 2 * len(self._by_storage))
-
-    def forget(self, gone: Callable[[Place], bool]) -> None:
-        """Drop the places *gone* says no longer exist (files that went with a broker
-        that died): their storages are shared anew if sent again."""
-        with self._lock:
-            for cdata, (weak, place) in list(self._by_storage.items()):
-                if gone(place):
-                    del self._by_storage[cdata]
-                    if self._by_place.get(place.key) is weak:
-                        del self._by_place[place.key]
-
-    def live_places(self) -> list[Place]:
-        with self._lock:
-            return [place for weak, place in self._by_storage.values() if not weak.expired()]
-
-    def live_count(self) -> int:
-        with self._lock:
-            return sum(1 for weak, _ in self._by_storage.values() if not weak.expired())
+    def remember(self, storage: torch.UntypedStorage, token: Any, offset: int) -> None:
+        """*storage* lies at *offset* of *token*'s generation here (made or received)."""
+        token.info[2][offset] = WeakStorage(storage)
 
     def clear(self) -> None:
         """Forget everything (a test acting as a process that never saw these storages)."""
         with self._lock:
-            self._by_storage.clear()
-            self._by_place.clear()
-
-    def __len__(self) -> int:
-        return len(self._by_storage)
+            self._adopted.clear()
 
 
 cache = StorageCache()

@@ -55,6 +55,7 @@ reused (the child may use their storages without its parent's pool knowing).
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import errno
 import mmap
@@ -108,6 +109,11 @@ def class_size(nbytes: int) -> int:
 # by its name. Weak: a segment is kept by its live tokens, its pool, the kept list.
 _mapped: weakref.WeakValueDictionary[tuple, Segment] = weakref.WeakValueDictionary()
 _kept: OrderedDict[tuple, Segment] = OrderedDict()
+# Every mapping by its address, for ``segment_at``: the dict is the truth, the sorted
+# index is rebuilt from it on the first lookup after a change (segments come and go
+# rarely; storages are looked up per send).
+_by_addr: dict[int, weakref.ref] = {}
+_index: tuple[list[int], list[weakref.ref]] | None = ([], [])
 
 
 class Segment:
@@ -162,6 +168,7 @@ class Segment:
         # which runs while _mapped can still hand the dying segment to another thread.
         weakref.finalize(self, _unmap_close, addr, size, fd).atexit = False  # at exit the OS does it, after any last use
         _mapped[(kind, key)] = self
+        _add_address(self)
 
     @property
     def name(self) -> str:
@@ -191,7 +198,7 @@ class Segment:
             self.rtokens = self.rtokens + 1 if self.rgen == gen else 1
             self.rgen = gen
         token = _Gen(self, self.addr, self.size, gen, HEADER if gen else 0)
-        token.info = (kept, os.getpid())
+        token.info = (kept, os.getpid(), {})  # the last: storages received through it (cache.storage_at)
         self.token, self.gen = weakref.ref(token), gen
         return token
 
@@ -241,10 +248,39 @@ class Segment:
         return _no_memory(exc, what, nbytes)
 
 
+def _add_address(seg: Segment) -> None:
+    global _index
+    _by_addr[seg.addr] = weakref.ref(seg)
+    _index = None
+
+
 def _unmap_close(addr: int, size: int, fd: int | None) -> None:
+    global _index
+    # Out of the index first: once unmapped, another thread may map the address anew.
+    _by_addr.pop(addr, None)
+    _index = None
     _munmap(addr, size)
     if fd is not None:
         os.close(fd)
+
+
+def segment_at(ptr: int, nbytes: int) -> Segment | None:
+    """The segment whose mapping holds the *nbytes* at address *ptr*, if any: a live
+    storage there is of the segment's live generation (``seg.gen``), unless the
+    segment is sealed (its file went with a broker that died: shared anew)."""
+    global _index
+    index = _index
+    if index is None:
+        items = sorted(_by_addr.items())
+        index = _index = ([a for a, _ in items], [r for _, r in items])
+    addrs, segs = index
+    i = bisect.bisect_right(addrs, ptr) - 1
+    if i < 0:
+        return None
+    seg = segs[i]()
+    if seg is None or ptr + nbytes > seg.addr + seg.size or seg.sealed:
+        return None
+    return seg
 
 
 def lookup(kind: str, key: int | str) -> Segment | None:
@@ -352,18 +388,18 @@ class Releases:
         self.gens: dict[str, list[tuple[Segment, int]]] = {}
 
 
-def settle(releases: Releases) -> None:
+def settle(releases: Releases, dead: list[Any] | None = None) -> None:
     """Account for every generation whose last storage died here since the last call.
 
     In its owner the generation is over here: its segment is free at once if nobody
     holds it elsewhere and every ref sent in it was loaded (``_native.hdr_free``),
     else it waits for that (``Pool.reap``). A receiver lets go of its hold. What a
     receiver held of a slab's generation is let go of once its parked token goes
-    (see "parked tokens" below)."""
+    (see "parked tokens" below). *dead*: tokens taken from ``_native.dead()`` already."""
     pid = os.getpid()
-    for token in _native.dead():
+    for token in _native.dead() if dead is None else dead:
         info: Any = token.info
-        kept, owner = info
+        kept, owner, _received = info
         if owner != pid:
             continue  # a forked child's copy of its parent's token: not ours to tell
         seg: Segment = token.owner  # type: ignore[assignment]
@@ -390,6 +426,10 @@ def _in_use() -> list[Segment]:
         if token is not None and token.live:
             in_use.append(seg)
     return in_use
+
+
+def live_segments() -> int:
+    return len(_in_use())
 
 
 # -- parked tokens (receivers) -----------------------------------------------------
@@ -479,9 +519,9 @@ class Pool:
         """The memory behind this pool is full: free what can be freed."""
 
     # Placing storages.
-    def place(self, nbytes: int, source: torch.UntypedStorage | None) -> tuple[Segment, int, int, torch.UntypedStorage]:
+    def place(self, nbytes: int, source: torch.UntypedStorage | None) -> tuple[Segment, int, int, torch.UntypedStorage, Any]:
         """Put *source*'s bytes (or zeros) in a segment: (segment, generation, offset,
-        the new storage there)."""
+        the new storage there, the generation's token)."""
         self.active = True
         if nbytes <= SLAB_ITEM_MAX:
             slab = self.local.__dict__.get("slab")
@@ -493,7 +533,8 @@ class Pool:
                     # already (see _new_slab), so a plain copy into the mapping cannot
                     # fault on a full memory limit; one C call per storage.
                     seg.used = (offset + nbytes + ALIGN - 1) & -ALIGN
-                    return seg, seg.gen, offset, slab.token.place(offset, nbytes, 0 if source is None else source.data_ptr())
+                    token = slab.token
+                    return seg, seg.gen, offset, token.place(offset, nbytes, 0 if source is None else source.data_ptr()), token
             self._new_slab()
             return self.place(nbytes, source)
         seg = self.take(class_size(nbytes))
@@ -514,7 +555,7 @@ class Pool:
         finally:
             token.release()  # the maker's hold: failing, the token's death gives the segment back (settle)
         seg.used = offset + nbytes
-        return seg, seg.gen, offset, storage
+        return seg, seg.gen, offset, storage, token
 
     def _begin(self, seg: Segment, retry: bool) -> Any:
         """*seg*'s new generation's token. A segment whose header cannot be written
@@ -745,8 +786,19 @@ def drop_kept() -> None:
 def forget_mappings() -> None:
     """Forget every segment this process maps (they stay mapped while storages use
     them): a forked child then receives like a process that never saw them."""
+    global _index
     _kept.clear()
     _mapped.clear()
+    _by_addr.clear()
+    _index = None
+
+
+def seal_where(gone: Callable[[Segment], bool]) -> None:
+    """Never fill or send from again the mapped segments *gone* names (their files
+    went with a broker that died): a storage in one is shared anew when sent."""
+    for seg in list(_mapped.values()):
+        if gone(seg):
+            seg.sealed = True
 
 
 def forget_deposits() -> None:

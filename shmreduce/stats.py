@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shmreduce import _platform, transfer
+from shmreduce import _platform, pool, transfer
 from shmreduce.broker import client as broker
-from shmreduce.cache import cache
 
 
 def stats() -> dict[str, Any]:
@@ -18,7 +17,7 @@ def stats() -> dict[str, Any]:
     messages_sent / messages_received: pickled messages that shared storages / loaded ones;
     round_trips: request-reply exchanges with a broker (a file_descriptor message
     costs one only if it uses a segment this process does not map yet);
-    live_segments: cached storages alive here;
+    live_segments: segments with a storage (or a hold) alive here;
     fds_held: descriptors open in this process;
     segments_mapped / bytes_mapped / descriptors / segments_kept: the shared
     segments this process maps, the descriptors they keep, those kept mapped for
@@ -31,6 +30,6 @@ def stats() -> dict[str, Any]:
     result.update(transfer.stats())
     clients = broker.existing_clients()
     result["round_trips"] = sum(c.round_trips for c in clients)
-    result["live_segments"] = cache.live_count()
+    result["live_segments"] = pool.live_segments()
     result["fds_held"] = _platform.open_fd_count()
     return result

@@ -309,9 +309,9 @@ def _move_once(storage: torch.UntypedStorage, key: int) -> Place:
             place = _adopt(storage, key, nbytes)
             if place is not None:
                 return place
-        seg, gen, offset, shared = _current_pool().place(nbytes, storage)
+        seg, gen, offset, shared, token = _current_pool().place(nbytes, storage)
         _swap_memory(storage, shared)
-        return _placed(storage, Place(seg, gen, offset, nbytes), key)
+        return _placed(storage, Place(seg, gen, offset, nbytes), token)
 
 
 def _current_pool() -> pool.Pool:
@@ -328,14 +328,16 @@ def _adopt(storage: torch.UntypedStorage, key: int, nbytes: int) -> Place | None
         segments.refuse_foreign_file(storage)
         return None
     place = Place(seg, 0, 0, nbytes)
-    cache.remember(storage, place, key)
+    cache.remember_adopted(storage, place, key)
     return place
 
 
-def _placed(storage: torch.UntypedStorage, place: Place, key: int | None = None) -> Place:
+def _placed(storage: torch.UntypedStorage, place: Place, token: Any) -> Place:
+    """*storage* lies in *place* now (found there by its address from now on; and
+    what a ref to it loads here, as torch gives a process its own storage back)."""
+    cache.remember(storage, token, place.offset)
     _counters["storages_shared"] += 1
     _counters["bytes_shared"] += place.nbytes
-    cache.remember(storage, place, key)
     if not _collector.started:
         _collector.ensure()
     return place
@@ -357,8 +359,8 @@ def new_shared(nbytes: int) -> torch.UntypedStorage:
     """
     if nbytes <= 0:
         return torch.UntypedStorage(0)
-    seg, gen, offset, storage = _current_pool().place(nbytes, None)
-    _placed(storage, Place(seg, gen, offset, nbytes))
+    seg, gen, offset, storage, token = _current_pool().place(nbytes, None)
+    _placed(storage, Place(seg, gen, offset, nbytes), token)
     return storage
 
 
@@ -434,7 +436,6 @@ def collect(linger: float = 0.0) -> None:
     a receiver), waiting segments given back once free, idle segments closed, dead
     cache entries dropped. A receiver's parked tokens go once parked *linger*
     seconds (all of them by default; the collector thread gives them ``pool.LINGER``)."""
-    cache.purge()
     pool.unpark(linger)
     _send_releases(_take_releases(wait=True))
     for p in (_fd_pool, _fs_pool):
@@ -516,7 +517,7 @@ def receive_tensor(ref: tuple, layout: tuple | None) -> torch.UntypedStorage | t
     try:
         if gen:
             _hdr_loaded(seg.addr)
-        storage = cache.storage_at((kind, segkey, gen, offset))
+        storage = cache.storage_at(token, offset)
         if storage is not None and storage.nbytes() == nbytes:
             return storage
         tensor = token.tensor(offset, nbytes, *layout) if layout is not None else None
@@ -525,7 +526,7 @@ def receive_tensor(ref: tuple, layout: tuple | None) -> torch.UntypedStorage | t
         token.release()  # the load's hold: from now on its storages (and a park) hold it
     _counters["storages_received"] += 1
     _counters["bytes_received"] += nbytes
-    cache.remember(storage, Place(seg, gen, offset, nbytes))
+    cache.remember(storage, token, offset)
     return storage if tensor is None else tensor
 
 
@@ -694,7 +695,7 @@ def _on_connect(client: broker.BrokerClient) -> None:
     if kept:
         client.hold(kept)
     _fs_pool.retire_where(file_gone)
-    cache.forget(lambda p: file_gone(p.segment))
+    pool.seal_where(file_gone)
 
 
 broker.on_connect.append(_on_connect)

@@ -1,55 +1,79 @@
-"""The weak-ref storage cache: identity both ways, no strong references, batched purge."""
+"""Where a storage lies (shmreduce/cache.py): found by its address inside a mapped
+segment, with no record per storage; a receiver's identity map per generation token,
+holding no strong reference; torch's own shared storages remembered apart."""
 
-from types import SimpleNamespace
+from __future__ import annotations
+
+import gc
 
 import torch
 
-from shmreduce.cache import PURGE_MIN_ENTRIES, Place, StorageCache
+import shmreduce
+from shmreduce import pool, transfer
+from shmreduce.cache import Place, StorageCache, cache
 
 
-def _segment(kind: str = "fs", key: object = "seg-" + "0" * 24) -> SimpleNamespace:
-    return SimpleNamespace(kind=kind, key=key, directory="/p")
+def test_a_shared_storage_is_found_by_its_address(strategy: str) -> None:
+    t = torch.arange(1000.0)
+    assert cache.place_of(t.untyped_storage()) is None, "private memory lies in no segment"
+    ref = transfer.SegmentRef(*transfer.share(t.untyped_storage()))
+    place = cache.place_of(t.untyped_storage())
+    assert place is not None
+    assert (place.segment.key, place.gen, place.offset, place.nbytes) == (ref.segment, ref.gen, ref.offset, ref.nbytes)
+    assert place.segment.addr + place.offset == t.untyped_storage().data_ptr()
+    # A slice of the storage lies in the same segment, further in: sent from there.
+    part = t.untyped_storage()[400:800]
+    inner = cache.place_of(part)
+    assert inner is not None and inner.segment is place.segment and inner.gen == place.gen
+    assert (inner.offset, inner.nbytes) == (place.offset + 400, 400)
+    # Sent again: the same ref, no second move.
+    assert transfer.SegmentRef(*transfer.share(t.untyped_storage())) == ref
+    # Loaded here, each gives this process its own storage back (and counts loaded:
+    # nothing is left in flight).
+    with transfer.receiving():
+        assert transfer.receive(ref)._cdata == transfer.receive(ref)._cdata == t.untyped_storage()._cdata
 
 
-def test_remember_and_look_up_both_ways():
-    cache = StorageCache()
-    t = torch.arange(4.0)
-    place = Place(_segment(), 7, 64, 16)
-    cache.remember(t.untyped_storage(), place)
+def test_a_sealed_segment_is_not_a_place(strategy: str) -> None:
+    # Its file went with a broker that died: a storage in it is shared anew.
+    t = torch.ones(100)
+    assert shmreduce.loads(shmreduce.dumps(t)).untyped_storage()._cdata == t.untyped_storage()._cdata
+    place = cache.place_of(t.untyped_storage())
+    assert place is not None
+    pool.seal_where(lambda seg: seg is place.segment)
+    try:
+        assert cache.place_of(t.untyped_storage()) is None
+    finally:
+        place.segment.sealed = False
     assert cache.place_of(t.untyped_storage()) == place
-    got = cache.storage_at(("fs", "seg-" + "0" * 24, 7, 64))
-    assert got is not None and got.data_ptr() == t.untyped_storage().data_ptr()
-    assert cache.storage_at(("fs", "seg-" + "0" * 24, 8, 64)) is None  # another generation
-    assert cache.live_places() == [place]
 
 
-def test_cache_holds_no_strong_reference():
-    cache = StorageCache()
-    t, keep = torch.arange(4.0), torch.ones(1)
-    cache.remember(t.untyped_storage(), Place(_segment(), 1, 64, 16))
-    cache.remember(keep.untyped_storage(), Place(_segment("fd", 12), 2, 64, 4))
+def test_received_storages_are_one_per_place_and_held_weakly(strategy: str) -> None:
+    t = torch.arange(64.0)
+    data = shmreduce.dumps([t, t[8:], t.untyped_storage()])
+    a, b, s = shmreduce.loads(data)
+    assert a.untyped_storage()._cdata == b.untyped_storage()._cdata == s._cdata
+    again = shmreduce.loads(data)  # a later message: the same storage again
+    assert again[0].untyped_storage()._cdata == a.untyped_storage()._cdata
+    place = cache.place_of(a.untyped_storage())
+    assert place is not None
+    token = place.segment.live_token(place.gen)
+    assert token is not None and cache.storage_at(token, place.offset) is not None
+    assert a.untyped_storage()._cdata == t.untyped_storage()._cdata, "its own storage, loaded here"
+    del a, b, s, again, t
+    gc.collect()
+    assert cache.storage_at(token, place.offset) is None, "the map keeps no storage alive"
+
+
+def test_torch_shared_storages_are_remembered_weakly() -> None:
+    local = StorageCache()
+    t = torch.ones(4)
+    segment = object()
+    key = t.untyped_storage()._cdata
+    local.remember_adopted(t.untyped_storage(), Place(segment, 0, 0, 16), key)
+    assert local.place_of(t.untyped_storage()) == Place(segment, 0, 0, 16)
     del t
-    assert cache.storage_at(("fs", "seg-" + "0" * 24, 1, 64)) is None
-    cache.purge()
-    assert len(cache) == 1 and cache.live_count() == 1
-
-
-def test_purge_runs_in_batches():
-    cache = StorageCache()
-    n = 3 * PURGE_MIN_ENTRIES
-    for i in range(n):
-        t = torch.ones(1)
-        cache.remember(t.untyped_storage(), Place(_segment(), i + 1, 64, 4))
-        del t
-    assert len(cache) < n  # dead entries were purged along the way
-
-
-def test_forget_drops_places_that_are_gone():
-    cache = StorageCache()
-    a, b = torch.ones(1), torch.ones(1)
-    gone, kept = _segment(key="seg-" + "1" * 24), _segment(key="seg-" + "2" * 24)
-    cache.remember(a.untyped_storage(), Place(gone, 1, 64, 4))
-    cache.remember(b.untyped_storage(), Place(kept, 1, 64, 4))
-    cache.forget(lambda place: place.segment is gone)
-    assert cache.place_of(a.untyped_storage()) is None
-    assert cache.place_of(b.untyped_storage()) is not None
+    gc.collect()
+    other = torch.ones(4)
+    local.remember_adopted(other.untyped_storage(), Place(segment, 0, 0, 16), other.untyped_storage()._cdata)
+    assert len(local._adopted) == 1, "a dead entry goes when the next one comes"

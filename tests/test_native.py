@@ -50,8 +50,13 @@ def memory() -> Iterator[tuple[mmap.mmap, int]]:
 def _drain() -> list[Any]:
     """What dead() reports of this test's tokens; the pool's own go back to settle."""
     mine: list[Any] = []
+    others: list[Any] = []
     for gen in _native.dead():
-        (mine if gen.info == _MINE else pool._later).append(gen)
+        (mine if gen.info == _MINE else others).append(gen)
+    if others:
+        releases = pool.Releases()
+        pool.settle(releases, others)
+        transfer._send_releases(releases)
     return mine
 
 

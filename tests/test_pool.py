@@ -224,7 +224,7 @@ def test_parked_tokens_are_let_go_of_by_threads_at_once() -> None:
 
     def token(seg: _Seg) -> Any:  # a real token over memory of the test's; settle skips it (not this pid's)
         made = _native.Gen(seg, ctypes.addressof(memory), len(memory), 0, 0)
-        made.info = (None, -1)
+        made.info = (None, -1, {})
         return made
 
     errors: list[BaseException] = []
