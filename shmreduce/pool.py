@@ -428,6 +428,17 @@ def _in_use() -> list[Segment]:
     return in_use
 
 
+def held_generations(directory: str) -> list[tuple[int | str, int]]:
+    """(segment, generation) of every generation this process holds as a receiver,
+    told to the broker of *directory*."""
+    held = []
+    for seg in list(_mapped.values()):
+        token = seg.live_token(seg.gen)
+        if token is not None and token.info[0] == directory and token.info[1] == os.getpid():
+            held.append((seg.key, seg.gen))
+    return held
+
+
 def live_segments() -> int:
     return len(_in_use())
 

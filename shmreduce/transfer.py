@@ -678,6 +678,11 @@ def _on_connect(client: broker.BrokerClient) -> None:
         return
     if directory == _program_dir():
         pool.forget_deposits()
+    # The generations this process holds as a receiver, so that the new broker counts
+    # it out of them if it dies.
+    held = pool.held_generations(directory)
+    if held:
+        _quietly(client.hold_gens, held)
     try:
         present = set(os.listdir(directory))
     except OSError:
