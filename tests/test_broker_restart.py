@@ -1,14 +1,15 @@
 """SPEC 8 after a broker restart: a tensor shared before its broker died (killed, or
-exited idle between unregister() and register()) is shared again on its next send,
-to receivers that never had it (issue 11, item 5)."""
+exited idle between unregister() and register()) is sent again on its next send, to
+receivers that never had it (issue 11, item 5): a file_system file that went with
+the dead broker's directory is shared anew, a memfd is deposited with the new broker."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import queue
 import signal
-import socket
 import sys
 import time
 
@@ -16,23 +17,26 @@ import pytest
 import torch
 
 import shmreduce
-from shmreduce import program
+from shmreduce import program, transfer
 from shmreduce.broker import client as broker_client
+from shmreduce.cache import cache
 
-from helpers import broker_pids, broker_procs, run_in_child, wait_for
+from helpers import broker_pids, broker_procs, forget_mappings, run_in_child, wait_for
 
 CTX = mp.get_context("fork")
 
 
-def _sums(conn):
+def _sums(conn, stranger):
+    if stranger:
+        forget_mappings()  # forked after the tensors: receive as a process that maps none of them
     while (t := conn.recv()) is not None:
         conn.send(float(t.sum()))
 
 
-def _start_receiver():
+def _start_receiver(stranger=False):
     ours, theirs = CTX.Pipe()
-    proc = CTX.Process(target=_sums, args=(theirs,))
-    proc.start()  # before any tensor exists: it inherits none
+    proc = CTX.Process(target=_sums, args=(theirs, stranger))
+    proc.start()  # (not stranger) before any tensor exists: it inherits none
     theirs.close()
 
     def ask(t):
@@ -44,45 +48,130 @@ def _start_receiver():
 
 
 def _stop(proc, conn):
-    conn.send(None)
+    """Stop a receiver, bounded; its exit code."""
+    try:
+        conn.send(None)
+    except OSError:
+        pass  # it died already (its error is the test's failure)
     proc.join(30)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
     conn.close()
-    assert proc.exitcode == 0
+    return proc.exitcode
 
 
-def test_resend_after_the_broker_was_killed():
-    shmreduce.register(strategy="file_system")
+def test_resend_after_the_broker_was_killed(strategy):
+    # Under file_system the files went with the killed broker's directory: the tensor
+    # is shared anew. Under file_descriptor the memfd outlives the broker, but the new
+    # broker has none of this process's memfds: each goes to it again with the next
+    # ref sent to it, for a receiver that does not map it yet.
     proc, conn, ask = _start_receiver()
+    late = late_conn = None
     try:
         t = torch.arange(100.0)
         assert ask(t) == 4950.0
         directory = program.current().directory
         client = broker_client.client_for(directory, program.current().root_pid)
-        os.kill(client.broker_pid, signal.SIGKILL)
+        pid = client.broker_pid
+        os.kill(pid, signal.SIGKILL)
         assert wait_for(lambda: not os.path.exists(directory), 10)
         for _ in range(3):  # the first send after the kill, and every one after it
             assert ask(t) == 4950.0
         t.add_(1)
         assert ask(t) == 5050.0
+        late, late_conn, late_ask = _start_receiver(stranger=True)  # maps nothing: needs the new broker
+        assert late_ask(t) == 5050.0
+        assert broker_client.client_for(directory).broker_pid not in (0, pid)
     finally:
-        _stop(proc, conn)
-        shmreduce.unregister()
+        codes = [_stop(proc, conn)] + ([] if late is None else [_stop(late, late_conn)])
+    assert codes == [0, 0]
 
 
-def test_resend_after_unregister_register_once_the_idle_broker_exited():
-    shmreduce.register(strategy="file_system")
+def test_resend_after_unregister_register_once_the_idle_broker_exited(strategy):
     t = torch.arange(10.0)
-    t.share_memory_()  # shared: a file held at this program's broker
+    t.share_memory_()  # shared: a file held at this program's broker, or a memfd of this process
     shmreduce.unregister()
     assert wait_for(lambda: not broker_pids(), 10)  # idle: it exited, its files went
-    shmreduce.register(strategy="file_system")
+    shmreduce.register(strategy=strategy)
     proc, conn, ask = _start_receiver()
     try:
         for _ in range(2):
             assert ask(t) == 45.0
     finally:
-        _stop(proc, conn)
-        shmreduce.unregister()
+        code = _stop(proc, conn)
+    assert code == 0
+
+
+def _load_and_keep(conn):
+    """A receiver: keeps what it loads (answering with its sum); "go" lets go of all."""
+    kept = []
+    while (order := conn.recv()) is not None:
+        if order == "go":
+            kept.clear()
+            gc.collect()
+            transfer.collect()
+            conn.send("let go")
+        else:
+            kept.append(shmreduce.loads(order))
+            conn.send(float(kept[-1].sum()))
+
+
+def _sum_as_a_stranger(data):
+    forget_mappings()
+    return float(shmreduce.loads(data).sum())
+
+
+def test_a_segment_whose_file_went_with_the_broker_is_never_reused():
+    # A file_system segment waiting for a ref in flight to be loaded when the broker
+    # is killed: its file goes with the broker's directory. Once the ref is loaded (by
+    # a receiver that maps the segment already), the owner must not fill the segment
+    # again: refs to it would name a file no other receiver can open.
+    from shmreduce.pool import SLAB_ITEM_MAX
+
+    numel = SLAB_ITEM_MAX // 4 + 16  # a segment of its own
+    with shmreduce.registered(strategy="file_system"):
+        ours, theirs = CTX.Pipe()
+        proc = CTX.Process(target=_load_and_keep, args=(theirs,))
+        proc.start()  # before the tensor exists
+
+        def ask(order):
+            ours.send(order)
+            assert ours.poll(30), "receiver did not answer"
+            return ours.recv()
+
+        try:
+            t = torch.full((numel,), 3.0)
+            assert ask(shmreduce.dumps(t)) == 3.0 * numel  # the receiver maps the segment
+            assert ask("go") == "let go"
+            in_flight = shmreduce.dumps(t)  # sent, not loaded yet
+            seg = cache.place_of(t.untyped_storage()).segment
+            del t
+            gc.collect()
+            transfer.collect()  # the owner's storage is dead; a ref is in flight
+            assert seg in transfer._fs_pool.waiting.values()
+            directory = program.current().directory
+            client = broker_client.client_for(directory, program.current().root_pid)
+            os.kill(client.broker_pid, signal.SIGKILL)
+            assert wait_for(lambda: not os.path.exists(directory), 10)  # the janitor removed the files
+            assert shmreduce.loads(shmreduce.dumps(torch.ones(2))).sum().item() == 2  # a new broker
+            assert ask(in_flight) == 3.0 * numel  # mapped there: loaded without the file
+            assert ask("go") == "let go"
+            gc.collect()
+            transfer.collect()
+            t2 = torch.full((numel,), 4.0)  # the size of the segment that lost its file
+            data = shmreduce.dumps(t2)
+            assert run_in_child(_sum_as_a_stranger, data) == ("ok", 4.0 * numel)
+            assert ask(data) == 4.0 * numel  # it maps the old segment: it must not find the new tensor there
+        finally:
+            ours.send(None)
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            ours.close()
+            theirs.close()
+        assert proc.exitcode == 0
 
 
 # -- a broker killed again and again during a stream (issue 19, item 4) ------------
@@ -276,28 +365,15 @@ def test_a_launcher_never_serves_a_directory_whose_lock_it_took_on_a_removed_fil
         server.remove_program_dir(directory)
 
 
-def _connect_after_a_kill_with_a_notice_unread() -> tuple[int, int]:
-    """In a child: a free notice waits unread on the post connection when the broker
-    is killed; connect() then. (the broker's pid before, after)"""
-    from shmreduce.broker import protocol as P
-
+def _connect_after_a_kill() -> tuple[int, int]:
+    """In a child: the broker is killed while this process is connected; connect()
+    then. (the broker's pid before, after)"""
     shmreduce.register(strategy="file_system")
     prog = program.current()
     client = broker_client.client_for(prog.directory, prog.root_pid)
     client.connect()
-    name = P.gen_name(12345)
-    client.hold([name])
-    client.release([name])  # nobody holds it now: the broker posts a free notice to its owner
-    post = client.post
-    assert post is not None
-
-    def unread() -> bool:
-        try:
-            return bool(post.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
-        except BlockingIOError:
-            return False
-
-    assert wait_for(unread, 10), "no notice"
+    client.hold(["seg-" + os.urandom(12).hex()])  # a record the broker read: a live connection
+    client.ping()
     before = client.broker_pid
     os.kill(before, signal.SIGKILL)
     assert wait_for(lambda: _gone(before), 10)
@@ -305,12 +381,11 @@ def _connect_after_a_kill_with_a_notice_unread() -> tuple[int, int]:
     return before, client.broker_pid
 
 
-def test_connect_replaces_a_dead_broker_whose_notices_are_unread():
-    """Before the fix, connect() peeked at the post connection and took a free notice
-    still buffered there for a sign of life: a sender checked its dead broker live,
-    packed the next message into files the janitor was removing, and that message,
-    pickled after the kill, was lost (the flaky test above, 1 run in 2 to 4)."""
-    status, value = run_in_child(_connect_after_a_kill_with_a_notice_unread)
+def test_connect_replaces_a_broker_that_was_killed():
+    """connect() asks the post connection for its hang-up, not for something to read:
+    a peek that took buffered data for a sign of life once let a sender pack the next
+    message into files the dead broker's janitor was removing (issue 19, item 4)."""
+    status, value = run_in_child(_connect_after_a_kill)
     assert status == "ok", value
     before, after = value
     assert after != before, "connect() kept a connection to a broker that was killed"

@@ -22,7 +22,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 import torch
@@ -146,11 +145,10 @@ def test_message_of_300_segments_is_delivered_whole_under_load(registered_fd):
 
 
 def test_a_fetch_finds_a_memfd_whose_record_is_still_queued_on_its_senders_post_connection(broker_log):
-    # Deterministic form of the race above: the receiver's fetch reaches the broker
-    # before the sender's S record, posted earlier, is read. The sender posts without
-    # pause before it, so its post connection is "cooling" (read at the end of each
-    # post window, not armed): the broker, woken by the fetch, serves it first, and
-    # must read every post connection before it answers.
+    # Deterministic form of the race above: the broker serves the receiver's fetch
+    # while the sender's S record is still queued on the sender's post connection
+    # (the broker serves ready connections in turn, and the receiver's comes first
+    # here). It must read every post connection before it answers.
     prog = program.current()
     sender = broker_client.BrokerClient(prog.directory, prog.root_pid)
     sender.connect()
@@ -163,13 +161,10 @@ def test_a_fetch_finds_a_memfd_whose_record_is_still_queued_on_its_senders_post_
         assert receiver.fetch(ino) is None  # nobody deposited it: refused, the connection kept
         sock = receiver._socket(start=False)
         pid = sender.broker_pid
-        for _ in range(30):
-            sender.release(["seg-" + "0" * 24])  # a name it does not hold: changes nothing
-            time.sleep(0.001)
-        os.kill(pid, signal.SIGSTOP)
+        os.kill(pid, signal.SIGSTOP)  # records queue up; the broker serves them in the order they came
         try:
-            sender.segment(fd, header=True)
             P.send_record(sock, P.FETCH, P.NO_KEY, P.encode_inos([ino]))
+            sender.segment(fd, header=True)
         finally:
             os.kill(pid, signal.SIGCONT)
         record = P.recv_record(sock)
@@ -403,6 +398,7 @@ def test_a_memfd_the_broker_had_no_descriptor_for_is_refused_as_stale(registered
 
     assert shmreduce.loads(shmreduce.dumps(torch.ones(2))).sum().item() == 2
     pid = _client().broker_pid
+    _client().ping()  # both connections of the sender open: it needs no new one at the limit
     ctx = mp.get_context("fork")
     ours, theirs = ctx.Pipe()
     proc = ctx.Process(target=_connect_then_load, args=(theirs,))
