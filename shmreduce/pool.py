@@ -671,8 +671,11 @@ class Pool:
 
     def retire_where(self, gone: Callable[[Segment], bool]) -> None:
         """Never use again the segments *gone* names (their files went with a broker
-        that died): in use, they are filled no further; free, they are closed."""
-        for seg in _in_use():
+        that died): in use, they are filled no further; free, they are closed; any
+        other (waiting until its generation is free, or its last storage dead but not
+        settled yet) is closed once free instead of reused (reused, it would be
+        filled under a name no receiver can open)."""
+        for seg in list(_mapped.values()):
             if seg.pool is self and gone(seg):
                 seg.retired = seg.sealed = True
         with self.lock:

@@ -200,13 +200,13 @@ _local = threading.local()
 
 class _Outgoing:
     """The message a ``sending()`` scope is pickling: the segments of its refs (each
-    counted sent when the scope closes), and whether its files' broker was checked."""
+    counted sent when the scope closes), and whether its broker was checked live."""
 
-    __slots__ = ("counted", "files", "program")
+    __slots__ = ("counted", "checked", "program")
 
     def __init__(self) -> None:
         self.counted: list[pool.Segment] = []
-        self.files = False
+        self.checked = False
         self.program = ""
 
 
@@ -243,12 +243,15 @@ def share(storage: torch.UntypedStorage) -> tuple:
             return share(storage)
     key = _storage_key(storage)
     place = cache.place_of(storage, key)
-    if not out.files and (place.segment.kind == "fs" if place is not None else _current_pool() is _fs_pool):
-        # Once per message, before its first file is named or filled: a broker that
-        # died since is replaced now, and the files that went with it are forgotten
-        # (the storage is shared again: issue 11, item 5) or held at the new broker
-        # (issue 19, item 4). One non-blocking poll when the broker lives.
-        out.files = True
+    if not out.checked:
+        # Once per message, before its first ref: a broker that died since is replaced
+        # now. The files that went with it are forgotten (the storage is shared again:
+        # issue 11, item 5) or held at the new broker (issue 19, item 4), and the
+        # memfds it kept go to the new one with their next ref (``_on_connect``): else
+        # a sender whose refs all name memfds it deposited before never reconnected,
+        # and a receiver that does not map them received none. One non-blocking poll
+        # when the broker lives.
+        out.checked = True
         _live_program()
         place = cache.place_of(storage, key)
     if place is None:
@@ -412,7 +415,11 @@ def _take_releases(wait: bool = False) -> pool.Releases:
 def _send_releases(releases: pool.Releases) -> None:
     """Let go of the generations this process held as a receiver: the broker is told
     first, then each is counted out of its header (dying in between leaves one count
-    too many, which keeps the segment out of reuse, never one too few)."""
+    too many, which keeps the segment out of reuse, never one too few). Not at
+    interpreter exit, once the connections closed: the brokers count it out then."""
+    if broker.exiting:
+        releases.gens.clear()
+        return
     for directory, pairs in releases.gens.items():
         client = broker.connected_client(directory)
         if client is not None:

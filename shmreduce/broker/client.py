@@ -295,15 +295,24 @@ class BrokerClient:
                 self.close()  # the broker closed its end: gone
             self._post_socket(start=True)
 
-    def close(self) -> None:
+    def close(self, keep: bool = False) -> None:
+        """Close both connections; the next ones are a new identity. *keep*: this
+        process lives on, and counts itself out of the generations it holds when their
+        storages die (the broker, told so first, does not count it out at the close;
+        a broker that does not hear it is dead, and counts nobody out)."""
         with self.lock:
+            if keep and self.post is not None:
+                try:
+                    P.send_record(self.post, P.KEEP, P.NO_KEY)
+                except OSError:
+                    pass
             for sock in (self.sock, self.post):
                 if sock is not None:
                     sock.close()
             self.sock = self.post = None
             self.token = os.urandom(P.TOKEN_LEN)  # a new identity for the next connections
 
-    def retire(self) -> None:
+    def retire(self, exiting: bool = False) -> None:
         """Close for good: this client is no longer this process's client of its
         directory (``close_all``), so it never connects again; a send through it is a
         SharingError (which a release lets pass).
@@ -311,10 +320,11 @@ class BrokerClient:
         A client outlives its place in ``_clients`` wherever it was kept (a thread may
         have taken it just before ``close_all``). Reconnected, such a client held a
         connection nothing would close: the broker saw a live client and never
-        exited (the symptom of issue 19, item 2)."""
+        exited (the symptom of issue 19, item 2). *exiting*: at interpreter exit, the
+        broker counts this process out of what it holds (else it keeps them)."""
         with self.lock:
             self.retired = True
-            self.close()
+            self.close(keep=not exiting)
 
     def connected(self) -> bool:
         return self.sock is not None or self.post is not None
@@ -324,7 +334,7 @@ class BrokerClient:
 
     def _broken(self, exc: BaseException) -> SharingError:
         log.warning("lost the connection to the shmreduce broker of %s: %s: %s", self.directory, type(exc).__name__, exc)
-        self.close()
+        self.close(keep=True)
         return broker_gone(f"{type(exc).__name__}: {exc}")
 
     # -- fire-and-forget -------------------------------------------------------
@@ -412,7 +422,7 @@ class BrokerClient:
                 if exc.errno == errno.EMFILE:
                     # The reply is lost with the descriptor the kernel dropped;
                     # resynchronise by reconnecting.
-                    self.close()
+                    self.close(keep=True)
                     raise too_many_files("receiving a segment") from exc
                 raise self._broken(exc) from exc
             except P.ProtocolError as exc:
@@ -455,7 +465,7 @@ def client_for(directory: str, root_pid: int | None = None) -> BrokerClient:
             client = _clients.get(directory)
             if client is None:
                 if not _clients:
-                    atexit.register(close_all)  # no "unclosed socket" at exit
+                    atexit.register(_close_all_at_exit)  # no "unclosed socket" at exit
                 client = _clients[directory] = BrokerClient(directory, root_pid)
     if client.root_pid is None and root_pid is not None:
         client.root_pid = root_pid
@@ -472,12 +482,24 @@ def existing_clients() -> list[BrokerClient]:
     return list(_clients.values())
 
 
-def close_all() -> None:
-    """Close every connection of this process (the clients are dropped)."""
-    atexit.unregister(close_all)
+def close_all(exiting: bool = False) -> None:
+    """Close every connection of this process (the clients are dropped). Unless
+    *exiting*, this process keeps what it holds (see ``BrokerClient.close``)."""
+    atexit.unregister(_close_all_at_exit)
     for client in list(_clients.values()):
-        client.retire()
+        client.retire(exiting)
     _clients.clear()
+
+
+def _close_all_at_exit() -> None:
+    global exiting
+    exiting = True
+    close_all(exiting=True)
+
+
+# Set at interpreter exit, once every connection closed without a keep: the brokers
+# count this process out of what it holds, and it must not count itself out too.
+exiting = False
 
 
 def _after_fork_in_child() -> None:

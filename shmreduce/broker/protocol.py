@@ -72,13 +72,17 @@ at most MAX_RECORD bytes. None has a reply but F and P.
                  holds these generations as a receiver (counted in their headers).
     U  ungens    the same body: it let go of them (it counts itself out after this
                  record: dying in between leaves a count too many, never too few).
+    K  keep      no body: this client closes its connections and lives on (e.g.
+                 ``unregister()``); it counts itself out of what it holds when its
+                 storages die, so the broker must not count it out at the close.
     P  ping      reply ``p`` with body = JSON of the broker's counters, ``records``
                  among them (how many of each op it has read).
 
 Lifetimes
     A client whose connections have all closed (its process exited or was killed)
-    is counted out of the holders of every generation it held (G without U), and
-    lets go of its memfds and files. A memfd or file nobody uses any more is closed
+    is counted out of the holders of every generation it held (G without U), unless
+    it said K, once every post connection has been read (a segment may be known only
+    from a record still queued there); and it lets go of its memfds and files. A memfd or file nobody uses any more is closed
     or unlinked at once if every ref sent in its current generation was loaded, else
     kept ("draining") until they are, or for ``$SHMREDUCE_ORPHAN_TTL`` seconds
     (default 60): a receiver can read what an exited sender put, and a program whose
@@ -145,6 +149,7 @@ HOLD = b"H"
 RELEASE = b"R"
 GENS = b"G"
 UNGENS = b"U"
+KEEP = b"K"
 PING = b"P"
 PONG = b"p"
 

@@ -60,7 +60,7 @@ class _Client:
     """One client process, across its connections: the segments it deposited, the
     files it holds, the generations it holds as a receiver."""
 
-    __slots__ = ("token", "pid", "holds", "segs", "gens", "conns")
+    __slots__ = ("token", "pid", "holds", "segs", "gens", "conns", "keeps")
 
     def __init__(self, token: bytes, pid: int) -> None:
         self.token = token
@@ -69,6 +69,7 @@ class _Client:
         self.segs: set[int] = set()  # memfds it deposited, by inode
         self.gens: set[tuple[int | str, int]] = set()  # (segment, generation) it holds as a receiver
         self.conns = 0
+        self.keeps = False  # it said it closes and lives on: its holds are its own to let go of
 
 
 class _Conn:
@@ -125,6 +126,7 @@ class Broker:
         self.memfds: dict[int, _Segment] = {}  # inode -> deposited memfd
         self.files: dict[str, _Segment] = {}  # name -> held file
         self.draining: set[_Segment] = set()  # no user left, refs still in flight
+        self.departed: list[_Client] = []  # gone holding generations: counted out once every post connection is read
         self.records: dict[str, int] = {}  # records read, by op: how often clients need the broker
         self.reading = False
         self.poller = select.epoll()
@@ -353,7 +355,12 @@ class Broker:
         if not client.conns:
             log.debug("pid %d disconnected", client.pid)
             self.clients.pop(client.token, None)
-            self._let_go_gens(client)
+            if client.gens and not client.keeps:
+                # A segment it held may be known here only from a record still queued
+                # on its owner's post connection (the H or S the owner posted before
+                # any ref to it): counted out once every post connection is read.
+                self.departed.append(client)
+                self._read_posts()
             self._drop_deposits(client, list(client.segs), died=True)
             self._release(client, list(client.holds), died=True)
         if not self.conns:
@@ -419,13 +426,15 @@ class Broker:
         fetch may come on a request connection before the deposit it needs, posted
         earlier by another process, is read)."""
         if self.reading:
-            return
+            return  # the read in progress counts out whoever departs meanwhile
         self.reading = True
         try:
             for conn in [c for c in self.conns.values() if c.post]:
                 self._serve(conn)
         finally:
             self.reading = False
+        while self.departed:
+            self._let_go_gens(self.departed.pop())
 
     def _handle(self, conn: _Conn, op: bytes, key: bytes, body: bytes, fds: list[int], lost: bool = False) -> bool:
         """One record; False if the connection was dropped.
@@ -448,7 +457,10 @@ class Broker:
             elif op == P.DROP:
                 self._drop_deposits(client, P.decode_inos(body), died=False)
             elif op == P.FETCH:
-                (ino,) = P.decode_inos(body)
+                inos = P.decode_inos(body)
+                if len(inos) != 1:
+                    raise P.ProtocolError(f"a fetch names one memfd, not {len(inos)}")
+                ino = inos[0]
                 if ino not in self.memfds:
                     self._read_posts()  # its deposit may still be queued on a post connection
                 seg = self.memfds.get(ino)
@@ -464,6 +476,10 @@ class Broker:
                 client.gens.update(P.decode_gens(body))
             elif op == P.UNGENS:
                 client.gens.difference_update(P.decode_gens(body))
+            elif op == P.KEEP:
+                if body:
+                    raise P.ProtocolError("a keep record has no body")
+                client.keeps = True  # it closes and lives on: it counts itself out
             elif op == P.PING:
                 self._read_posts()
                 P.send_record(conn.sock, P.PONG, P.NO_KEY, json.dumps(self.counters()).encode())
