@@ -29,9 +29,10 @@ def broker_out_of_files() -> SharingError:
 
 def stale_message(what: str) -> SharingError:
     return SharingError(
-        f"{what}: the message was already received, was forged, or was sent "
-        "through a broker that has since exited; a pickled shmreduce message "
-        "can be loaded once in another process, so send it again"
+        f"{what}: the memory it names was let go of and reused since it was sent "
+        "(every process dropped its tensors), the message was forged, or it was sent "
+        "through a broker that has since exited; a pickled shmreduce message loads "
+        "while its tensors live somewhere in the program, so send it again"
     )
 
 

@@ -310,8 +310,9 @@ class _CloudPickler(cloudpickle.Pickler):
 def dumps(obj: Any, protocol: int | None = None) -> bytes:
     """cloudpickle ``obj``; tensors and storages inside are shared, not copied.
 
-    The bytes can be loaded once in another process of this program on this host
-    (and again in a process that still maps the tensors).
+    The bytes load in any process of this program on this host, as often as wanted,
+    while the memory they name lives (a process holds the tensors, or a load of them
+    is still due).
     """
     buf = io.BytesIO()
     with transfer.sending():

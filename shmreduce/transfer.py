@@ -522,13 +522,17 @@ def receive_tensor(ref: tuple, layout: tuple | None) -> torch.UntypedStorage | t
     if incoming is not None:
         _local.incoming = incoming + 1
     try:
-        if gen:
-            _hdr_loaded(seg.addr)
         storage = cache.storage_at(token, offset)
         if storage is not None and storage.nbytes() == nbytes:
+            if gen:
+                _hdr_loaded(seg.addr)
             return storage
         tensor = token.tensor(offset, nbytes, *layout) if layout is not None else None
         storage = token.storage(offset, nbytes) if tensor is None else tensor.untyped_storage()
+        if gen:
+            # Counted once its storage is made: a ref refused above (out of its
+            # segment's bounds) was not loaded, and its message may be in flight.
+            _hdr_loaded(seg.addr)
     finally:
         token.release()  # the load's hold: from now on its storages (and a park) hold it
     _counters["storages_received"] += 1
@@ -605,6 +609,7 @@ def _checked(ref: Any) -> tuple:
         (kind != "fd" and kind != "fs")
         or type(directory) is not str
         or type(segkey) is not (int if kind == "fd" else str)
+        or (kind == "fd" and not 0 <= segkey < 1 << 64)  # an inode
         or type(gen) is not int
         or not 0 <= gen < 1 << 96
         or type(offset) is not int

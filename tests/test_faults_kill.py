@@ -2,12 +2,16 @@
 
 Each (strategy, start method) runs as its own *program*: a driver subprocess
 (``python tests/test_faults_kill.py ...``) that is the program's root. That matters:
-the broker keeps undelivered messages while the root lives (SPEC 7), and a message
-whose pickle a killed consumer had already taken off its pipe can never be fetched, so
-only the root's exit lets the broker go. The driver plays the survivor: it checks, after
-every kill, that survivors get their data or a SharingError within seconds (never a
-hang), that a new message between survivors works, that no orphan broker remains and
-that the program directory holds no file nobody maps. The pytest process then checks
+the broker keeps a segment whose sender died while refs sent in it are in flight
+(pickled, not all loaded) while the root lives (SPEC 7), and a message pickled by a
+producer killed before it reached the pipe can never be loaded, so only the root's
+exit (or SHMREDUCE_ORPHAN_TTL) lets the broker go. The driver plays the survivor: it
+checks, after every kill, that survivors get their data or a SharingError within
+seconds (never a hang), that a new message between survivors works, and to a process
+that never saw the segments (after a broker kill too), that a killed receiver's holds
+are counted out of the segment headers (the sender reuses the memory), that no orphan
+broker remains, that the program directory holds no file nobody maps and that the
+broker keeps nothing in flight (but those orphans). The pytest process then checks
 from outside that the driver's program left nothing behind (SPEC 6 "Both").
 
 Phases are chosen by a seeded RNG (SHMREDUCE_FAULT_SEED, default fixed) and repeated;
@@ -47,9 +51,9 @@ def _producer(q, ready, flushed, n, value_base, pre_s, hold_s):
     for i in range(n):
         q.put((i, torch.full((1024 + 37 * i,), float(value_base + i))))
     q.close()
-    q.join_thread()  # every put is on the pipe (and its deposit at the broker)
+    q.join_thread()  # every put is on the pipe: its refs counted sent, its memfds at the broker
     flushed.set()
-    time.sleep(hold_s)  # "between deposit and fetch": killed here, or exits
+    time.sleep(hold_s)  # "after put, before the load": killed here, or exits
 
 
 def _stream_producer(conn, go, n):
@@ -70,14 +74,22 @@ def _purge():
     transfer.collect()
 
 
-def _consumer(conn, results, go):
+def _consumer(conn, results, go, stranger=False):
     """Receive on *conn* until None; report each item (or the error).
 
     Holds tensors tagged "held" (and ints); "read-held" reports their sums. Waits for
     *go* between seeing a message and unpickling it, so the driver can act in between.
+    *stranger*: first forget the segments a fork inherited from the driver, to receive
+    like a process that never saw them (it fetches or opens each anew).
     """
     import shmreduce
 
+    if stranger:
+        from shmreduce import pool
+        from shmreduce.cache import cache
+
+        cache.clear()
+        pool.forget_mappings()
     held = []
     while True:
         try:
@@ -131,9 +143,14 @@ class Driver:
         import torch
 
         import shmreduce
-        from shmreduce import program
+        from shmreduce import _native, program
+        from shmreduce.cache import cache
+        from shmreduce.pool import SLAB_ITEM_MAX
 
         self.torch = torch
+        self.native = _native
+        self.cache = cache
+        self.large = SLAB_ITEM_MAX // 4 + 1024  # float32 elements: a storage with a segment of its own
         self.shmreduce = shmreduce
         self.FP = ForkingPickler
         self.ctx = mp.get_context(method)
@@ -143,7 +160,8 @@ class Driver:
         self.program = program.current()
         self.log = []
         self.errors = []
-        self.orphans = set()  # files of messages a killed sender deposited but never sent
+        self.orphans = set()  # files of messages a killed producer pickled but never put on the pipe
+        self.orphan_segments = 0  # how many segments the broker may keep draining for those
         # one long-lived survivor: it lives through every kill and must keep working
         self.witness = self.start_consumer()
         # Its start-up (under spawn a fresh interpreter importing this module, pytest
@@ -165,6 +183,14 @@ class Driver:
         c = client.client_for(self.program.directory, self.program.root_pid)
         c.connect()
         return c.broker_pid
+
+    def draining(self):
+        """How many segments the broker keeps for no live process, refs in them in flight."""
+        from shmreduce.broker import client
+
+        c = client.client_for(self.program.directory, self.program.root_pid)
+        c.connect()
+        return c.ping()["draining"]
 
     def check(self, cond, what):
         if not cond:
@@ -209,13 +235,17 @@ class Driver:
         transfer.let_go()  # this process's pool keeps free files for reuse: not a leak, but let go to check
         ok = self.wait(lambda: not (_seg_files(self.program.directory) - self.orphans))
         self.check(ok, f"{why}: segment files left {sorted(_seg_files(self.program.directory) - self.orphans)}")
+        # nothing in flight that a live process could still load: the broker keeps no
+        # segment for the dead (but the stream's orphans)
+        ok = self.wait(lambda: self.draining() <= self.orphan_segments)
+        self.check(ok, f"{why}: the broker keeps {self.draining()} segment(s) in flight, {self.orphan_segments} orphaned")
 
-    def start_consumer(self):
+    def start_consumer(self, stranger=False):
         a, b = self.ctx.Pipe()
         results = self.ctx.Queue()
         go = self.ctx.Event()
         go.set()
-        p = self.ctx.Process(target=_consumer, args=(b, results, go), daemon=True)
+        p = self.ctx.Process(target=_consumer, args=(b, results, go, stranger), daemon=True)
         p.start()
         b.close()
         return p, a, results, go
@@ -245,6 +275,25 @@ class Driver:
         conn.send(("fresh", t))
         status, info = self.get(results, f"{why}: fresh message")
         self.check(status == "ok" and tuple(info) == ("fresh", float(t.sum()), 1000), f"{why}: fresh message gave {status} {info}")
+
+    def stranger_works(self, why):
+        """A new message from the driver reaches a new process that maps none of its
+        segments (so needs the broker, or the files, as they are now)."""
+        consumer = self.start_consumer(stranger=True)
+        _p, conn, results, _go = consumer
+        t = self.torch.arange(1000, dtype=self.torch.float64)
+        data = bytes(self.FP.dumps(("fresh", t)))
+        conn.send_bytes(data)
+        # its start-up (spawn: a fresh interpreter) is not the message's: a generous limit
+        try:
+            status, info = results.get(timeout=STARTUP_TIMEOUT)
+        except queue_mod.Empty:
+            status, info = "timeout", None
+        delivered = status == "ok" and tuple(info) == ("fresh", float(t.sum()), 1000)
+        self.check(delivered, f"{why}: new receiver got {status} {info}")
+        self.stop_consumer(consumer)
+        if not delivered:
+            self.FP.loads(data)  # the driver maps it: loaded here, nothing of it is left in flight
 
     # scenarios -------------------------------------------------------------------
 
@@ -292,30 +341,49 @@ class Driver:
         consumer = self.start_consumer()
         p, conn, results, go = consumer
         ts = [self.torch.zeros(64 * (k + 1)) for k in range(self.rng.randint(1, 4))]
+        # a segment of its own: its generation ends once the driver drops it, and its
+        # header says who still holds it and whether a ref sent in it is in flight
+        big = self.torch.zeros(self.large)
         pending = None
         if phase == "holding":
-            for k, t in enumerate(ts):
+            for k, t in enumerate([*ts, big]):
                 conn.send((k, t))
                 status, info = self.get(results, "consumer holding")
                 self.check(status == "ok", f"consumer holding: {status} {info}")
         else:  # "before-fetch": the message is on its pipe, the consumer never loads it
             go.clear()
-            pending = bytes(self.FP.dumps(("never", ts[0])))
+            pending = bytes(self.FP.dumps(("never", big)))
             conn.send_bytes(pending)
+        place = self.cache.place_of(big.untyped_storage())
+        seg, gen = place.segment, place.gen & (1 << 64) - 1  # as its header holds it
         self.kill(p)
-        for t in ts:
+        for t in [*ts, big]:
             t.add_(1)  # the sender's tensors are intact and writable
             self.check(bool((t == 1).all()), "consumer killed: sender tensor corrupt")
-        if pending is not None:
-            # the dead consumer never fetched: the deposit is still there for the bytes
-            tag, back = self.FP.loads(pending)
-            self.check(tag == "never" and bool((back == 1).all()), "consumer killed before fetch: redelivery failed")
-            del back
         conn.close()
         results.close()
         results.join_thread()
-        del t
+        del t, place
         ts.clear()
+        big = None  # the driver lets go: the generation ends here
+        _purge()
+        if pending is not None:
+            # The dead consumer never loaded it: in flight, so the driver keeps the
+            # segment as it is, and another receiver gets the message (SPEC 7).
+            _p, wconn, wresults, _go = self.witness
+            wconn.send_bytes(pending)
+            status, info = self.get(wresults, "consumer killed before fetch: redelivery")
+            delivered = status == "ok" and tuple(info) == ("never", float(self.large), self.large)
+            self.check(delivered, f"consumer killed before fetch: redelivery gave {status} {info}")
+
+        # Nobody holds the generation now (the dead consumer's hold counted out by the
+        # broker) and every ref sent in it was loaded: the driver frees the segment.
+        def freed():
+            _purge()
+            return self.native.hdr_read(seg.addr)[0] != gen
+
+        self.check(self.wait(freed), f"consumer {phase}: segment never freed, header {self.native.hdr_read(seg.addr)}")
+        seg = None  # unmapped once the pool lets go of it too (no_files)
         self.no_files(f"consumer {phase}")  # the dead consumer's holds went with its connection
         self.no_orphans()
         self.survivors_work(f"consumer {phase}")
@@ -326,11 +394,12 @@ class Driver:
         held = self.torch.zeros(512)
         conn.send(("held", held))
         self.check(self.get(results, "broker: first")[0] == "ok", "broker: first message failed")
-        lost = None
+        lost = lost_bytes = None
         if phase == "between-deposit-and-fetch":
             go.clear()
             lost = self.torch.ones(333)
-            conn.send(("lost", lost))
+            lost_bytes = bytes(self.FP.dumps(("lost", lost)))
+            conn.send_bytes(lost_bytes)
         elif phase == "before-share":
             pass
         pid = self.broker_pid()
@@ -340,12 +409,19 @@ class Driver:
             t0 = time.monotonic()
             go.set()
             status, info = self.get(results, "broker: lost message")
-            # Its descriptors went with the broker: SharingError, unless the
-            # receiver maps the slab already (file_descriptor: it received earlier
-            # storages of the same slab), which needs no broker: then the data.
+            # Its memfd went with the broker (file_descriptor), its file with the
+            # directory (file_system): SharingError, unless the receiver maps the
+            # slab already (it received "held", in the same slab), which needs no
+            # broker: then the data.
             delivered = status == "ok" and info is not None and tuple(info)[1:] == (333.0, 333)
             self.check(status == "SharingError" or delivered, f"broker killed before fetch: receiver got {status} {info}")
             self.check(time.monotonic() - t0 < 8, "broker killed: SharingError took too long")
+            if not delivered:
+                # The driver maps the segment: the bytes load here, which leaves
+                # nothing of them in flight.
+                tag, back = self.FP.loads(lost_bytes)
+                self.check(tag == "lost" and bool((back == 1).all()), "broker killed: the sender cannot load its own message")
+                del back
         # the receiver still maps what it held, and the memory is still shared
         held.fill_(7)
         conn.send(("read-held", self.torch.zeros(1)))
@@ -353,8 +429,10 @@ class Driver:
         status2, sums = self.get(results, "broker: read-held")
         held_ok = status == "ok" and status2 == "held" and sums and sums[-1] == 7 * 512
         self.check(held_ok, f"broker killed: held tensor {status} {ack} {status2} {sums}")
-        # a new message between the same survivors works (a new broker serves it)
+        # a new message between the same survivors works, and to a new receiver, which
+        # needs a broker (a new one serves it)
         self.survivors_work(f"broker {phase}")
+        self.stranger_works(f"broker {phase}")
         del held, lost
         self.log.append(f"broker-{phase}")
 
@@ -385,12 +463,16 @@ class Driver:
             self.check(bool((t == float(i)).all()) and r.numel() == i % 5 + 1, f"stream: corrupt {i}")
             received.append(i)
         t = r = None
-        # A kill between the producer's deposit and its write to the pipe leaves one
-        # message no process can name: the broker keeps it until the program's root
-        # exits (it cannot tell it from a slow message). At most that one message.
+        # A kill between pickling a message (its refs counted sent) and writing it to
+        # the pipe leaves one message no process can name: the broker keeps its
+        # segments, draining, until the program's root exits (it cannot tell it from a
+        # slow message). At most that one message: its slab (and, at a slab's end,
+        # the one before).
         _purge()
         if self.wait(lambda: len(_seg_files(self.program.directory) - self.orphans) <= 2, 2):
             self.orphans |= _seg_files(self.program.directory)
+        if self.wait(lambda: self.draining() <= self.orphan_segments + 2, 2):
+            self.orphan_segments = max(self.orphan_segments, self.draining())
         self.check(received == list(range(len(received))), f"stream: out of order or lost {received[:10]}...")
         a.close()
         self.no_files("stream")

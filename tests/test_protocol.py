@@ -48,7 +48,18 @@ BAD_NAMES = [
 def test_is_segment_name() -> None:
     assert P.is_segment_name(SEG)
     assert P.is_segment_name(SEG2)
-    for bad in ["gen-" + SEG[4:], SEG.upper(), SEG[:-1], SEG + "0", SEG + "\n", "x" + SEG, "", "seg-", "../" + SEG, SEG.replace("seg", "SEG")]:
+    for bad in [
+        "gen-" + SEG[4:],
+        SEG.upper(),
+        SEG[:-1],
+        SEG + "0",
+        SEG + "\n",
+        "x" + SEG,
+        "",
+        "seg-",
+        "../" + SEG,
+        SEG.replace("seg", "SEG"),
+    ]:
         assert not P.is_segment_name(bad), bad
 
 
