@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -609,7 +609,7 @@ def _checked(ref: Any) -> tuple:
         (kind != "fd" and kind != "fs")
         or type(directory) is not str
         or type(segkey) is not (int if kind == "fd" else str)
-        or (kind == "fd" and not 0 <= segkey < 1 << 64)  # an inode
+        or (kind == "fd" and not 0 <= cast(int, segkey) < 1 << 64)  # an inode
         or type(gen) is not int
         or not 0 <= gen < 1 << 96
         or type(offset) is not int

@@ -381,6 +381,7 @@ def test_stale_once_the_owner_reuses_the_segment(strat):
         t = torch.full((LARGE,), 2.0)
         data = shmreduce.dumps(t)
         place = cache.place_of(t.untyped_storage())
+        assert place is not None
         seg, gen = place.segment, place.gen & (1 << 64) - 1  # as its header holds it
         del place
         # loaded once and let go of: nothing in flight, nobody holds the generation
@@ -396,7 +397,9 @@ def test_stale_once_the_owner_reuses_the_segment(strat):
         t2 = torch.full((LARGE,), 5.0)
         data2 = shmreduce.dumps(t2)
         place = cache.place_of(t2.untyped_storage())
-        assert place.segment is seg and _native.hdr_read(seg.addr)[0] not in (0, gen), "the owner did not reuse its free segment"
+        assert place is not None and place.segment is seg and _native.hdr_read(seg.addr)[0] not in (0, gen), (
+            "the owner did not reuse its free segment"
+        )
         del place
         # the old bytes: stale, never the new message's data, in the receiver that
         # maps the segment and in a process that never saw it

@@ -255,7 +255,9 @@ def test_a_process_that_does_not_map_the_slab_fetches_it(registered_fd):
         # of at its exit, or counted out by the broker when its connections closed).
         _gen, sent, loaded, _holders = _header(first)
         assert sent == loaded == 6
-        seg = cache.place_of(first.untyped_storage()).segment  # keeps the slab mapped here
+        first_place = cache.place_of(first.untyped_storage())
+        assert first_place is not None
+        seg = first_place.segment  # keeps the slab mapped here
         del first
         let_go_now()
         assert wait_for(lambda: _client().ping()["generations_held"] == 0, 10), _client().ping()

@@ -144,6 +144,7 @@ def test_a_receiver_killed_holding_a_generation_is_counted_out_and_the_owner_reu
         other = torch.full((NUMEL,), 5.0)
         transfer.share_in_place(other.untyped_storage())
         assert _segment_of(other) is not seg
+        assert proc.pid is not None
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(TIMEOUT)
         assert proc.exitcode == -signal.SIGKILL

@@ -105,7 +105,7 @@ def test_resend_after_unregister_register_once_the_idle_broker_exited(strategy):
 
 def _load_and_keep(conn):
     """A receiver: keeps what it loads (answering with its sum); "go" lets go of all."""
-    kept = []
+    kept: list = []
     while (order := conn.recv()) is not None:
         if order == "go":
             kept.clear()
@@ -145,7 +145,9 @@ def test_a_segment_whose_file_went_with_the_broker_is_never_reused():
             assert ask(shmreduce.dumps(t)) == 3.0 * numel  # the receiver maps the segment
             assert ask("go") == "let go"
             in_flight = shmreduce.dumps(t)  # sent, not loaded yet
-            seg = cache.place_of(t.untyped_storage()).segment
+            t_place = cache.place_of(t.untyped_storage())
+            assert t_place is not None
+            seg = t_place.segment
             del t
             gc.collect()
             transfer.collect()  # the owner's storage is dead; a ref is in flight

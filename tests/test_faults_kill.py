@@ -355,6 +355,7 @@ class Driver:
             pending = bytes(self.FP.dumps(("never", big)))
             conn.send_bytes(pending)
         place = self.cache.place_of(big.untyped_storage())
+        assert place is not None
         seg, gen = place.segment, place.gen & (1 << 64) - 1  # as its header holds it
         self.kill(p)
         for t in [*ts, big]:
@@ -419,6 +420,7 @@ class Driver:
             if not delivered:
                 # The driver maps the segment: the bytes load here, which leaves
                 # nothing of them in flight.
+                assert lost_bytes is not None
                 tag, back = self.FP.loads(lost_bytes)
                 self.check(tag == "lost" and bool((back == 1).all()), "broker killed: the sender cannot load its own message")
                 del back

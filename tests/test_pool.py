@@ -513,7 +513,7 @@ def test_over_the_cap_a_pool_closes_its_oldest_free_segments_not_all(monkeypatch
     # of them under the cap: a 4th closes the oldest, the newest 3 stay reusable.
     size = pool.class_size(MIB)
     monkeypatch.setattr(pool, "POOL_BYTES", 3 * size + size // 2)
-    fds = pool.FdPool(lambda: "", lambda: [])
+    fds = pool.FdPool(lambda: "", lambda seg: None)
     try:
         segs = [fds.take(size) for _ in range(5)]
         for i, seg in enumerate(segs):

@@ -59,7 +59,7 @@ def test_a_steady_stream_costs_no_broker_record_per_message(strategy):
         if p.is_alive():
             p.kill()
             p.join()
-    assert received == MESSAGES and before is not None
+    assert received == MESSAGES and before is not None and last is not None
     after = client.ping()
     records = _records(after) - _records(before)
     # One message a record would be 400; per slab generation (16 messages of 64 KiB
