@@ -18,15 +18,6 @@ def broker_gone(detail: str) -> SharingError:
     )
 
 
-def broker_out_of_files() -> SharingError:
-    return SharingError(
-        "out of file descriptors at the shmreduce broker: it could not take this message "
-        "(too many messages sent and not yet received, or a low hard limit). Receive "
-        "messages sooner, raise the hard limit (ulimit -Hn), or call "
-        "shmreduce.set_sharing_strategy('file_system'); send it again"
-    )
-
-
 def stale_message(what: str) -> SharingError:
     return SharingError(
         f"{what}: the memory it names was let go of and reused since it was sent "

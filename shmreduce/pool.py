@@ -449,8 +449,8 @@ def live_segments() -> int:
 # message (a slab's) alive until LINGER seconds after the last message in it (the
 # collector, every transfer.PURGE_EVERY, unparks it: 0.25 to 0.75 s): a
 # stream of messages in one slab, each dropped before the next arrives (the common
-# consumer loop), then finds the token live. Each message costs its claim only: no
-# new token, no release of the generation and claim of it again, no settle. Once
+# consumer loop), then finds the token live. Each message costs no new token, no
+# hold and release of the generation (records at the broker), no settle. Once
 # unparked (``unpark``, from the collector), the token ends with its last storage
 # and the hold goes at once. A generation seen in one message only (a large
 # storage's segment) is never parked: its owner waits for it to reuse the memory.

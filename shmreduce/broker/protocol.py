@@ -131,11 +131,8 @@ KEY_LEN = 16
 HEADER_LEN = 1 + KEY_LEN
 MAX_RECORD = 1 << 17
 MAX_FDS = 250
-# Names of each list per record: a deposit of two full lists (29 bytes a name) is
-# ~116 KB, under MAX_RECORD.
+# File names per record: 2000 of 29 bytes is ~58 KB, under MAX_RECORD.
 NAMES_PER_RECORD = 2000
-MAX_NBYTES_DIGITS = 20
-FETCH_WAIT = 2.0
 HANDSHAKE_TIMEOUT = 5.0
 TOKEN_LEN = 16
 ROLE_REQUEST = b"q"
