@@ -632,20 +632,20 @@ static int parse_header_gen(PyObject *const *args, Py_ssize_t nargs, const char 
 
 PyDoc_STRVAR(hdr_count_doc, "hdr_sent(addr) / hdr_loaded(addr)\n\nCount one ref sent / loaded in the generation of the header at addr.");
 
-static PyObject *hdr_sent(PyObject *Py_UNUSED(module), PyObject *addr) {
+static PyObject *count_ref(PyObject *addr, int field) {
     _Atomic uint64_t *h = header_of(addr);
     if (h == NULL)
         return NULL;
-    atomic_fetch_add(&h[HDR_SENT], 1);
+    atomic_fetch_add(&h[field], 1);
     Py_RETURN_NONE;
 }
 
+static PyObject *hdr_sent(PyObject *Py_UNUSED(module), PyObject *addr) {
+    return count_ref(addr, HDR_SENT);
+}
+
 static PyObject *hdr_loaded(PyObject *Py_UNUSED(module), PyObject *addr) {
-    _Atomic uint64_t *h = header_of(addr);
-    if (h == NULL)
-        return NULL;
-    atomic_fetch_add(&h[HDR_LOADED], 1);
-    Py_RETURN_NONE;
+    return count_ref(addr, HDR_LOADED);
 }
 
 PyDoc_STRVAR(hdr_hold_doc, "hdr_hold(addr, gen) -> bool\n\nCount this process a holder of generation gen, then check that the "

@@ -216,13 +216,7 @@ class Broker:
 
     def _close(self, seg: _Segment) -> None:
         self.draining.discard(seg)
-        if seg.map is not None:
-            seg.addr = 0
-            try:
-                seg.map.close()
-            except BufferError:
-                pass  # an address into it is still referenced: the GC unmaps it
-            seg.map = None
+        _unmap_header(seg)
         if seg.fd >= 0:
             self.memfds.pop(seg.key, None)  # type: ignore[arg-type]
             os.close(seg.fd)
@@ -547,12 +541,7 @@ class Broker:
 
     def shutdown(self) -> None:
         for seg in list(self.memfds.values()) + list(self.files.values()):
-            if seg.map is not None:
-                seg.addr = 0
-                try:
-                    seg.map.close()
-                except BufferError:
-                    pass
+            _unmap_header(seg)
             if seg.fd >= 0:
                 os.close(seg.fd)
         self.memfds.clear()
@@ -564,6 +553,17 @@ class Broker:
         self.listener.close()
         self.poller.close()
         remove_program_dir(self.dir)
+
+
+def _unmap_header(seg: _Segment) -> None:
+    """Unmap the header the broker read of *seg*, if it did."""
+    if seg.map is not None:
+        seg.addr = 0
+        try:
+            seg.map.close()
+        except BufferError:
+            pass  # an address into it is still referenced: the GC unmaps it
+        seg.map = None
 
 
 def _level(exc: BaseException) -> int:
