@@ -32,7 +32,9 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <poll.h>
 #include <sched.h>
+#include <time.h>
 
 /* ---- DLPack (legacy, unversioned ABI: "dltensor" capsules), from the public spec ---- */
 
@@ -72,10 +74,30 @@ enum { kDLCPU = 1, kDLUInt = 1 };
 #define COUNT (QUEUED - 1)
 #define COPY_NOGIL 65536 /* copies this large release the GIL */
 #define MAX_DIMS 8         /* Gen.tensor's; more dimensions take the storage path */
+#define SLAB_ITEM_MAX 65536 /* pool.SLAB_ITEM_MAX: larger storages take the general path */
 
 static PyObject *from_dlpack; /* torch._C._from_dlpack */
 static PyObject *sharing_error; /* shmreduce.errors.SharingError */
 static PyObject *str_untyped_storage;
+/* rebuild()'s: the general rebuild it hands every other case to (reductions.rebuild_tensor),
+ * and from init(): torch dtype -> (code, bits, lanes, itemsize), the receiver's live Gens
+ * by their refs' (kind, directory, segment, generation) */
+static PyObject *slow_rebuild, *dtypes, *live;
+/* reduce()'s, from init_send(): what it returns to rebuild with (rebuild), what it takes
+ * (torch.Tensor, exactly; torch.strided), torch.multiprocessing's globals (the strategy),
+ * torch's own UntypedStorage.is_shared; and the general reduce it hands the rest to */
+static PyObject *rebuild_fn, *tensor_type, *strided, *strategy_globals, *torch_is_shared, *slow_reduce;
+static int watched = -1;                 /* the post connection to this program's broker, or -1 */
+static _Thread_local PyObject *outgoing; /* the sending() scope's header addresses, or NULL */
+static _Thread_local int checked;        /* this message found its broker live */
+static unsigned long long shares, shared_bytes, reuses;
+enum { S_REQUIRES_GRAD, S_BACKWARD_HOOKS, S_LAYOUT, S_IS_CPU, S_IS_NESTED, S_NBYTES, S_DATA_PTR, S_SWAP, S_DTYPE,
+       S_SIZE, S_STRIDE, S_STORAGE_OFFSET, S_SHARING_STRATEGY, S_FILE_SYSTEM, S_SLAB_FD, S_SLAB_FS, N_NAMES };
+static const char *const name_text[N_NAMES] = {
+    "requires_grad", "_backward_hooks", "layout", "is_cpu", "is_nested", "nbytes", "data_ptr", "_swap_data_ptr_", "dtype",
+    "size", "stride", "storage_offset", "_sharing_strategy", "file_system", "shmreduce.slab.fd", "shmreduce.slab.fs"};
+static PyObject *names[N_NAMES];
+static unsigned long long loads, loaded_bytes; /* rebuild()'s own, GIL held */
 
 typedef struct GenObject GenObject;
 
@@ -99,6 +121,10 @@ struct GenObject {
     Py_ssize_t size;
     Py_ssize_t low;      /* first byte a storage may use (the header is below) */
     PyObject *number;    /* the generation, an int (0: not pooled) */
+    PyObject *key;       /* its key in live, or NULL */
+    PyObject *ref;       /* indexed for reduce(): its refs' (kind, directory, segment, generation, tag), or NULL */
+    Py_ssize_t cursor;   /* a slab's next free offset */
+    double used;         /* when it last made a storage (CLOCK_MONOTONIC seconds) */
     int ended;           /* dead() reported it: no storage is made from it any more */
 };
 
@@ -208,6 +234,9 @@ static PyObject *import_tensor(GenObject *gen, Ctx *ctx, Py_ssize_t offset) {
     ctx->managed.manager_ctx = ctx;
     ctx->managed.deleter = ctx_deleter;
     add_count(gen); /* before the capsule exists: its destructor may drop it */
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    gen->used = (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
     PyObject *capsule = PyCapsule_New(&ctx->managed, "dltensor", capsule_destructor);
     if (capsule == NULL) {
         give_back_ctx(ctx);
@@ -414,6 +443,24 @@ static PyObject *gen_get_ended(GenObject *self, void *Py_UNUSED(closure)) {
     return PyBool_FromLong(self->ended);
 }
 
+static PyObject *gen_get_used(GenObject *self, void *Py_UNUSED(closure)) {
+    return PyFloat_FromDouble(self->used);
+}
+
+PyDoc_STRVAR(gen_publish_doc, "publish(key)\n\nMake rebuild() load refs whose first four fields are key through this Gen, "
+                              "until dead() reports it (a receiver's, held: Python checked the generation).");
+
+static PyObject *gen_publish(GenObject *self, PyObject *key) {
+    if (live == NULL || self->ended || self->key != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "publish() before init(), of an ended Gen, or twice");
+        return NULL;
+    }
+    if (PyDict_SetItem(live, key, (PyObject *)self) < 0)
+        return NULL;
+    self->key = Py_NewRef(key);
+    Py_RETURN_NONE;
+}
+
 static PyObject *gen_get_info(GenObject *self, void *Py_UNUSED(closure)) {
     return Py_NewRef(self->info);
 }
@@ -456,6 +503,10 @@ static PyObject *gen_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->size = size;
     self->low = low;
     self->number = Py_NewRef(number);
+    self->key = NULL;
+    self->ref = NULL;
+    self->cursor = low;
+    self->used = 0.0;
     self->ended = 0;
     return (PyObject *)self;
 }
@@ -467,7 +518,79 @@ static void gen_dealloc(GenObject *self) {
     Py_XDECREF(self->owner);
     Py_XDECREF(self->info);
     Py_XDECREF(self->number);
+    Py_XDECREF(self->key);
+    Py_XDECREF(self->ref);
     Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* ---- reduce()'s index: the Gens it sends from, by address ----
+ *
+ * Python indexes a Gen (Gen.index) once it has sent a ref from it itself: its memfd
+ * deposited, its file's tag computed, its segment not sealed. reduce() finds the Gen
+ * a storage lies in by its address here. A Gen leaves when dead() reports it, and all
+ * leave at unindex_all() (a new broker, a sealed file, a fork). Strong references. */
+
+static GenObject **indexed;
+static Py_ssize_t n_indexed, cap_indexed;
+
+/* The position of the last Gen whose address is <= addr, or -1. */
+static Py_ssize_t index_find(const char *addr) {
+    Py_ssize_t lo = 0, hi = n_indexed;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (indexed[mid]->addr <= addr)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo - 1;
+}
+
+static void unindex(GenObject *gen) {
+    if (gen->ref == NULL)
+        return;
+    Py_ssize_t i = index_find(gen->addr);
+    Py_CLEAR(gen->ref);
+    if (i >= 0 && indexed[i] == gen) {
+        memmove(&indexed[i], &indexed[i + 1], (size_t)(n_indexed - i - 1) * sizeof(GenObject *));
+        n_indexed--;
+        Py_DECREF(gen);
+    }
+}
+
+PyDoc_STRVAR(gen_index_doc, "index(ref)\n\nSend storages in this Gen from reduce(), with refs (*ref[:4], offset, nbytes, ref[4]).");
+
+static PyObject *gen_index(GenObject *self, PyObject *ref) {
+    if (!PyTuple_CheckExact(ref) || PyTuple_GET_SIZE(ref) != 5 || self->ended) {
+        PyErr_SetString(PyExc_ValueError, "index((kind, directory, segment, generation, tag)) of a live Gen");
+        return NULL;
+    }
+    unindex(self);
+    Py_ssize_t i = index_find(self->addr);
+    if (i >= 0 && indexed[i]->addr == self->addr)
+        unindex(indexed[i]); /* an earlier Gen of the segment, not reported dead yet */
+    if (n_indexed == cap_indexed) {
+        Py_ssize_t cap = cap_indexed ? 2 * cap_indexed : 64;
+        GenObject **grown = PyMem_Realloc(indexed, (size_t)cap * sizeof(GenObject *));
+        if (grown == NULL)
+            return PyErr_NoMemory();
+        indexed = grown;
+        cap_indexed = cap;
+    }
+    i = index_find(self->addr) + 1;
+    memmove(&indexed[i + 1], &indexed[i], (size_t)(n_indexed - i) * sizeof(GenObject *));
+    indexed[i] = (GenObject *)Py_NewRef(self);
+    n_indexed++;
+    self->ref = Py_NewRef(ref);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(unindex_all_doc, "unindex_all()\n\nreduce() sends from no Gen until Python indexes it again.");
+
+static PyObject *native_unindex_all(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored)) {
+    while (n_indexed > 0)
+        unindex(indexed[n_indexed - 1]);
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef gen_methods[] = {
@@ -476,10 +599,13 @@ static PyMethodDef gen_methods[] = {
     {"tensor", (PyCFunction)(void (*)(void))gen_tensor, METH_FASTCALL, gen_tensor_doc},
     {"acquire", (PyCFunction)gen_acquire, METH_NOARGS, gen_acquire_doc},
     {"release", (PyCFunction)gen_release, METH_NOARGS, gen_release_doc},
+    {"publish", (PyCFunction)gen_publish, METH_O, gen_publish_doc},
+    {"index", (PyCFunction)gen_index, METH_O, gen_index_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static PyMemberDef gen_members[] = {
+    {"cursor", T_PYSSIZET, offsetof(GenObject, cursor), 0, "a slab's next free offset (reduce() and pool.Pool.place move it)"},
     {"owner", T_OBJECT, offsetof(GenObject, owner), READONLY, "the segment"},
     {"number", T_OBJECT, offsetof(GenObject, number), READONLY, "the generation"},
     {NULL, 0, 0, 0, NULL},
@@ -489,6 +615,7 @@ static PyGetSetDef gen_getset[] = {
     {"live", (getter)gen_get_live, NULL, "storages and holds alive now", NULL},
     {"ended", (getter)gen_get_ended, NULL, "dead() reported it", NULL},
     {"info", (getter)gen_get_info, (setter)gen_set_info, "the pool's bookkeeping", NULL},
+    {"used", (getter)gen_get_used, NULL, "when it last made a storage (time.monotonic())", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -507,6 +634,18 @@ static PyTypeObject GenType = {
 };
 
 /* ---- module functions ---- */
+
+/* Out of live: rebuild() loads through it no more (never fails: dead() must not). */
+static void unpublish(GenObject *gen) {
+    if (gen->key == NULL)
+        return;
+    PyObject *found = PyDict_GetItemWithError(live, gen->key);
+    if (found == (PyObject *)gen && PyDict_DelItem(live, gen->key) < 0)
+        found = NULL;
+    if (found == NULL)
+        PyErr_Clear();
+    Py_CLEAR(gen->key);
+}
 
 PyDoc_STRVAR(dead_doc, "dead() -> list[Gen]\n\nThe generations whose last storage and hold died since the last call, "
                        "each once; each is ended.");
@@ -548,6 +687,8 @@ static PyObject *native_dead(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ig
                 return result;
             }
             Py_DECREF(gen); /* the list holds it now */
+            unpublish(gen);
+            unindex(gen);
         }
         gen = next;
     }
@@ -570,18 +711,21 @@ static PyObject *native_dltype(PyObject *Py_UNUSED(module), PyObject *capsule) {
     return Py_BuildValue("(III)", (unsigned int)t.code, (unsigned int)t.bits, (unsigned int)t.lanes);
 }
 
-PyDoc_STRVAR(init_doc, "init(from_dlpack, error)\n\nBind torch's DLPack importer and the exception type handles raise.");
+PyDoc_STRVAR(init_doc, "init(from_dlpack, error, dtypes, live)\n\nBind torch's DLPack importer, the exception type handles raise, "
+                       "and rebuild()'s dtype table and live Gens (dicts the caller fills).");
 
 static PyObject *native_init(PyObject *Py_UNUSED(module), PyObject *args) {
-    PyObject *importer, *error;
-    if (!PyArg_ParseTuple(args, "OO", &importer, &error))
+    PyObject *importer, *error, *table, *gens;
+    if (!PyArg_ParseTuple(args, "OOO!O!", &importer, &error, &PyDict_Type, &table, &PyDict_Type, &gens))
         return NULL;
     if (!PyCallable_Check(importer) || !PyType_Check(error) || !PyType_IsSubtype((PyTypeObject *)error, (PyTypeObject *)PyExc_Exception)) {
-        PyErr_SetString(PyExc_TypeError, "init(callable, exception type)");
+        PyErr_SetString(PyExc_TypeError, "init(callable, exception type, dict, dict)");
         return NULL;
     }
     Py_XSETREF(from_dlpack, Py_NewRef(importer));
     Py_XSETREF(sharing_error, Py_NewRef(error));
+    Py_XSETREF(dtypes, Py_NewRef(table));
+    Py_XSETREF(live, Py_NewRef(gens));
     Py_RETURN_NONE;
 }
 
@@ -727,7 +871,387 @@ static PyObject *hdr_read(PyObject *Py_UNUSED(module), PyObject *addr) {
                          (unsigned long long)atomic_load(&h[HDR_LOADED]), (unsigned long long)atomic_load(&h[HDR_HOLDERS]));
 }
 
+static PyObject *general(PyObject *const *args, Py_ssize_t nargs) {
+    if (slow_rebuild == NULL) { /* imports shmreduce, in a process whose first shmreduce object is this one */
+        PyObject *module = PyImport_ImportModule("shmreduce.reductions");
+        if (module == NULL)
+            return NULL;
+        slow_rebuild = PyObject_GetAttrString(module, "rebuild_tensor");
+        Py_DECREF(module);
+        if (slow_rebuild == NULL)
+            return NULL;
+    }
+    return PyObject_Vectorcall(slow_rebuild, args, (size_t)nargs, NULL);
+}
+
+/* Whether a weak reference's referent lives (no error set). */
+static int alive(PyObject *weak) {
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *obj = NULL;
+    int found = PyWeakref_GetRef(weak, &obj);
+    Py_XDECREF(obj);
+    if (found < 0)
+        PyErr_Clear();
+    return found > 0;
+#else
+    return PyWeakref_GetObject(weak) != Py_None;
+#endif
+}
+
+/* An exact int's value, or -1 for anything else (no error set). */
+static Py_ssize_t small_int(PyObject *obj) {
+    if (!PyLong_CheckExact(obj))
+        return -1;
+    Py_ssize_t value = PyLong_AsSsize_t(obj);
+    if (value == -1)
+        PyErr_Clear();
+    return value;
+}
+
+PyDoc_STRVAR(rebuild_doc,
+             "rebuild(ref, meta) -> Tensor\n\n"
+             "A tensor pickled by reductions.reduce_tensor. Made here, in one call, where the ref's generation has a "
+             "published Gen and the tensor is plain (no subclass, no grad), starts its storage and spans it exactly, "
+             "in a dtype of the table, and its storage was not loaded here already: counted loaded in the header, "
+             "remembered in the Gen's identity map (a weak reference), dtype's layout checked first. Every other "
+             "case, malformed ones included, goes to the general one, shmreduce.reductions.rebuild_tensor.");
+
+static PyObject *native_rebuild(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || live == NULL || from_dlpack == NULL)
+        return general(args, nargs);
+    PyObject *ref = args[0], *meta = args[1];
+    if (!PyTuple_CheckExact(ref) || PyTuple_GET_SIZE(ref) != 7 || !PyTuple_CheckExact(meta) || PyTuple_GET_SIZE(meta) != 5 ||
+        PyTuple_GET_ITEM(meta, 4) != Py_None || small_int(PyTuple_GET_ITEM(meta, 3)) != 0)
+        return general(args, nargs);
+    PyObject *dtype = PyDict_GetItemWithError(dtypes, PyTuple_GET_ITEM(meta, 0));
+    PyObject *key = PyTuple_GetSlice(ref, 0, 4);
+    if (key == NULL || PyErr_Occurred()) {
+        Py_XDECREF(key);
+        return NULL;
+    }
+    GenObject *gen = (GenObject *)PyDict_GetItemWithError(live, key);
+    Py_DECREF(key);
+    Py_ssize_t offset = small_int(PyTuple_GET_ITEM(ref, 4)), nbytes = small_int(PyTuple_GET_ITEM(ref, 5));
+    if (gen == NULL || dtype == NULL || gen->ended || offset < 0 || nbytes <= 0 || !PyTuple_CheckExact(gen->info) ||
+        PyTuple_GET_SIZE(gen->info) != 3 || !PyDict_CheckExact(PyTuple_GET_ITEM(gen->info, 2)) || !PyTuple_CheckExact(dtype) ||
+        PyTuple_GET_SIZE(dtype) != 4)
+        return PyErr_Occurred() ? NULL : general(args, nargs);
+    PyObject *received = PyTuple_GET_ITEM(gen->info, 2);
+    PyObject *weak = PyDict_GetItemWithError(received, PyTuple_GET_ITEM(ref, 4));
+    if (weak != NULL && PyWeakref_Check(weak) && alive(weak))
+        return general(args, nargs); /* loaded here already: the general case returns the same storage */
+    if (PyErr_Occurred() || check_range(gen, offset, nbytes) < 0)
+        return NULL;
+    Py_ssize_t code = small_int(PyTuple_GET_ITEM(dtype, 0)), bits = small_int(PyTuple_GET_ITEM(dtype, 1));
+    Py_ssize_t lanes = small_int(PyTuple_GET_ITEM(dtype, 2)), itemsize = small_int(PyTuple_GET_ITEM(dtype, 3));
+    if (code < 0 || code > 255 || bits <= 0 || bits > 255 || lanes <= 0 || lanes > 65535 || itemsize <= 0) {
+        PyErr_SetString(PyExc_ValueError, "init(): not a DLPack dtype table");
+        return NULL;
+    }
+    Ctx *ctx = new_ctx();
+    if (ctx == NULL)
+        return NULL;
+    int32_t ndim = 0;
+    int64_t extent = 0;
+    int parsed = parse_layout(PyTuple_GET_ITEM(meta, 1), PyTuple_GET_ITEM(meta, 2), itemsize, ctx, &ndim, &extent);
+    if (parsed != 0 || extent != nbytes) {
+        give_back_ctx(ctx);
+        if (parsed < 0)
+            return NULL;
+        return general(args, nargs); /* a storage larger than the tensor's elements, or no element */
+    }
+    ctx->managed.dl_tensor.ndim = ndim;
+    ctx->managed.dl_tensor.dtype.code = (uint8_t)code;
+    ctx->managed.dl_tensor.dtype.bits = (uint8_t)bits;
+    ctx->managed.dl_tensor.dtype.lanes = (uint16_t)lanes;
+    PyObject *tensor = import_tensor(gen, ctx, offset);
+    if (tensor == NULL)
+        return NULL;
+    if (gen->low) /* pooled: counted loaded once its storage exists */
+        atomic_fetch_add(&((_Atomic uint64_t *)gen->addr)[HDR_LOADED], 1);
+    PyObject *storage = PyObject_CallMethodNoArgs(tensor, str_untyped_storage);
+    weak = storage != NULL ? PyWeakref_NewRef(storage, NULL) : NULL;
+    Py_XDECREF(storage);
+    if (weak == NULL || PyDict_SetItem(received, PyTuple_GET_ITEM(ref, 4), weak) < 0) {
+        Py_XDECREF(weak);
+        Py_DECREF(tensor);
+        return NULL;
+    }
+    Py_DECREF(weak);
+    loads++;
+    loaded_bytes += (unsigned long long)nbytes;
+    return tensor;
+}
+
+/* ---- reduce(): a plain CPU tensor shared in one call ---- */
+
+static PyObject *general_reduce(PyObject *tensor) {
+    if (slow_reduce == NULL) {
+        PyObject *module = PyImport_ImportModule("shmreduce.reductions");
+        if (module == NULL)
+            return NULL;
+        slow_reduce = PyObject_GetAttrString(module, "reduce_tensor");
+        Py_DECREF(module);
+        if (slow_reduce == NULL)
+            return NULL;
+    }
+    return PyObject_CallOneArg(slow_reduce, tensor);
+}
+
+/* 1 if obj.<name> is want (a singleton), 0 if not, -1 on error. */
+static int attr_is(PyObject *obj, int name, PyObject *want) {
+    PyObject *value = PyObject_GetAttr(obj, names[name]);
+    if (value == NULL)
+        return -1;
+    Py_DECREF(value);
+    return value == want;
+}
+
+/* obj.<name>() as an address or size; -1 (error set) on failure. */
+static Py_ssize_t call_int(PyObject *obj, int name) {
+    PyObject *value = PyObject_CallMethodNoArgs(obj, names[name]);
+    if (value == NULL)
+        return -1;
+    Py_ssize_t n = PyLong_AsSsize_t(value);
+    Py_DECREF(value);
+    return n;
+}
+
+/* Swap fresh's memory into storage if storage's data is still at ptr (no other thread
+ * moved it meanwhile): 1; 0 if moved; -1 on error. No Python code runs in between. */
+static int move_into(PyObject *storage, Py_ssize_t ptr, PyObject *fresh) {
+    Py_ssize_t now = call_int(storage, S_DATA_PTR);
+    if (now == -1 && PyErr_Occurred())
+        return -1;
+    if (now != ptr)
+        return 0;
+    PyObject *done = PyObject_CallMethodOneArg(storage, names[S_SWAP], fresh);
+    Py_XDECREF(done);
+    return done == NULL ? -1 : 1;
+}
+
+PyDoc_STRVAR(move_doc, "move(storage, ptr, fresh) -> bool\n\nSwap fresh's memory into storage if its data is still at ptr.");
+
+static PyObject *native_move(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyLong_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "move(storage, ptr, fresh)");
+        return NULL;
+    }
+    Py_ssize_t ptr = PyLong_AsSsize_t(args[1]);
+    int moved = (ptr == -1 && PyErr_Occurred()) ? -1 : move_into(args[0], ptr, args[2]);
+    return moved < 0 ? NULL : PyBool_FromLong(moved);
+}
+
+/* The current slab of this thread for the current strategy, if reduce() may fill it. */
+static GenObject *current_slab(void) {
+    PyObject *strategy = PyDict_GetItemWithError(strategy_globals, names[S_SHARING_STRATEGY]);
+    PyObject *thread = PyThreadState_GetDict();
+    if (strategy == NULL || thread == NULL)
+        return NULL;
+    int fs = PyUnicode_Check(strategy) && PyUnicode_Compare(strategy, names[S_FILE_SYSTEM]) == 0;
+    PyObject *slab = PyDict_GetItemWithError(thread, names[fs ? S_SLAB_FS : S_SLAB_FD]);
+    if (slab == NULL || Py_TYPE(slab) != &GenType || ((GenObject *)slab)->ended || ((GenObject *)slab)->ref == NULL)
+        return NULL;
+    return (GenObject *)slab;
+}
+
+/* Where storage (nbytes at ptr) lies: a Gen reduce() sends from and the offset, moved
+ * into this thread's slab first if it lies in none; NULL (no error) for the general path. */
+static GenObject *place(PyObject *storage, Py_ssize_t ptr, Py_ssize_t nbytes, Py_ssize_t *offset) {
+    Py_ssize_t i = index_find((const char *)ptr);
+    if (i >= 0) {
+        GenObject *gen = indexed[i];
+        Py_ssize_t at = ptr - (Py_ssize_t)gen->addr;
+        if (!gen->ended && at >= gen->low && at <= gen->size && nbytes <= gen->size - at) {
+            *offset = at;
+            reuses++;
+            return gen;
+        }
+    }
+    if (nbytes > SLAB_ITEM_MAX)
+        return NULL;
+    PyObject *shared = PyObject_CallOneArg(torch_is_shared, storage); /* torch's own: a storage it shared is adopted */
+    Py_XDECREF(shared);
+    GenObject *slab = shared == Py_False ? current_slab() : NULL;
+    Py_ssize_t at = slab != NULL ? slab->cursor : 0;
+    if (slab == NULL || at < slab->low || at > slab->size || nbytes > slab->size - at || at % ALIGN ||
+        !PyTuple_CheckExact(slab->info) || PyTuple_GET_SIZE(slab->info) != 3 || !PyDict_CheckExact(PyTuple_GET_ITEM(slab->info, 2)))
+        return NULL; /* full, or none yet: the general path makes the next */
+    memmove(slab->addr + at, (const void *)ptr, (size_t)nbytes);
+    PyObject *fresh = make_storage(slab, at, nbytes);
+    if (fresh == NULL)
+        return NULL;
+    int moved = move_into(storage, ptr, fresh);
+    Py_DECREF(fresh);
+    if (moved <= 0)
+        return NULL; /* moved by another thread meanwhile: the general path finds where */
+    slab->cursor = (at + nbytes + ALIGN - 1) & ~(Py_ssize_t)(ALIGN - 1);
+    PyObject *weak = PyWeakref_NewRef(storage, NULL), *key = PyLong_FromSsize_t(at);
+    int kept = weak != NULL && key != NULL ? PyDict_SetItem(PyTuple_GET_ITEM(slab->info, 2), key, weak) : -1;
+    Py_XDECREF(weak);
+    Py_XDECREF(key);
+    if (kept < 0)
+        return NULL;
+    shares++;
+    shared_bytes += (unsigned long long)nbytes;
+    *offset = at;
+    return slab;
+}
+
+static PyObject *share_plain(PyObject *tensor, PyObject *storage) {
+    Py_ssize_t nbytes = call_int(storage, S_NBYTES), ptr = nbytes > 0 ? call_int(storage, S_DATA_PTR) : -1;
+    if (nbytes <= 0 || ptr == -1)
+        return NULL;
+    if (!checked) {
+        struct pollfd post = {.fd = watched, .events = POLLRDHUP};
+        if (watched < 0 || poll(&post, 1, 0) != 0)
+            return NULL; /* the broker may be gone: the general path connects anew */
+        checked = 1;
+    }
+    Py_ssize_t offset;
+    GenObject *gen = place(storage, ptr, nbytes, &offset);
+    if (gen == NULL)
+        return NULL;
+    PyObject *r = gen->ref;
+    PyObject *ref = Py_BuildValue("(OOOOnnO)", PyTuple_GET_ITEM(r, 0), PyTuple_GET_ITEM(r, 1), PyTuple_GET_ITEM(r, 2),
+                                  PyTuple_GET_ITEM(r, 3), offset, nbytes, PyTuple_GET_ITEM(r, 4));
+    PyObject *header = gen->low ? PyLong_FromVoidPtr(gen->addr) : NULL;
+    if (ref == NULL || (gen->low && (header == NULL || PyList_Append(outgoing, header) < 0))) {
+        Py_XDECREF(ref);
+        Py_XDECREF(header);
+        return NULL;
+    }
+    Py_XDECREF(header);
+    PyObject *size = PyObject_CallMethodNoArgs(tensor, names[S_SIZE]);
+    PyObject *meta = NULL;
+    if (size != NULL)
+        meta = Py_BuildValue("(NNNNO)", PyObject_GetAttr(tensor, names[S_DTYPE]), PySequence_Tuple(size),
+                             PyObject_CallMethodNoArgs(tensor, names[S_STRIDE]),
+                             PyObject_CallMethodNoArgs(tensor, names[S_STORAGE_OFFSET]), Py_None);
+    Py_XDECREF(size);
+    return meta == NULL ? (Py_DECREF(ref), NULL) : Py_BuildValue("(O(NN))", rebuild_fn, ref, meta);
+}
+
+PyDoc_STRVAR(reduce_doc,
+             "reduce(tensor) -> (rebuild, (ref, meta))\n\n"
+             "reductions.reduce_tensor's result, made here in one call for a plain CPU tensor (torch.Tensor "
+             "exactly, no grad, no hooks, strided) inside a sending scope (message()) whose broker lives, whose "
+             "storage lies in an indexed Gen or fits this thread's slab (copied there and swapped in); counted "
+             "sent when the scope ends (its header's address appended to the scope's list). Every other case "
+             "goes to reductions.reduce_tensor.");
+
+static PyObject *native_reduce(PyObject *Py_UNUSED(module), PyObject *tensor) {
+    if (outgoing == NULL || rebuild_fn == NULL || Py_TYPE(tensor) != (PyTypeObject *)tensor_type)
+        return general_reduce(tensor);
+    int plain;
+    if ((plain = attr_is(tensor, S_REQUIRES_GRAD, Py_False)) <= 0 || (plain = attr_is(tensor, S_BACKWARD_HOOKS, Py_None)) <= 0 ||
+        (plain = attr_is(tensor, S_LAYOUT, strided)) <= 0 || (plain = attr_is(tensor, S_IS_CPU, Py_True)) <= 0 ||
+        (plain = attr_is(tensor, S_IS_NESTED, Py_False)) <= 0)
+        return plain < 0 ? NULL : general_reduce(tensor);
+    PyObject *storage = PyObject_CallMethodNoArgs(tensor, str_untyped_storage);
+    if (storage == NULL)
+        return NULL;
+    PyObject *reduced = share_plain(tensor, storage);
+    Py_DECREF(storage);
+    if (reduced == NULL && !PyErr_Occurred())
+        return general_reduce(tensor);
+    return reduced;
+}
+
+PyDoc_STRVAR(message_doc, "message(addresses)\n\nreduce()'s sending scope on this thread: the list it appends the header "
+                          "address of each ref to, or None (outside any scope). The broker is checked again.");
+
+static PyObject *native_message(PyObject *Py_UNUSED(module), PyObject *list) {
+    if (list != Py_None && !PyList_CheckExact(list)) {
+        PyErr_SetString(PyExc_TypeError, "message(list | None)");
+        return NULL;
+    }
+    Py_XSETREF(outgoing, list == Py_None ? NULL : Py_NewRef(list));
+    checked = 0;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(count_sent_doc, "count_sent(addresses)\n\nCount one ref sent in the header at each address.");
+
+static PyObject *native_count_sent(PyObject *Py_UNUSED(module), PyObject *list) {
+    if (!PyList_CheckExact(list)) {
+        PyErr_SetString(PyExc_TypeError, "count_sent(list)");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
+        _Atomic uint64_t *h = header_of(PyList_GET_ITEM(list, i));
+        if (h == NULL)
+            return NULL;
+        atomic_fetch_add(&h[HDR_SENT], 1);
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(watch_doc, "watch(fd)\n\nreduce() checks the post connection fd (-1: none) for a hang-up once per message.");
+
+static PyObject *native_watch(PyObject *Py_UNUSED(module), PyObject *fd) {
+    long value = PyLong_AsLong(fd);
+    if (value == -1 && PyErr_Occurred())
+        return NULL;
+    watched = value < 0 || value > INT32_MAX ? -1 : (int)value;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(set_slab_doc, "set_slab(file_system, gen)\n\nThis thread's current slab of a strategy for reduce() (None: none).");
+
+static PyObject *native_set_slab(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *thread = PyThreadState_GetDict();
+    if (nargs != 2 || thread == NULL || (args[1] != Py_None && Py_TYPE(args[1]) != &GenType)) {
+        PyErr_SetString(PyExc_TypeError, "set_slab(bool, Gen | None)");
+        return NULL;
+    }
+    PyObject *key = names[PyObject_IsTrue(args[0]) ? S_SLAB_FS : S_SLAB_FD];
+    if (args[1] != Py_None)
+        return PyDict_SetItem(thread, key, args[1]) < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *found = PyDict_GetItemWithError(thread, key);
+    if ((found == NULL && PyErr_Occurred()) || (found != NULL && PyDict_DelItem(thread, key) < 0))
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(shared_doc, "shared() -> (storages, bytes, reused)\n\nWhat reduce() moved into slabs, and sent from where it lay.");
+
+static PyObject *native_shared(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored)) {
+    return Py_BuildValue("KKK", shares, shared_bytes, reuses);
+}
+
+PyDoc_STRVAR(init_send_doc, "init_send(rebuild, tensor_type, strided, strategy_globals, is_shared)\n\nBind what reduce() needs.");
+
+static PyObject *native_init_send(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *fn, *type, *layout, *globals, *is_shared;
+    if (!PyArg_ParseTuple(args, "OO!OO!O", &fn, &PyType_Type, &type, &layout, &PyDict_Type, &globals, &is_shared))
+        return NULL;
+    Py_XSETREF(rebuild_fn, Py_NewRef(fn));
+    Py_XSETREF(tensor_type, Py_NewRef(type));
+    Py_XSETREF(strided, Py_NewRef(layout));
+    Py_XSETREF(strategy_globals, Py_NewRef(globals));
+    Py_XSETREF(torch_is_shared, Py_NewRef(is_shared));
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(loaded_doc, "loaded() -> (storages, bytes)\n\nWhat rebuild() loaded itself in this process.");
+
+static PyObject *native_loaded(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored)) {
+    return Py_BuildValue("KK", loads, loaded_bytes);
+}
+
 static PyMethodDef native_methods[] = {
+    {"rebuild", (PyCFunction)(void (*)(void))native_rebuild, METH_FASTCALL, rebuild_doc},
+    {"loaded", native_loaded, METH_NOARGS, loaded_doc},
+    {"reduce", native_reduce, METH_O, reduce_doc},
+    {"move", (PyCFunction)(void (*)(void))native_move, METH_FASTCALL, move_doc},
+    {"message", native_message, METH_O, message_doc},
+    {"count_sent", native_count_sent, METH_O, count_sent_doc},
+    {"watch", native_watch, METH_O, watch_doc},
+    {"set_slab", (PyCFunction)(void (*)(void))native_set_slab, METH_FASTCALL, set_slab_doc},
+    {"shared", native_shared, METH_NOARGS, shared_doc},
+    {"init_send", native_init_send, METH_VARARGS, init_send_doc},
+    {"unindex_all", native_unindex_all, METH_NOARGS, unindex_all_doc},
     {"hdr_sent", hdr_sent, METH_O, hdr_count_doc},
     {"hdr_loaded", hdr_loaded, METH_O, hdr_count_doc},
     {"hdr_hold", (PyCFunction)(void (*)(void))hdr_hold, METH_FASTCALL, hdr_hold_doc},
@@ -756,6 +1280,9 @@ PyMODINIT_FUNC PyInit__native(void) {
     str_untyped_storage = PyUnicode_InternFromString("untyped_storage");
     if (str_untyped_storage == NULL)
         return NULL;
+    for (int i = 0; i < N_NAMES; i++)
+        if ((names[i] = PyUnicode_InternFromString(name_text[i])) == NULL)
+            return NULL;
     sharing_error = Py_NewRef(PyExc_RuntimeError); /* until init() */
     PyObject *module = PyModule_Create(&native_module);
     if (module == NULL)

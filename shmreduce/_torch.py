@@ -15,10 +15,6 @@ import torch
 
 UntypedStorage = torch.UntypedStorage
 
-_new_with_weak_ptr = UntypedStorage._new_with_weak_ptr
-_expired = UntypedStorage._expired
-_free_weak_ref: Callable[[int], None] = UntypedStorage._free_weak_ref
-
 
 def map_file(path: str, nbytes: int) -> torch.UntypedStorage:
     """A MAP_SHARED mapping of *path* (which keeps no descriptor open)."""
@@ -71,29 +67,10 @@ def storage_fd(storage: torch.UntypedStorage) -> int:
     return storage._share_fd_cpu_()[0]
 
 
-class WeakStorage:
-    """A weak reference to a storage's StorageImpl (not to a Python wrapper).
-
-    Tensors keep the StorageImpl alive, not the Python ``UntypedStorage`` object, so
-    Python's weakref would report storages dead while still in use.
-    """
-
-    __slots__ = ("cdata",)
-
-    def __init__(self, storage: torch.UntypedStorage) -> None:
-        self.cdata: int = storage._weak_ref()  # type: ignore[assignment]  # stubs say storage; it is an int
-
-    def expired(self) -> bool:
-        return bool(_expired(self.cdata))
-
-    def get(self) -> torch.UntypedStorage | None:
-        if _expired(self.cdata):
-            return None
-        return _new_with_weak_ptr(self.cdata)
-
-    # Bound at definition: the torch module may be torn down before us at shutdown.
-    def __del__(self, _free: Callable[[int], None] = _free_weak_ref) -> None:
-        _free(self.cdata)
+# A weak reference to a storage's Python object is one to its StorageImpl: torch
+# keeps one Python object per StorageImpl for as long as any tensor uses it
+# (PyObject preservation), so ``weakref.ref(storage)`` dies with the storage, not with
+# the wrapper. The caches (``cache``, ``_native.rebuild``) rely on it.
 
 
 # -- tensors and classes (reductions) --

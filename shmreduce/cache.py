@@ -7,27 +7,33 @@ address (``pool.segment_at``), with no record kept per storage. So a storage sen
 twice is moved once, and a received storage (or a slice of one) sent on goes out
 from where it is. The one exception, a storage torch shared by descriptor itself
 (a segment shmreduce maps elsewhere, generation 0), is remembered by its
-StorageImpl (``remember_adopted``) with a torch weak pointer.
+StorageImpl (``remember_adopted``) with a weak reference.
 
 ``storage_at(token, offset)``: the identity map of loads, so that views of one
 storage sent in one message or in several arrive over one storage (and a process
 loading its own ref gets its own storage back). Each token (a
-generation in this process) keeps its own, offset -> a torch weak pointer to the
-StorageImpl (``_torch.WeakStorage``), never the storage: it goes with the token
+generation in this process) keeps its own, offset -> a weak reference to the
+storage, never the storage: it goes with the token
 when the generation's last storage here dies, so nothing is ever swept entry by
-entry. Fork-safe: the lock is replaced in the child.
+entry. ``_native.rebuild`` reads and fills the same map. Fork-safe: the lock is
+replaced in the child.
+
+Weak references to a storage's Python object are weak references to its
+StorageImpl: torch keeps one Python object per StorageImpl for as long as any
+tensor uses it (pinned by ``tests/test_torch_api.py``).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import weakref
 from typing import Any, NamedTuple
 
 import torch
 
 from shmreduce import pool
-from shmreduce._torch import WeakStorage, storage_key
+from shmreduce._torch import storage_key
 
 
 class Place(NamedTuple):
@@ -43,7 +49,7 @@ class Place(NamedTuple):
 
 class StorageCache:
     def __init__(self) -> None:
-        self._adopted: dict[int, tuple[WeakStorage, Place]] = {}  # storage key -> place
+        self._adopted: dict[int, tuple[weakref.ref, Place]] = {}  # storage key -> place
         self._after_fork()
         os.register_at_fork(after_in_child=self._after_fork)
 
@@ -60,7 +66,7 @@ class StorageCache:
             return Place(seg, seg.gen, ptr - seg.addr, nbytes)
         if self._adopted:
             entry = self._adopted.get(storage_key(storage) if key is None else key)
-            if entry is not None and not entry[0].expired():
+            if entry is not None and entry[0]() is not None:
                 return entry[1]
         return None
 
@@ -68,19 +74,19 @@ class StorageCache:
         """A storage torch shared by descriptor lies in *place* (a segment mapped
         elsewhere in this process)."""
         with self._lock:
-            for dead in [k for k, (weak, _) in self._adopted.items() if weak.expired()]:
+            for dead in [k for k, (weak, _) in self._adopted.items() if weak() is None]:
                 del self._adopted[dead]
-            self._adopted[key] = (WeakStorage(storage), place)
+            self._adopted[key] = (weakref.ref(storage), place)
 
     def storage_at(self, token: Any, offset: int) -> torch.UntypedStorage | None:
         """The storage received at *offset* through *token* (a generation's
         ``_native.Gen`` in this process), if it lives."""
         weak = token.info[2].get(offset)
-        return None if weak is None else weak.get()
+        return None if weak is None else weak()
 
     def remember(self, storage: torch.UntypedStorage, token: Any, offset: int) -> None:
         """*storage* lies at *offset* of *token*'s generation here (made or received)."""
-        token.info[2][offset] = WeakStorage(storage)
+        token.info[2][offset] = weakref.ref(storage)
 
     def clear(self) -> None:
         """Forget everything (a test acting as a process that never saw these storages)."""

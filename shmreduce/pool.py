@@ -92,7 +92,14 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 _PROT = mmap.PROT_READ | mmap.PROT_WRITE
 _U64 = ctypes.c_uint64
 _Gen = _native.Gen
-_native.init(_torch.from_dlpack, SharingError)
+# A receiver's live tokens by the first four fields of their refs (kind, directory,
+# segment, generation), published once held (``Gen.publish``): ``_native.rebuild``
+# loads through them in one C call; ``_native.dead()`` takes a token out as it ends.
+live: dict[tuple, Any] = {}
+# DLPack's dtype (code, bits, lanes) and the itemsize of each torch dtype it carries
+# (``reductions`` fills it on first use).
+dtypes: dict[torch.dtype, tuple[int, int, int, int]] = {}
+_native.init(_torch.from_dlpack, SharingError, dtypes, live)
 
 
 def class_size(nbytes: int) -> int:
@@ -135,7 +142,6 @@ class Segment:
         "tag",
         "retired",
         "sealed",
-        "used",
         "since",
         "filled",
         "rgen",
@@ -158,7 +164,6 @@ class Segment:
         self.tag: tuple[int, int] = (0, 0)  # a file: (generation, its refs' tag), see transfer.fs_tag
         self.retired = False  # never reused: closed once free
         self.sealed = False  # filled no further (its file went with a broker that died)
-        self.used = HEADER  # a slab's next free offset
         self.since = 0.0  # when it became free
         self.filled = 0  # its pages up to here are allocated (written through fd, or allocate())
         self.rgen = 0  # a receiver: the generation it last made a token of, and how many times
@@ -186,7 +191,6 @@ class Segment:
         except OSError as exc:
             raise self._write_error(exc, self.size, "writing a segment header") from exc
         self.filled = max(self.filled, HEADER)  # its first page is allocated now
-        self.used = HEADER
         return self.new_token(gen, None)
 
     def new_token(self, gen: int, kept: str | None) -> Any:
@@ -446,17 +450,17 @@ def live_segments() -> int:
 # -- parked tokens (receivers) -----------------------------------------------------
 #
 # A receiver keeps the token of a generation that has come to it in more than one
-# message (a slab's) alive until LINGER seconds after the last message in it (the
-# collector, every transfer.PURGE_EVERY, unparks it: 0.25 to 0.75 s): a
-# stream of messages in one slab, each dropped before the next arrives (the common
-# consumer loop), then finds the token live. Each message costs no new token, no
-# hold and release of the generation (records at the broker), no settle. Once
-# unparked (``unpark``, from the collector), the token ends with its last storage
-# and the hold goes at once. A generation seen in one message only (a large
+# message (a slab's) alive until LINGER seconds after the last storage made through
+# it (``Gen.used``; the collector, every transfer.PURGE_EVERY, unparks it: 0.25 to
+# 0.75 s): a stream of messages in one slab, each dropped before the next arrives
+# (the common consumer loop), then finds the token live. Each message costs no new
+# token, no hold and release of the generation (records at the broker), no settle.
+# Once unparked (``unpark``, from the collector), the token ends with its last
+# storage and the hold goes at once. A generation seen in one message only (a large
 # storage's segment) is never parked: its owner waits for it to reuse the memory.
 
 LINGER = 0.25
-_parked: dict[tuple, tuple[Hold, float]] = {}  # (kind, key) -> (a hold on its token, time of the last message in it)
+_parked: dict[tuple, Hold] = {}  # (kind, key) -> a hold on its token
 # Taken by park() and unpark() from any thread. A plain copy of the dict is not enough
 # since holds have a __del__ (Python code): a garbage collection during the copy can
 # run one, switch threads, and let another thread park ("dictionary changed size
@@ -466,21 +470,29 @@ _parked_lock = threading.Lock()
 
 def park(seg: Segment, token: Any) -> None:
     """Keep *token*, of a generation *seg* brought in more than one message, alive
-    for LINGER seconds from now (the segment's previous one goes)."""
-    entry = (Hold(seg, token), time.monotonic())
+    until LINGER seconds after its last use (the segment's previous one goes)."""
+    key = (seg.kind, seg.key)
+    held = _parked.get(key)
+    if held is not None and held.token is token:
+        return
+    hold = Hold(seg, token)
     with _parked_lock:
-        _parked[(seg.kind, seg.key)] = entry  # the hold it replaces goes (its __del__ takes no lock)
+        _parked[key] = hold  # the hold it replaces goes (its __del__ takes no lock)
+
+
+def _used(hold: Hold) -> float:
+    return hold.token.used if hold.token is not None else 0.0
 
 
 def unpark(older_than: float = 0.0) -> None:
-    """Let go of the tokens parked *older_than* seconds ago or more (all by default):
-    each ends with its last storage, and what it kept is let go of at once (settle).
-    Any thread."""
+    """Let go of the tokens last used *older_than* seconds ago or more (all by
+    default): each ends with its last storage, and what it kept is let go of at once
+    (settle). Any thread."""
     if not _parked:
         return
     cutoff = time.monotonic() - older_than
     with _parked_lock:
-        gone = [_parked.pop(i) for i, e in list(_parked.items()) if e[1] <= cutoff]
+        gone = [_parked.pop(k) for k, hold in list(_parked.items()) if older_than <= 0 or _used(hold) <= cutoff]
     del gone  # the tokens die here if no storage of them is left
 
 
@@ -537,14 +549,13 @@ class Pool:
         if nbytes <= SLAB_ITEM_MAX:
             slab = self.local.__dict__.get("slab")
             if slab is not None:
-                seg = slab.seg
-                offset = seg.used
+                seg, token = slab.seg, slab.token
+                offset = token.cursor
                 if offset + nbytes <= seg.size and not seg.sealed:
-                    # The hot path of small storages: the slab's pages are allocated
-                    # already (see _new_slab), so a plain copy into the mapping cannot
-                    # fault on a full memory limit; one C call per storage.
-                    seg.used = (offset + nbytes + ALIGN - 1) & -ALIGN
-                    token = slab.token
+                    # The slab's pages are allocated already (see _new_slab), so a plain
+                    # copy into the mapping cannot fault on a full memory limit; one C
+                    # call per storage (``_native.reduce`` fills the same slab).
+                    token.cursor = (offset + nbytes + ALIGN - 1) & -ALIGN
                     return seg, seg.gen, offset, token.place(offset, nbytes, 0 if source is None else source.data_ptr()), token
             self._new_slab()
             return self.place(nbytes, source)
@@ -565,7 +576,6 @@ class Pool:
                 storage = seg.fill(token, offset, nbytes, source)
         finally:
             token.release()  # the maker's hold: failing, the token's death gives the segment back (settle)
-        seg.used = offset + nbytes
         return seg, seg.gen, offset, storage, token
 
     def _begin(self, seg: Segment, retry: bool) -> Any:
@@ -589,7 +599,8 @@ class Pool:
             except OutOfSharedMemory:
                 self.full()
                 seg.allocate()
-        self.local.slab = Hold(seg, self._begin(seg, retry=False), take=False)  # the previous slab's hold goes
+        hold = self.local.slab = Hold(seg, self._begin(seg, retry=False), take=False)  # the previous slab's hold goes
+        _native.set_slab(self.kind == "fs", hold.token)  # reduce() fills it too, once indexed
 
     def take(self, size: int) -> Segment:
         """A free segment of *size*, else a new one."""
@@ -678,6 +689,7 @@ class Pool:
         for seg in list(_mapped.values()):
             if seg.pool is self and gone(seg):
                 seg.retired = seg.sealed = True
+        _native.unindex_all()
         with self.lock:
             for segs in self.free.values():
                 for seg in [s for s in segs if gone(s)]:
@@ -696,11 +708,16 @@ class Pool:
     def let_go(self) -> None:
         """Drop this thread's current slab, every free segment, and those waiting for
         their generation to be free (never reused: ``unregister()``)."""
-        self.local.__dict__.pop("slab", None)
+        self.drop_slab()
         self.active = False
         self._drop_waiting()
         with self.lock:
             self._trim_locked(lambda s: True)
+
+    def drop_slab(self) -> None:
+        """This thread's current slab is over: its generation ends with its last storage."""
+        self.local.__dict__.pop("slab", None)
+        _native.set_slab(self.kind == "fs", None)
 
     def stats(self) -> dict[str, int]:
         with self.lock:
@@ -720,6 +737,7 @@ class Pool:
         self.free_bytes = 0
         self.lock = threading.Lock()
         self.local = threading.local()
+        _native.set_slab(self.kind == "fs", None)
 
 
 class FdPool(Pool):
@@ -804,6 +822,8 @@ def forget_mappings() -> None:
     _kept.clear()
     _mapped.clear()
     _by_addr.clear()
+    live.clear()
+    _native.unindex_all()
     _index = None
 
 
@@ -813,12 +833,14 @@ def seal_where(gone: Callable[[Segment], bool]) -> None:
     for seg in list(_mapped.values()):
         if gone(seg):
             seg.sealed = True
+    _native.unindex_all()  # reduce() sends from none of them (each is indexed again once sent from here)
 
 
 def forget_deposits() -> None:
     """This process's broker is new: it keeps none of the memfds sent before."""
     for seg in list(_mapped.values()):
         seg.deposited = False
+    _native.unindex_all()  # reduce() sends from none until each is deposited again
 
 
 def mapped_stats() -> dict[str, int]:
@@ -838,6 +860,8 @@ def _after_fork_in_child() -> None:
     _gen_lock = threading.Lock()
     _parked_lock = threading.Lock()  # a parent's thread may have held it
     _parked.clear()  # the parent's tokens: their deaths are not ours to tell (settle)
+    live.clear()  # nor theirs to load through: what this process keeps, it holds itself
+    _native.unindex_all()  # nor to send from without depositing them itself
     for seg in list(_mapped.values()):
         # Never revive a token of the parent's here: what this process keeps, it claims
         # itself (a new token), or its owner could reuse memory this process reads.

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from shmreduce import _native, _torch, transfer
+from shmreduce import _native, _torch, pool, transfer
 from shmreduce.errors import SharingError
 
 _SPARSE_COMPRESSED = {
@@ -94,7 +94,7 @@ def reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple]:
         storage = tensor.untyped_storage()
         # An empty storage travels as itself (reduce_storage): pickle's memo then
         # rebuilds views of one empty storage in one message over one storage, as torch.
-        return rebuild_tensor, (transfer.share(storage) if storage.nbytes() else storage, _meta(tensor))
+        return _rebuild, (transfer.share(storage) if storage.nbytes() else storage, _meta(tensor))
     device = tensor.device.type
     if device == "cuda":
         from torch.multiprocessing.reductions import reduce_tensor as torch_reduce_tensor
@@ -106,24 +106,34 @@ def reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple]:
 
 
 _EMPTY: dict[torch.dtype, torch.Tensor] = {}  # one empty tensor per dtype: new_empty is cheap
-_DLPACK: dict[torch.dtype, tuple[int, int, int]] = {}  # DLPack's dtype of each torch dtype it carries (filled on first use)
+_DLPACK = pool.dtypes  # (code, bits, lanes, itemsize) of each dtype DLPack carries, filled on first use
+
+
+def dlpack_table() -> dict[torch.dtype, tuple[int, int, int, int]]:
+    """The dtypes ``_native.rebuild`` makes tensors of (``pool.dtypes``), filled once."""
+    if not _DLPACK:
+        _DLPACK.update((dtype, (*code, dtype.itemsize)) for dtype, code in _torch.dlpack_dtypes(_native.dltype).items())
+    return _DLPACK
 
 
 def _layout(meta: Any) -> tuple | None:
     """A tensor's layout for ``transfer.receive_tensor`` (which then makes the tensor
     itself), if *meta* is well formed, starts its storage and has a DLPack dtype."""
     if not _DLPACK:
-        _DLPACK.update(_torch.dlpack_dtypes(_native.dltype))
+        dlpack_table()
     if type(meta) is not tuple or len(meta) != 5 or meta[3] != 0:
         return None
     dtype, size, stride = meta[0], meta[1], meta[2]
     code = _DLPACK.get(dtype) if type(dtype) is torch.dtype else None
-    return None if code is None else (code, dtype.itemsize, size, stride)
+    return None if code is None else (code[:3], code[3], size, stride)
 
 
 def rebuild_tensor(ref: tuple | torch.UntypedStorage | None, meta: Meta) -> torch.Tensor:
-    """*ref*: a storage's SegmentRef, or an empty storage already rebuilt (None from
-    older pickles)."""
+    """The general rebuild of a strided CPU tensor: *ref*, a storage's SegmentRef, or
+    an empty storage already rebuilt (None from older pickles). Pickles name
+    ``_native.rebuild``, which makes the common case in one C call (a plain tensor
+    over the whole of a storage not loaded here yet, in a generation this process
+    holds already) and hands every other case here."""
     if isinstance(ref, tuple):
         got = transfer.receive_tensor(ref, _layout(meta))
     else:
@@ -143,6 +153,10 @@ def rebuild_tensor(ref: tuple | torch.UntypedStorage | None, meta: Meta) -> torc
         return t if extra is None else _finish(t, extra)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise SharingError(f"tensor metadata that does not fit its storage ({exc}): forged or corrupted message") from None
+
+
+_rebuild = _native.rebuild
+_native.init_send(_rebuild, torch.Tensor, torch.strided, vars(torch.multiprocessing), _torch.torch_is_shared)
 
 
 def rebuild_meta_tensor(meta: Meta, nbytes: int) -> torch.Tensor:
@@ -256,6 +270,6 @@ def default_reducers() -> dict[type, Any]:
     table[torch.TypedStorage] = reduce_typed_storage
     for tensor_cls in _torch.tensor_classes():
         table[tensor_cls] = reduce_tensor
-    table[torch.Tensor] = reduce_tensor
+    table[torch.Tensor] = _native.reduce  # reduce_tensor's common case in one C call; the rest goes there
     table[torch.nn.Parameter] = reduce_tensor
     return table

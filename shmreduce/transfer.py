@@ -99,7 +99,15 @@ _counters = {
 
 
 def counters() -> dict[str, int]:
-    return dict(_counters)
+    result = dict(_counters)
+    storages, nbytes = _native.loaded()  # what _native.rebuild loaded itself
+    result["storages_received"] += storages
+    result["bytes_received"] += nbytes
+    storages, nbytes, reused = _native.shared()  # what _native.reduce moved, and sent again
+    result["storages_shared"] += storages
+    result["bytes_shared"] += nbytes
+    result["storages_reused"] += reused
+    return result
 
 
 # -- pools -------------------------------------------------------------------------
@@ -199,13 +207,14 @@ _local = threading.local()
 
 
 class _Outgoing:
-    """The message a ``sending()`` scope is pickling: the segments of its refs (each
-    counted sent when the scope closes), and whether its broker was checked live."""
+    """The message a ``sending()`` scope is pickling: the header addresses of its refs'
+    segments (each counted sent when the scope closes), and whether its broker was
+    checked live."""
 
     __slots__ = ("counted", "checked", "program")
 
     def __init__(self) -> None:
-        self.counted: list[pool.Segment] = []
+        self.counted: list[int] = []
         self.checked = False
         self.program = ""
 
@@ -220,15 +229,16 @@ class sending:
     def __enter__(self) -> None:
         self.outer = getattr(_local, "out", None) is not None
         if not self.outer:
-            _local.out = _Outgoing()
+            out = _local.out = _Outgoing()
+            _native.message(out.counted)  # _native.reduce appends to it too
 
     def __exit__(self, exc_type: type | None, *_: object) -> None:
         if not self.outer:
             out, _local.out = _local.out, None
+            _native.message(None)
             if out.counted:
                 if exc_type is None:
-                    for seg in out.counted:
-                        _hdr_sent(seg.addr)
+                    _native.count_sent(out.counted)
                     _counters["messages_sent"] += 1
                 if pool.has_dead():
                     _send_releases(_take_releases())
@@ -259,19 +269,25 @@ def share(storage: torch.UntypedStorage) -> tuple:
     else:
         _counters["storages_reused"] += 1
     seg, gen, offset, nbytes = place
-    if gen:
-        out.counted.append(seg)
     if seg.kind == "fs":
         tag_gen, tag = seg.tag
         if tag_gen != gen:
             tag = fs_tag(seg.directory, seg.key, gen)
             seg.tag = (gen, tag)
-        return ("fs", seg.directory, seg.key, gen, offset, nbytes, tag)
-    if not out.program:
-        out.program = _program_dir()
-    if not seg.deposited:
-        _deposit(seg, storage, gen)
-    return ("fd", out.program, seg.key, gen, offset, nbytes, 0)
+        template = ("fs", seg.directory, seg.key, gen, tag)
+    else:
+        if not out.program:
+            out.program = _program_dir()
+        if not seg.deposited:
+            _deposit(seg, storage, gen)
+        template = ("fd", out.program, seg.key, gen, 0)
+    if gen:
+        out.counted.append(seg.addr)
+        token = seg.live_token(gen)
+        if token is not None:
+            token.index(template)  # _native.reduce sends from it from now on
+    kind, directory, key, gen, tag = template
+    return (kind, directory, key, gen, offset, nbytes, tag)
 
 
 def _deposit(seg: pool.Segment, storage: torch.UntypedStorage, gen: int) -> None:
@@ -295,7 +311,6 @@ _STRIPES = 64
 _stripes = [threading.Lock() for _ in range(_STRIPES)]
 _storage_key = _torch.storage_key
 _torch_is_shared = _torch.torch_is_shared
-_swap_memory = _torch.swap_memory
 
 
 def _move_once(storage: torch.UntypedStorage, key: int) -> Place:
@@ -312,8 +327,11 @@ def _move_once(storage: torch.UntypedStorage, key: int) -> Place:
             place = _adopt(storage, key, nbytes)
             if place is not None:
                 return place
+        ptr = storage.data_ptr()
         seg, gen, offset, shared, token = _current_pool().place(nbytes, storage)
-        _swap_memory(storage, shared)
+        if not _native.move(storage, ptr, shared):  # moved meanwhile, by _native.reduce in another thread
+            del shared
+            return cache.place_of(storage, key) or _move_once(storage, key)
         return _placed(storage, Place(seg, gen, offset, nbytes), token)
 
 
@@ -370,7 +388,7 @@ def new_shared(nbytes: int) -> torch.UntypedStorage:
 def let_go_slabs() -> None:
     """End this thread's current slabs: their generations end with their last storages."""
     for p in (_fd_pool, _fs_pool):
-        p.local.__dict__.pop("slab", None)
+        p.drop_slab()
 
 
 def let_go() -> None:
@@ -500,32 +518,22 @@ def receive_tensor(ref: tuple, layout: tuple | None) -> torch.UntypedStorage | t
     tensor itself, made over the mapping in one step (its storage is the storage
     ``receive`` would return, and is cached as such). Counts the ref loaded."""
     kind, directory, segkey, gen, offset, nbytes, tag = _checked(ref)
-    incoming = getattr(_local, "incoming", None)
-    last = getattr(_local, "last", None) if incoming is not None else None
-    if last is not None and last[0] == segkey and last[1] == gen and last[2] == directory and last[4].acquire():
-        # The previous ref lay in this generation too (a slab's small storages):
-        # same segment, same token, nothing to look up.
-        seg, token = last[3], last[4]
-    else:
-        seg = pool.lookup(kind, segkey)
-        if seg is not None and kind == "fs" and seg.directory != directory:
-            seg = None
-        token = seg.live_token(gen) if seg is not None else None
-        if token is None or not token.acquire():
-            if seg is None:
-                seg = _map(kind, directory, segkey, gen, tag)
-            token = _new_token(seg, kind, directory, segkey, gen, tag)
-        elif gen and seg.pool is None:  # a live token of an earlier message: a slab's, here again
-            pool.park(seg, token)
-        if incoming is not None:  # kept for the scope only: a token keeps its segment mapped
-            _local.last = (segkey, gen, directory, seg, token)
-    if incoming is not None:
-        _local.incoming = incoming + 1
+    seg = pool.lookup(kind, segkey)
+    if seg is not None and kind == "fs" and seg.directory != directory:
+        seg = None
+    token = seg.live_token(gen) if seg is not None else None
+    if seg is None or token is None or not token.acquire():
+        if seg is None:
+            seg = _map(kind, directory, segkey, gen, tag)
+        token = _new_token(seg, kind, directory, segkey, gen, tag)
+    elif gen and seg.pool is None:  # a live token of an earlier message: a slab's, here again
+        pool.park(seg, token)
     try:
         storage = cache.storage_at(token, offset)
         if storage is not None and storage.nbytes() == nbytes:
             if gen:
                 _hdr_loaded(seg.addr)
+            _loaded_again[0] += 1
             return storage
         tensor = token.tensor(offset, nbytes, *layout) if layout is not None else None
         storage = token.storage(offset, nbytes) if tensor is None else tensor.untyped_storage()
@@ -589,6 +597,7 @@ def _new_token(seg: pool.Segment, kind: str, directory: str, segkey: Any, gen: i
             raise stale_message(f"segment {segkey!r} holds other data now (generation {gen:x} is over)")
         _quietly(broker.client_for(directory).hold_gens, [(segkey, gen)])
         token = seg.new_token(gen, directory)
+        token.publish((kind, directory, segkey, gen))  # _native.rebuild loads through it from now on
         if seg.rtokens >= 2:  # the generation came in more than one message (a slab's)
             pool.park(seg, token)
     if seg.pool is None:
@@ -631,16 +640,23 @@ class receiving:
     def __enter__(self) -> None:
         self.outer = getattr(_local, "incoming", None) is not None
         if not self.outer:
-            _local.incoming = 0
+            _local.incoming = _loads()
 
     def __exit__(self, *_: object) -> None:
         if not self.outer:
-            count, _local.incoming = _local.incoming, None
-            _local.last = None
-            if count:
+            before, _local.incoming = _local.incoming, None
+            if _loads() != before:
                 _counters["messages_received"] += 1
             if pool.has_dead():
                 _send_releases(_take_releases())
+
+
+def _loads() -> int:
+    """Refs loaded in this process, by ``receive_tensor`` and ``_native.rebuild``."""
+    return _counters["storages_received"] + _loaded_again[0] + _native.loaded()[0]
+
+
+_loaded_again = [0]  # refs loaded as a storage this process had already
 
 
 def stats() -> dict[str, int]:
@@ -668,6 +684,8 @@ def _after_fork_in_child() -> None:
     _fd_pool.reset_after_fork()
     _fs_pool.reset_after_fork()
     _local.__dict__.clear()
+    _native.message(None)
+    _native.watch(-1)  # the parent's connection: this process connects anew
     _connected_before.clear()
 
 
@@ -685,6 +703,8 @@ def _on_connect(client: broker.BrokerClient) -> None:
     # Which generation is free is in the segments' headers: that survives the broker.
     directory = client.directory
     _names.drop(directory)
+    if directory == _program_dir() and client.post is not None:
+        _native.watch(client.post.fileno())  # _native.reduce checks it for a hang-up once per message
     if directory not in _connected_before:
         _connected_before.add(directory)
         return
@@ -715,4 +735,11 @@ def _on_connect(client: broker.BrokerClient) -> None:
     pool.seal_where(file_gone)
 
 
+def _on_close(client: broker.BrokerClient) -> None:
+    prog = program.peek()
+    if prog is not None and client.directory == prog.directory:
+        _native.watch(-1)
+
+
 broker.on_connect.append(_on_connect)
+broker.on_close.append(_on_close)

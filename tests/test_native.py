@@ -11,6 +11,7 @@ import gc
 import mmap
 import pickle
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shmreduce
-from shmreduce import _native, _torch, pool, transfer
+from shmreduce import _native, _torch, pool, reductions, transfer
 
 from helpers import run_in_child
 
@@ -52,7 +53,7 @@ def _drain() -> list[Any]:
     mine: list[Any] = []
     others: list[Any] = []
     for gen in _native.dead():
-        (mine if gen.info == _MINE else others).append(gen)
+        (mine if isinstance(gen.info, tuple) and gen.info[:2] == _MINE else others).append(gen)
     if others:
         releases = pool.Releases()
         pool.settle(releases, others)
@@ -257,6 +258,94 @@ def test_every_dtype_dlpack_carries_comes_back_as_itself(memory) -> None:
         assert t is not None and t.dtype == dtype and t.numel() == n, dtype
     del t
     gen.release()
+
+
+# -- rebuild(): a tensor in one call through a published Gen --------------------------
+
+_KEY = ("fd", "/nonexistent/shmreduce-test-rebuild", 4242, 7)  # a ref's first four fields
+_TABLE = {torch.float32, torch.float64, torch.uint8, torch.bool, torch.int16, torch.complex64, torch.bfloat16}
+
+
+def _published(addr: int) -> Any:
+    reductions.dlpack_table()  # rebuild()'s dtypes
+    gen = _gen(addr)
+    gen.info = (*_MINE, {})  # the identity map rebuild() fills
+    gen.publish(_KEY)
+    return gen
+
+
+def _dims() -> st.SearchStrategy[tuple[tuple, tuple]]:
+    dim = st.integers(1, 9) | st.integers(-2, 0) | st.just(1 << 62)
+    step = st.integers(0, 40) | st.just(-1) | st.just(1 << 62)
+    return st.integers(0, 3).flatmap(lambda n: st.tuples(st.tuples(*[dim] * n), st.tuples(*[step] * n)))
+
+
+def _extent(size: tuple, stride: tuple, itemsize: int) -> int | None:
+    """The bytes a layout spans, None where rebuild() must not make it itself."""
+    if not all(type(v) is int for v in size + stride) or len(size) != len(stride) or not size:
+        return None
+    if any(d <= 0 for d in size) or any(v < 0 for v in stride) or len(size) > 8:
+        return None
+    return (sum((d - 1) * v for d, v in zip(size, stride, strict=True)) + 1) * itemsize
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    offset=st.integers(0, SIZE // 64).map(lambda k: k * 64) | _ANY,
+    exact=st.booleans(),
+    nbytes=st.integers(-8, SIZE + 8) | _ANY,
+    layout=_dims(),
+    dtype=st.sampled_from(sorted(_TABLE, key=str)) | st.sampled_from([torch.int4 if hasattr(torch, "int4") else None, "float32", 1.0]),
+    start=st.sampled_from([0, 0, 0, 1, -1, "0", 0.0]),
+    extra=st.sampled_from([None, None, (torch.Tensor, True, None), "x"]),
+)
+def test_rebuild_makes_only_checked_tensors_or_raises_sharing_error(
+    memory, offset: int, exact: bool, nbytes: int, layout: tuple, dtype: Any, start: Any, extra: Any
+) -> None:
+    # Any ref and metadata through a published Gen: a tensor over exactly the checked
+    # range, or SharingError (from rebuild's own checks, or from the general rebuild it
+    # hands the rest to, which finds no such program directory): never a crash.
+    _, addr = memory
+    size, stride = layout
+    itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else 1
+    span = _extent(size, stride, itemsize)
+    if exact and span is not None:
+        nbytes = span
+    gen = _published(addr)
+    ref = (*_KEY, offset, nbytes, 0)
+    in_range = LOW <= offset and 0 < nbytes and offset + nbytes <= SIZE and offset % _native.ALIGN == 0
+    fast = in_range and dtype in _TABLE and start == 0 and type(start) is int and extra is None and span == nbytes
+    try:
+        if fast:
+            t = _native.rebuild(ref, (dtype, size, stride, start, extra))
+            assert t.dtype == dtype and t.shape == size and t.stride() == stride and t.storage_offset() == 0
+            assert t.untyped_storage().data_ptr() == addr + offset and t.untyped_storage().nbytes() == nbytes
+            assert gen.info[2][offset]() is t.untyped_storage()  # remembered: a second load is the same storage
+            del t
+        else:
+            with pytest.raises(shmreduce.SharingError):
+                _native.rebuild(ref, (dtype, size, stride, start, extra))
+    finally:
+        gen.release()
+        gc.collect()
+        _drain()
+    assert _KEY not in pool.live  # dead() took it out
+
+
+def test_rebuild_counts_its_loads_in_the_header_and_the_process(memory) -> None:
+    m, addr = memory
+    gen = _published(addr)
+    before = _native.loaded()
+    t = _native.rebuild((*_KEY, 128, 64, 0), (torch.float32, (16,), (1,), 0, None))
+    assert _native.loaded() == (before[0] + 1, before[1] + 64)
+    assert _native.hdr_read(addr)[2] == 1  # refs loaded, in the header a pooled segment has
+    assert gen.live == 2 and abs(gen.used - time.monotonic()) < 5
+    t.fill_(2.0)
+    assert m[128:192] == torch.full((16,), 2.0).numpy().tobytes()
+    del t
+    gen.release()
+    gc.collect()
+    assert _drain() == [gen] and _KEY not in pool.live
 
 
 # -- fuzzed messages through the whole loader ------------------------------------------

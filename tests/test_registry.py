@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import shmreduce
-from shmreduce import reductions
+from shmreduce import _native, reductions
 
 # ForkingPickler.register's table: private, so absent from typeshed.
 EXTRA_REDUCERS: dict[type, Any] = vars(ForkingPickler)["_extra_reducers"]
@@ -55,7 +55,8 @@ def test_register_installs_every_class_and_unregister_restores_exactly():
         *torch._tensor_classes,
         *torch._storage_classes,
     ]:
-        assert EXTRA_REDUCERS[cls].__module__ == "shmreduce.reductions", cls
+        # shmreduce's own: plain tensors' in C (shmreduce._native.reduce, which hands every other case to reductions)
+        assert EXTRA_REDUCERS[cls].__module__ in ("shmreduce.reductions", "shmreduce._native"), cls
     assert shmreduce.is_registered()
     shmreduce.unregister()
     shmreduce.unregister()  # idempotent
@@ -166,7 +167,8 @@ def test_children_run_registered_with_the_same_strategy(method):
 
 def test_default_reducers_cover_spec_classes():
     table = reductions.default_reducers()
-    assert table[torch.Tensor] is reductions.reduce_tensor
+    assert table[torch.Tensor] is _native.reduce  # reduce_tensor's common case, in C
+    assert table[torch.nn.Parameter] is reductions.reduce_tensor
     assert table[torch.UntypedStorage] is reductions.reduce_storage
     assert all(cls in table for cls in torch._storage_classes)
 

@@ -3,8 +3,10 @@
 If a torch release changes any of these, this module fails loudly: fix _torch.py.
 """
 
+import gc
 import os
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -50,15 +52,21 @@ def test_map_file_keeps_no_descriptor(tmp_path):
     assert _torch.storage_fd(storage) == -1
 
 
-def test_weak_storage_tracks_the_storage_impl():
+def test_a_storage_object_lives_as_long_as_its_storage_impl():
+    # The identity maps (shmreduce/cache.py, _native.rebuild) hold weakref.ref(storage):
+    # torch must keep one Python object per StorageImpl while a tensor uses it.
     t = torch.zeros(4)
-    weak = _torch.WeakStorage(t.untyped_storage())
-    assert not weak.expired()
-    got = weak.get()
-    assert got is not None and got._cdata == t.untyped_storage()._cdata
-    del got  # no reference may outlive this line: the storage must expire below
-    del t
-    assert weak.expired() and weak.get() is None
+    weak = weakref.ref(t.untyped_storage())
+    gc.collect()
+    got = weak()
+    assert got is not None and got is t.untyped_storage() and got._cdata == t.untyped_storage()._cdata
+    view = t[1:]
+    del got, t  # no reference may outlive this line but the view's
+    gc.collect()
+    assert weak() is view.untyped_storage()
+    del view
+    gc.collect()
+    assert weak() is None
 
 
 def test_map_file_through_proc_fd_maps_the_open_file_even_unlinked(tmp_path):

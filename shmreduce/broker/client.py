@@ -43,6 +43,7 @@ log = logging.getLogger("shmreduce")
 # Called with (client) after every (re)connection; the storage cache uses it to hold
 # again the segment names this process still maps.
 on_connect: list[Callable[[BrokerClient], None]] = []
+on_close: list[Callable[[BrokerClient], None]] = []  # before a client's connections close
 
 
 def _timeval(seconds: float) -> bytes:
@@ -301,6 +302,9 @@ class BrokerClient:
         storages die (the broker, told so first, does not count it out at the close;
         a broker that does not hear it is dead, and counts nobody out)."""
         with self.lock:
+            if self.post is not None:
+                for hook in on_close:
+                    hook(self)
             if keep and self.post is not None:
                 try:
                     P.send_record(self.post, P.KEEP, P.NO_KEY)
@@ -537,4 +541,14 @@ def _after_fork_in_parent() -> None:
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
-__all__ = ["BrokerClient", "client_for", "close_all", "connected_client", "existing_clients", "on_connect", "start_broker", "stale_message"]
+__all__ = [
+    "BrokerClient",
+    "client_for",
+    "close_all",
+    "connected_client",
+    "existing_clients",
+    "on_close",
+    "on_connect",
+    "start_broker",
+    "stale_message",
+]
