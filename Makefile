@@ -1,12 +1,13 @@
 # Two entry points do all the set-up on a fresh machine: `make test` and `make bench`.
-# The venv's Python: the one requires-python admits (the CPU torch wheel exists for 3.11).
+# The venv's Python: requires-python admits 3.10 to 3.13, but the one CPU torch wheel
+# on the dev and CI machines (constraints-dev.txt) is for 3.11. The others: `make pythons`.
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format typecheck bench asan clean
+.PHONY: install test lint format typecheck pythons suite-python bench asan clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +32,26 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# mypy checks as Python 3.10, the lowest declared (pyproject.toml); `make pythons` adds 3.13.
 typecheck: $(STAMP)
 	$(PY) -m mypy
+
+# Every Python declared, without torch (not part of `make test`: 2 to 3 minutes, most of
+# it pip): mypy as 3.13, the highest declared (3.10 is `make typecheck`), then per
+# interpreter a throwaway venv that builds the extension warning-free (`pip install .`),
+# imports the package and runs the tests that need no torch (.ci/pythons says which).
+# PYTHONS=3.12 picks some; an interpreter is python3.X on PATH, else pyenv's.
+PYTHONS ?= 3.10 3.11 3.12 3.13
+pythons: $(STAMP)
+	$(PY) -m mypy --python-version 3.13
+	.ci/pythons $(PYTHONS)
+
+# The whole of `make test` on another Python, in its own venv .venv-3.X (not part of
+# `make test`). torch 2.13.0 comes from PyPI there: on Linux x86_64 the CUDA build, about
+# 2.6 GB to download and 4.7 GB installed (README, "Torch and Python versions").
+SUITE_PYTHON ?= 3.12
+suite-python:
+	$(MAKE) test PYTHON="$$(.ci/pythons --which $(SUITE_PYTHON))" VENV=.venv-$(SUITE_PYTHON)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py --update-readme $(BENCH_ARGS)

@@ -21,7 +21,10 @@ os.close(_log_fd)
 os.environ.setdefault("SHMREDUCE_BROKER_LOG", _broker_log)
 os.environ.setdefault("SHMREDUCE_LOG_LEVEL", "DEBUG")
 
-import torch.multiprocessing as tmp  # noqa: E402
+try:
+    import torch.multiprocessing as tmp
+except ModuleNotFoundError:  # a venv without torch (make pythons): only the torch-free modules run
+    tmp = None  # type: ignore[assignment]
 
 import shmreduce  # noqa: E402
 
@@ -57,6 +60,9 @@ def registered_fd():
 
 @pytest.fixture(autouse=True)
 def _restore_torch_strategy():
+    if tmp is None:
+        yield
+        return
     before = tmp.get_sharing_strategy()
     yield
     tmp.set_sharing_strategy(before)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -84,13 +85,18 @@ def open_fds() -> set[str]:
 
 
 def shutdown_and_check_leaks(fds_before: set[str], timeout: float = 15.0) -> None:
-    """Drop our connections and assert no shm files, brokers or descriptors remain."""
-    from shmreduce import transfer
+    """Drop our connections and assert no shm files, brokers or descriptors remain.
 
-    shmreduce.unregister()
+    A module that never imported the registry or transfer (the torch-free ones) has
+    nothing registered and nothing to collect: neither is imported here for it."""
+    if "shmreduce.registry" in sys.modules:
+        shmreduce.unregister()
     broker_client.close_all()
     gc.collect()
-    transfer.collect()  # what died since (the collector thread would within 0.5 s)
+    if "shmreduce.transfer" in sys.modules:
+        from shmreduce import transfer
+
+        transfer.collect()  # what died since (the collector thread would within 0.5 s)
     assert wait_for(lambda: not broker_pids(), timeout), f"broker still running: {broker_pids()}; {what_brokers_hold()}"
     assert wait_for(lambda: not shm_entries(), timeout), f"left in shm dir: {sorted(shm_entries())}"
     leaked = {fd for fd in open_fds() - fds_before if "memfd:shmreduce" in fd or "shmreduce" in fd or "socket:" in fd}

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 import time
+
+import pytest
 
 from shmreduce.broker import protocol as P
 from shmreduce.broker import server
@@ -14,6 +17,9 @@ from shmreduce.broker import server
 from helpers import broker_pids, shm_base, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The CLI itself never imports torch; the tests marked so share a tensor to have a
+# program to look at. Without torch (make pythons) they are skipped, the rest run.
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="shares a tensor: needs torch")
 
 
 def _run(*args, env_extra=None, timeout=60):
@@ -84,6 +90,7 @@ def test_doctor_flags_small_shm(tmp_path):
     assert wait_for(lambda: not broker_pids(), 10)
 
 
+@needs_torch
 def test_cleanup_keeps_live_program():
     import torch
 
@@ -180,6 +187,7 @@ sys.stdin.readline()
 """
 
 
+@needs_torch
 def test_doctor_json_lists_running_programs_and_their_files():
     import json
 
@@ -207,6 +215,7 @@ def test_doctor_json_lists_running_programs_and_their_files():
     assert wait_for(lambda: not broker_pids(), 15)
 
 
+@needs_torch
 def test_report_gives_this_process_pools_and_its_broker_state(capsys):
     import torch
 

@@ -1,0 +1,159 @@
+"""What shmreduce does with no torch in sight: importing it, its broker, and the C
+extension's checks that form no tensor (headers, handles, generations).
+
+Nothing here imports torch, so ``make pythons`` runs this module (with
+test_protocol.py, test_cli.py and test_package.py) in a venv of each declared
+Python that has no torch installed; ``make test`` runs it beside the rest.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import secrets
+import struct
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from shmreduce import _native
+from shmreduce.broker import client as broker_client
+from shmreduce.broker import protocol as P
+
+from helpers import broker_pids, run_in_child, shm_base, wait_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIZE = 1 << 16
+LOW = 64
+
+
+def test_importing_shmreduce_imports_nothing_heavy():
+    # What the broker process and `shmreduce doctor` import, in a fresh interpreter.
+    code = (
+        "import sys, shmreduce, shmreduce._native, shmreduce._platform, shmreduce.errors, shmreduce.program, "
+        "shmreduce.doctor, shmreduce.broker.client, shmreduce.broker.server; "
+        "heavy = sorted({'torch', 'numpy', 'cloudpickle'} & set(sys.modules)); assert not heavy, heavy"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+def test_a_broker_keeps_a_memfd_and_hands_it_back():
+    # A sender deposits a memfd, a second client fetches it by inode (a descriptor of
+    # the same file), the sender drops it and the broker lets go of it.
+    directory = os.path.join(shm_base(), f"{P.DIR_PREFIX}{secrets.token_hex(8)}")
+    sender = broker_client.BrokerClient(directory, os.getpid())
+    receiver = broker_client.BrokerClient(directory, None)
+    fd = os.memfd_create("shmreduce-test-without-torch", os.MFD_CLOEXEC)
+    got = None
+    try:
+        os.write(fd, b"no torch here")
+        ino = os.fstat(fd).st_ino
+        sender.segment(fd, header=False)
+        assert sender.ping()["pid"] == sender.broker_pid  # a barrier: the segment is in
+        got = receiver.fetch(ino)
+        assert got is not None and os.fstat(got).st_ino == ino
+        assert os.pread(got, 13, 0) == b"no torch here"
+        sender.drop([ino])
+        sender.ping()
+        assert receiver.fetch(ino) is None
+    finally:
+        for d in (fd, got):
+            if d is not None:
+                os.close(d)
+        sender.close()
+        receiver.close()
+    assert wait_for(lambda: not os.path.exists(directory), 10)  # it exits once unused
+    assert wait_for(lambda: not broker_pids(), 10)
+
+
+@pytest.fixture
+def header() -> tuple[mmap.mmap, int]:
+    m = mmap.mmap(-1, mmap.PAGESIZE)
+    return m, ctypes.addressof(ctypes.c_char.from_buffer(m))
+
+
+def test_header_counts_holds_and_frees_one_generation(header) -> None:
+    m, addr = header
+    struct.pack_into("Q", m, 0, 5)  # generation 5
+    _native.hdr_sent(addr)
+    _native.hdr_sent(addr)
+    _native.hdr_loaded(addr)
+    assert _native.hdr_read(addr) == (5, 2, 1, 0)
+    assert _native.hdr_hold(addr, 5) and _native.hdr_read(addr)[3] == 1
+    assert not _native.hdr_hold(addr, 6) and _native.hdr_read(addr)[3] == 1  # another generation: nothing held
+    assert not _native.hdr_free(addr, 5)  # held
+    assert _native.hdr_unhold(addr, 5) and not _native.hdr_unhold(addr, 5)
+    assert not _native.hdr_free(addr, 5)  # a ref sent is not loaded yet
+    _native.hdr_loaded(addr)
+    assert _native.hdr_free(addr, 5) and _native.hdr_read(addr) == (0, 0, 0, 0)
+    assert not _native.hdr_hold(addr, 5)  # a stale ref finds the generation over
+
+
+def test_header_refuses_bad_addresses_and_arguments(header) -> None:
+    _m, addr = header
+    with pytest.raises(ValueError, match="unaligned"):
+        _native.hdr_read(addr + 4)
+    with pytest.raises(ValueError, match="null"):
+        _native.hdr_sent(0)
+    with pytest.raises(TypeError):
+        _native.hdr_hold(addr)  # type: ignore[call-arg]
+
+
+def _gen(addr: int) -> _native.Gen:
+    gen = _native.Gen(object(), addr, SIZE, 7, LOW)
+    gen.info = (None, -1)  # a test's token: pool.settle skips it
+    return gen
+
+
+def test_handles_are_checked_before_any_tensor_is_formed() -> None:
+    # Before init() handles raise RuntimeError; after it (torch's importer bound) the
+    # SharingError subclass of it: either way, never a pointer out of the segment.
+    m = mmap.mmap(-1, SIZE)
+    gen = _gen(ctypes.addressof(ctypes.c_char.from_buffer(m)))
+    try:
+        for offset, nbytes in [(0, 64), (LOW, 0), (LOW, -1), (LOW + 1, 64), (SIZE - 64, 128), (SIZE, 1), (1 << 62, 1 << 62)]:
+            with pytest.raises(RuntimeError, match="out of bounds"):
+                gen.storage(offset, nbytes)
+        with pytest.raises(RuntimeError, match="out of range"):
+            gen.storage(1 << 70, 64)
+        malformed: list[tuple[Any, Any]] = [("64", 64), (64, 64.0), (None, 1), (True, 64)]
+        for offset, nbytes in malformed:
+            with pytest.raises(RuntimeError, match="must be ints"):
+                gen.storage(offset, nbytes)
+        with pytest.raises(TypeError):
+            gen.storage(64)  # type: ignore[call-arg]
+    finally:
+        gen.release()
+    for size, low in [(4, 0), (SIZE, -1), (SIZE, SIZE + 1)]:
+        with pytest.raises(ValueError, match="segment from byte"):
+            _native.Gen(object(), 4096, size, 7, low)
+    with pytest.raises(ValueError, match="null"):
+        _native.Gen(object(), 0, SIZE, 7, LOW)
+
+
+def _generation_lifetime() -> str:
+    # In a fork child: no collector thread there takes what dead() reports.
+    m = mmap.mmap(-1, SIZE)
+    gen = _gen(ctypes.addressof(ctypes.c_char.from_buffer(m)))
+    assert gen.live == 1 and not gen.ended  # its maker's hold
+    assert gen.acquire() and gen.live == 2
+    gen.release()
+    gen.release()
+    assert gen.live == 0 and _native.pending()
+    assert gen in _native.dead() and gen.ended  # with whatever else died here (an earlier test's)
+    assert gen not in _native.dead()  # reported once
+    assert not gen.acquire()  # over: no hold, no storage
+    with pytest.raises(RuntimeError, match="is over"):
+        gen.storage(LOW, 64)
+    with pytest.raises(RuntimeError, match="nobody holds"):
+        gen.release()
+    return "ok"
+
+
+def test_a_generation_is_reported_dead_once_its_holds_are_released() -> None:
+    result = run_in_child(_generation_lifetime)
+    assert result == ("ok", "ok"), result
