@@ -523,22 +523,32 @@ static void gen_dealloc(GenObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* ---- reduce()'s index: the Gens it sends from, by address ----
+/* ---- mapped segments, by address ----
  *
- * Python indexes a Gen (Gen.index) once it has sent a ref from it itself: its memfd
- * deposited, its file's tag computed, its segment not sealed. reduce() finds the Gen
- * a storage lies in by its address here. A Gen leaves when dead() reports it, and all
- * leave at unindex_all() (a new broker, a sealed file, a fork). Strong references. */
+ * Every segment Python maps (mapped() / unmapped(), the latter before it unmaps it),
+ * with a weak reference to its Segment (segment_at()), and the Gen reduce() sends
+ * storages lying in it from: one Python indexed (Gen.index) once it sent a ref from
+ * it itself (its memfd deposited, its file's tag computed). A Gen leaves when dead()
+ * reports it, all leave at unindex_all() (a new broker, a sealed file, a fork). A
+ * storage in a segment with no indexed Gen takes the general path: it is never moved
+ * again. Strong references. */
 
-static GenObject **indexed;
-static Py_ssize_t n_indexed, cap_indexed;
+typedef struct {
+    char *addr;
+    Py_ssize_t size;
+    PyObject *segment; /* a weak reference */
+    GenObject *gen;    /* indexed, or NULL */
+} Range;
 
-/* The position of the last Gen whose address is <= addr, or -1. */
-static Py_ssize_t index_find(const char *addr) {
-    Py_ssize_t lo = 0, hi = n_indexed;
+static Range *ranges;
+static Py_ssize_t n_ranges, cap_ranges;
+
+/* The position of the last range whose address is <= addr, or -1. */
+static Py_ssize_t range_find(uintptr_t addr) {
+    Py_ssize_t lo = 0, hi = n_ranges;
     while (lo < hi) {
         Py_ssize_t mid = (lo + hi) / 2;
-        if (indexed[mid]->addr <= addr)
+        if ((uintptr_t)ranges[mid].addr <= addr)
             lo = mid + 1;
         else
             hi = mid;
@@ -546,14 +556,28 @@ static Py_ssize_t index_find(const char *addr) {
     return lo - 1;
 }
 
+/* The range holding [ptr, ptr + nbytes), or NULL. */
+static Range *range_at(uintptr_t ptr, Py_ssize_t nbytes) {
+    Py_ssize_t i = range_find(ptr);
+    if (i < 0)
+        return NULL;
+    uintptr_t at = ptr - (uintptr_t)ranges[i].addr;
+    return nbytes >= 0 && at <= (uintptr_t)ranges[i].size && (uintptr_t)nbytes <= (uintptr_t)ranges[i].size - at ? &ranges[i] : NULL;
+}
+
+/* The range starting exactly at addr, or NULL. */
+static Range *range_of(const char *addr) {
+    Py_ssize_t i = range_find((uintptr_t)addr);
+    return i >= 0 && ranges[i].addr == addr ? &ranges[i] : NULL;
+}
+
 static void unindex(GenObject *gen) {
     if (gen->ref == NULL)
         return;
-    Py_ssize_t i = index_find(gen->addr);
     Py_CLEAR(gen->ref);
-    if (i >= 0 && indexed[i] == gen) {
-        memmove(&indexed[i], &indexed[i + 1], (size_t)(n_indexed - i - 1) * sizeof(GenObject *));
-        n_indexed--;
+    Range *r = range_of(gen->addr);
+    if (r != NULL && r->gen == gen) {
+        r->gen = NULL;
         Py_DECREF(gen);
     }
 }
@@ -561,35 +585,104 @@ static void unindex(GenObject *gen) {
 PyDoc_STRVAR(gen_index_doc, "index(ref)\n\nSend storages in this Gen from reduce(), with refs (*ref[:4], offset, nbytes, ref[4]).");
 
 static PyObject *gen_index(GenObject *self, PyObject *ref) {
-    if (!PyTuple_CheckExact(ref) || PyTuple_GET_SIZE(ref) != 5 || self->ended) {
-        PyErr_SetString(PyExc_ValueError, "index((kind, directory, segment, generation, tag)) of a live Gen");
+    Range *r = range_of(self->addr);
+    if (!PyTuple_CheckExact(ref) || PyTuple_GET_SIZE(ref) != 5 || self->ended || r == NULL || r->size != self->size) {
+        PyErr_SetString(PyExc_ValueError, "index((kind, directory, segment, generation, tag)) of a live Gen of a mapped segment");
         return NULL;
     }
-    unindex(self);
-    Py_ssize_t i = index_find(self->addr);
-    if (i >= 0 && indexed[i]->addr == self->addr)
-        unindex(indexed[i]); /* an earlier Gen of the segment, not reported dead yet */
-    if (n_indexed == cap_indexed) {
-        Py_ssize_t cap = cap_indexed ? 2 * cap_indexed : 64;
-        GenObject **grown = PyMem_Realloc(indexed, (size_t)cap * sizeof(GenObject *));
+    if (r->gen != NULL)
+        unindex(r->gen); /* an earlier Gen of the segment, not reported dead yet */
+    Py_XSETREF(self->ref, Py_NewRef(ref));
+    r->gen = (GenObject *)Py_NewRef(self);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(mapped_doc, "mapped(addr, size, segment) / unmapped(addr)\n\nA segment mapped at addr (segment: a weak reference "
+                         "to it) / no longer (before its munmap).");
+
+static PyObject *native_mapped(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    char *addr = nargs == 3 ? PyLong_AsVoidPtr(args[0]) : NULL;
+    Py_ssize_t size = addr != NULL ? PyLong_AsSsize_t(args[1]) : -1;
+    if (addr == NULL || size <= 0 || !PyWeakref_Check(args[2])) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "mapped(addr, size, weakref)");
+        return NULL;
+    }
+    if (range_of(addr) != NULL) {
+        PyErr_SetString(PyExc_ValueError, "mapped() twice at one address");
+        return NULL;
+    }
+    if (n_ranges == cap_ranges) {
+        Py_ssize_t cap = cap_ranges ? 2 * cap_ranges : 64;
+        Range *grown = PyMem_Realloc(ranges, (size_t)cap * sizeof(Range));
         if (grown == NULL)
             return PyErr_NoMemory();
-        indexed = grown;
-        cap_indexed = cap;
+        ranges = grown;
+        cap_ranges = cap;
     }
-    i = index_find(self->addr) + 1;
-    memmove(&indexed[i + 1], &indexed[i], (size_t)(n_indexed - i) * sizeof(GenObject *));
-    indexed[i] = (GenObject *)Py_NewRef(self);
-    n_indexed++;
-    self->ref = Py_NewRef(ref);
+    Py_ssize_t i = range_find((uintptr_t)addr) + 1;
+    memmove(&ranges[i + 1], &ranges[i], (size_t)(n_ranges - i) * sizeof(Range));
+    ranges[i] = (Range){addr, size, Py_NewRef(args[2]), NULL};
+    n_ranges++;
     Py_RETURN_NONE;
+}
+
+static void drop_range(Range *r) {
+    if (r->gen != NULL)
+        unindex(r->gen);
+    Py_XDECREF(r->segment);
+    Py_ssize_t i = r - ranges;
+    memmove(r, r + 1, (size_t)(n_ranges - i - 1) * sizeof(Range));
+    n_ranges--;
+}
+
+static PyObject *native_unmapped(PyObject *Py_UNUSED(module), PyObject *addr) {
+    char *at = PyLong_AsVoidPtr(addr);
+    if (at == NULL && PyErr_Occurred())
+        return NULL;
+    Range *r = range_of(at);
+    if (r != NULL)
+        drop_range(r);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(forget_mapped_doc, "forget_mapped()\n\nForget every segment (a forked child that acts as a new process).");
+
+static PyObject *native_forget_mapped(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored)) {
+    while (n_ranges > 0)
+        drop_range(&ranges[n_ranges - 1]);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(segment_at_doc, "segment_at(ptr, nbytes) -> Segment | None\n\nThe mapped segment holding nbytes at ptr.");
+
+static PyObject *native_segment_at(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "segment_at(ptr, nbytes)");
+        return NULL;
+    }
+    void *ptr = PyLong_AsVoidPtr(args[0]);
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    Range *r = range_at((uintptr_t)ptr, nbytes);
+    PyObject *segment = NULL;
+#if PY_VERSION_HEX >= 0x030D0000
+    if (r != NULL && PyWeakref_GetRef(r->segment, &segment) < 0)
+        return NULL;
+#else
+    if (r != NULL && PyWeakref_GetObject(r->segment) != Py_None)
+        segment = Py_NewRef(PyWeakref_GetObject(r->segment));
+#endif
+    return segment != NULL ? segment : Py_NewRef(Py_None);
 }
 
 PyDoc_STRVAR(unindex_all_doc, "unindex_all()\n\nreduce() sends from no Gen until Python indexes it again.");
 
 static PyObject *native_unindex_all(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored)) {
-    while (n_indexed > 0)
-        unindex(indexed[n_indexed - 1]);
+    for (Py_ssize_t i = 0; i < n_ranges; i++)
+        if (ranges[i].gen != NULL)
+            unindex(ranges[i].gen);
     Py_RETURN_NONE;
 }
 
@@ -734,7 +827,8 @@ static PyObject *native_init(PyObject *Py_UNUSED(module), PyObject *args) {
  * The first HEADER bytes of a pooled segment are shared by every process that maps
  * it: [0] the generation (u64), [8] refs sent (u64), [16] refs loaded (u64), [24]
  * holders (u64: processes holding the generation, FREEING while its owner checks it
- * free). Every access is atomic. A receiver counts itself a holder before it trusts
+ * free), [32] finished (u64: the generation, once its owner fills it no further: a
+ * slab it moved on from). Every access is atomic. A receiver counts itself a holder before it trusts
  * the generation (hdr_hold), so its owner, which frees a generation only with no
  * holder and every ref sent loaded (hdr_free), never frees one under a load.
  */
@@ -743,6 +837,7 @@ static PyObject *native_init(PyObject *Py_UNUSED(module), PyObject *args) {
 #define HDR_SENT 1
 #define HDR_LOADED 2
 #define HDR_HOLDERS 3
+#define HDR_FINISHED 4
 #define FREEING (1ULL << 63)
 #define SPIN_LIMIT 1000000
 
@@ -856,9 +951,32 @@ static PyObject *hdr_free(PyObject *Py_UNUSED(module), PyObject *const *args, Py
         atomic_store(&h[HDR_GEN], 0);
         atomic_store(&h[HDR_SENT], 0);
         atomic_store(&h[HDR_LOADED], 0);
+        atomic_store(&h[HDR_FINISHED], 0);
     }
     atomic_store(&h[HDR_HOLDERS], 0);
     return PyBool_FromLong(free);
+}
+
+PyDoc_STRVAR(hdr_finish_doc, "hdr_finish(addr, gen) / hdr_finished(addr, gen) -> bool\n\nThe owner fills generation gen no "
+                             "further (a slab it moved on from) / whether it said so: receivers let go as soon as they are done.");
+
+static PyObject *hdr_finish(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    _Atomic uint64_t *h;
+    uint64_t gen;
+    if (parse_header_gen(args, nargs, "hdr_finish", &h, &gen) < 0)
+        return NULL;
+    if (atomic_load(&h[HDR_GEN]) != gen)
+        Py_RETURN_FALSE;
+    atomic_store(&h[HDR_FINISHED], gen);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *hdr_finished(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    _Atomic uint64_t *h;
+    uint64_t gen;
+    if (parse_header_gen(args, nargs, "hdr_finished", &h, &gen) < 0)
+        return NULL;
+    return PyBool_FromLong(atomic_load(&h[HDR_FINISHED]) == gen);
 }
 
 PyDoc_STRVAR(hdr_read_doc, "hdr_read(addr) -> (gen, sent, loaded, holders)\n\nThe header at addr, each field read atomically.");
@@ -1058,15 +1176,15 @@ static GenObject *current_slab(void) {
 /* Where storage (nbytes at ptr) lies: a Gen reduce() sends from and the offset, moved
  * into this thread's slab first if it lies in none; NULL (no error) for the general path. */
 static GenObject *place(PyObject *storage, Py_ssize_t ptr, Py_ssize_t nbytes, Py_ssize_t *offset) {
-    Py_ssize_t i = index_find((const char *)ptr);
-    if (i >= 0) {
-        GenObject *gen = indexed[i];
-        Py_ssize_t at = ptr - (Py_ssize_t)gen->addr;
-        if (!gen->ended && at >= gen->low && at <= gen->size && nbytes <= gen->size - at) {
-            *offset = at;
-            reuses++;
-            return gen;
-        }
+    Range *r = range_at((uintptr_t)ptr, nbytes);
+    if (r != NULL) { /* in shared memory already: sent from where it lies, by an indexed Gen only */
+        GenObject *gen = r->gen;
+        Py_ssize_t at = ptr - (Py_ssize_t)r->addr;
+        if (gen == NULL || gen->ended || at < gen->low)
+            return NULL;
+        *offset = at;
+        reuses++;
+        return gen;
     }
     if (nbytes > SLAB_ITEM_MAX)
         return NULL;
@@ -1252,12 +1370,18 @@ static PyMethodDef native_methods[] = {
     {"shared", native_shared, METH_NOARGS, shared_doc},
     {"init_send", native_init_send, METH_VARARGS, init_send_doc},
     {"unindex_all", native_unindex_all, METH_NOARGS, unindex_all_doc},
+    {"mapped", (PyCFunction)(void (*)(void))native_mapped, METH_FASTCALL, mapped_doc},
+    {"unmapped", native_unmapped, METH_O, mapped_doc},
+    {"forget_mapped", native_forget_mapped, METH_NOARGS, forget_mapped_doc},
+    {"segment_at", (PyCFunction)(void (*)(void))native_segment_at, METH_FASTCALL, segment_at_doc},
     {"hdr_sent", hdr_sent, METH_O, hdr_count_doc},
     {"hdr_loaded", hdr_loaded, METH_O, hdr_count_doc},
     {"hdr_hold", (PyCFunction)(void (*)(void))hdr_hold, METH_FASTCALL, hdr_hold_doc},
     {"hdr_unhold", (PyCFunction)(void (*)(void))hdr_unhold, METH_FASTCALL, hdr_unhold_doc},
     {"hdr_free", (PyCFunction)(void (*)(void))hdr_free, METH_FASTCALL, hdr_free_doc},
     {"hdr_read", hdr_read, METH_O, hdr_read_doc},
+    {"hdr_finish", (PyCFunction)(void (*)(void))hdr_finish, METH_FASTCALL, hdr_finish_doc},
+    {"hdr_finished", (PyCFunction)(void (*)(void))hdr_finished, METH_FASTCALL, hdr_finish_doc},
 
     {"dead", native_dead, METH_NOARGS, dead_doc},
     {"pending", native_pending, METH_NOARGS, pending_doc},

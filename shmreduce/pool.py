@@ -55,7 +55,6 @@ reused (the child may use their storages without its parent's pool knowing).
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import errno
 import mmap
@@ -116,11 +115,8 @@ def class_size(nbytes: int) -> int:
 # by its name. Weak: a segment is kept by its live tokens, its pool, the kept list.
 _mapped: weakref.WeakValueDictionary[tuple, Segment] = weakref.WeakValueDictionary()
 _kept: OrderedDict[tuple, Segment] = OrderedDict()
-# Every mapping by its address, for ``segment_at``: the dict is the truth, the sorted
-# index is rebuilt from it on the first lookup after a change (segments come and go
-# rarely; storages are looked up per send).
-_by_addr: dict[int, weakref.ref] = {}
-_index: tuple[list[int], list[weakref.ref]] | None = ([], [])
+# Every mapping is registered by its address in ``_native`` (``segment_at``), which
+# finds the segment a storage lies in, for Python and for ``_native.reduce``.
 
 
 class Segment:
@@ -173,7 +169,7 @@ class Segment:
         # which runs while _mapped can still hand the dying segment to another thread.
         weakref.finalize(self, _unmap_close, addr, size, fd).atexit = False  # at exit the OS does it, after any last use
         _mapped[(kind, key)] = self
-        _add_address(self)
+        _native.mapped(addr, size, weakref.ref(self))
 
     @property
     def name(self) -> str:
@@ -252,17 +248,9 @@ class Segment:
         return _no_memory(exc, what, nbytes)
 
 
-def _add_address(seg: Segment) -> None:
-    global _index
-    _by_addr[seg.addr] = weakref.ref(seg)
-    _index = None
-
-
 def _unmap_close(addr: int, size: int, fd: int | None) -> None:
-    global _index
     # Out of the index first: once unmapped, another thread may map the address anew.
-    _by_addr.pop(addr, None)
-    _index = None
+    _native.unmapped(addr)
     _munmap(addr, size)
     if fd is not None:
         os.close(fd)
@@ -272,19 +260,8 @@ def segment_at(ptr: int, nbytes: int) -> Segment | None:
     """The segment whose mapping holds the *nbytes* at address *ptr*, if any: a live
     storage there is of the segment's live generation (``seg.gen``), unless the
     segment is sealed (its file went with a broker that died: shared anew)."""
-    global _index
-    index = _index
-    if index is None:
-        items = sorted(_by_addr.items())
-        index = _index = ([a for a, _ in items], [r for _, r in items])
-    addrs, segs = index
-    i = bisect.bisect_right(addrs, ptr) - 1
-    if i < 0:
-        return None
-    seg = segs[i]()
-    if seg is None or ptr + nbytes > seg.addr + seg.size or seg.sealed:
-        return None
-    return seg
+    seg: Segment | None = _native.segment_at(ptr, nbytes)
+    return None if seg is None or seg.sealed else seg
 
 
 def lookup(kind: str, key: int | str) -> Segment | None:
@@ -450,9 +427,11 @@ def live_segments() -> int:
 # -- parked tokens (receivers) -----------------------------------------------------
 #
 # A receiver keeps the token of a generation that has come to it in more than one
-# message (a slab's) alive until LINGER seconds after the last storage made through
-# it (``Gen.used``; the collector, every transfer.PURGE_EVERY, unparks it: 0.25 to
-# 0.75 s): a stream of messages in one slab, each dropped before the next arrives
+# message (a slab's) alive until its owner finished it (moved on from the slab: the
+# header says so, read after each message, ``unpark_finished``) or LINGER seconds
+# after the last storage made through it (``Gen.used``; the collector, every
+# transfer.PURGE_EVERY, unparks it: 0.25 to 0.75 s): a stream of messages in one
+# slab, each dropped before the next arrives
 # (the common consumer loop), then finds the token live. Each message costs no new
 # token, no hold and release of the generation (records at the broker), no settle.
 # Once unparked (``unpark``, from the collector), the token ends with its last
@@ -478,6 +457,20 @@ def park(seg: Segment, token: Any) -> None:
     hold = Hold(seg, token)
     with _parked_lock:
         _parked[key] = hold  # the hold it replaces goes (its __del__ takes no lock)
+
+
+def parked() -> bool:
+    return bool(_parked)
+
+
+def unpark_finished() -> None:
+    """Let go of the parked tokens whose owner finished their generation (moved on
+    from the slab): each ends with its last storage here, at once."""
+    done = [k for k, hold in list(_parked.items()) if hold.token is not None and _native.hdr_finished(hold.seg.addr, hold.token.number)]
+    if done:
+        with _parked_lock:
+            gone = [_parked.pop(k, None) for k in done]
+        del gone
 
 
 def _used(hold: Hold) -> float:
@@ -599,7 +592,8 @@ class Pool:
             except OutOfSharedMemory:
                 self.full()
                 seg.allocate()
-        hold = self.local.slab = Hold(seg, self._begin(seg, retry=False), take=False)  # the previous slab's hold goes
+        self.drop_slab()
+        hold = self.local.slab = Hold(seg, self._begin(seg, retry=False), take=False)
         _native.set_slab(self.kind == "fs", hold.token)  # reduce() fills it too, once indexed
 
     def take(self, size: int) -> Segment:
@@ -715,9 +709,12 @@ class Pool:
             self._trim_locked(lambda s: True)
 
     def drop_slab(self) -> None:
-        """This thread's current slab is over: its generation ends with its last storage."""
-        self.local.__dict__.pop("slab", None)
+        """This thread's current slab is over: its generation ends with its last
+        storage, and its header says so (receivers let go as soon as they are done)."""
+        slab = self.local.__dict__.pop("slab", None)
         _native.set_slab(self.kind == "fs", None)
+        if slab is not None and slab.seg.pid == os.getpid():
+            _native.hdr_finish(slab.seg.addr, slab.token.number)
 
     def stats(self) -> dict[str, int]:
         with self.lock:
@@ -818,13 +815,10 @@ def drop_kept() -> None:
 def forget_mappings() -> None:
     """Forget every segment this process maps (they stay mapped while storages use
     them): a forked child then receives like a process that never saw them."""
-    global _index
     _kept.clear()
     _mapped.clear()
-    _by_addr.clear()
     live.clear()
-    _native.unindex_all()
-    _index = None
+    _native.forget_mapped()
 
 
 def seal_where(gone: Callable[[Segment], bool]) -> None:

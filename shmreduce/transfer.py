@@ -14,6 +14,11 @@ to map it), the generations a receiver holds (counted out of their headers if it
 dies), the files a sender made. In a steady stream, where receivers map the
 segments already, a message costs no record to the broker from either side.
 
+These are the general path. A plain CPU tensor is sent and loaded in one C call
+(``_native.reduce`` / ``_native.rebuild``) wherever its generation is indexed /
+published: ``share`` indexes each generation it sends from (its memfd deposited,
+its file's tag computed) and ``_new_token`` publishes each it holds as a receiver.
+
 Inside a ``sending()`` scope (``registry``'s ``ForkingPickler.dumps``,
 ``shmreduce.dumps``) a message's refs are counted sent when the scope closes
 without an error; outside one, at once. ``collect()`` lets go of what died, at most
@@ -647,6 +652,8 @@ class receiving:
             before, _local.incoming = _local.incoming, None
             if _loads() != before:
                 _counters["messages_received"] += 1
+            if pool.parked():
+                pool.unpark_finished()
             if pool.has_dead():
                 _send_releases(_take_releases())
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import shmreduce
-from shmreduce import _native, pool, program, transfer
+from shmreduce import _native, pool, program, reductions, transfer
 
 from helpers import forget_mappings, let_go_now, run_in_child, wait_for
 
@@ -184,6 +184,37 @@ def test_receiving_a_ref_of_this_process_gives_the_very_storage(strategy: str) -
         assert bool((_bytes_of(got) == 3).all())
         sent, loaded = _counts(transfer.SegmentRef(*ref))
         assert loaded == sent + 1, "each load counts, the same bytes loaded twice twice"
+
+
+def test_reduce_sends_a_shared_storage_from_where_it_lies_and_never_moves_it_again(strategy: str) -> None:
+    # _native.reduce sends a storage from where it lies when its generation is
+    # indexed, and leaves one lying in any other mapped segment to the general path
+    # (as after a new broker, or before share() indexed it: a race in CI once moved a
+    # storage twice, and a receiver's in-place writes went to the first copy).
+    meta = (torch.float32, (64,), (1,), 0, None)
+    t = torch.arange(64.0)
+    with transfer.sending():
+        first = reductions.reduce_tensor(t)[1][0]
+    sent = [(first, t)]
+    ptr = t.untyped_storage().data_ptr()
+    for unindexed in (False, True):
+        if unindexed:
+            _native.unindex_all()
+        with transfer.sending():
+            rebuild, (ref, got) = _native.reduce(t)
+        assert rebuild is _native.rebuild and got == meta
+        assert t.untyped_storage().data_ptr() == ptr and ref == first, unindexed
+        sent.append((ref, t))
+    # Fresh storages fill this thread's slab in C once it is indexed (the first went through Python).
+    shared = _native.shared()[0]
+    fresh = [torch.full((64,), float(i)) for i in range(4)]
+    with transfer.sending():
+        refs = [_native.reduce(f)[1][0] for f in fresh]
+    assert _native.shared()[0] >= shared + 3
+    assert [r[4] for r in refs] == sorted(r[4] for r in refs) and len({r[2] for r in refs}) <= 2
+    sent += zip(refs, fresh, strict=True)
+    with transfer.receiving():  # every ref sent is loaded: nothing stays in flight
+        assert all(torch.equal(_native.rebuild(ref, meta), t) for ref, t in sent)
 
 
 # -- the file_system tag ---------------------------------------------------------------

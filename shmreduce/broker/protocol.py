@@ -17,8 +17,10 @@ Segments and generations (``shmreduce/pool.py``, ``shmreduce/transfer.py``)
     A sender keeps its segments (memfds, or files here) and fills them anew, in
     *generations* (a number unique in the program). A pooled segment's first
     HEADER_BYTES are shared by every process that maps it: the generation, refs
-    *sent* in it, refs *loaded* from it, and its *holders* (u64 each, updated with
-    atomic operations by ``shmreduce._native``). A sender counts every ref it pickles
+    *sent* in it, refs *loaded* from it, its *holders*, and whether its owner
+    *finished* it (fills it no further: receivers then let go as soon as their
+    storages die) (u64 each, updated with atomic operations by
+    ``shmreduce._native``). A sender counts every ref it pickles
     sent; a receiver counts every ref it loads loaded, and holds the generation once
     (holders + 1, *then* it checks the generation: its owner never frees one under a
     load) until its last storage of it dies. The owner reuses a segment once its own
@@ -150,7 +152,7 @@ KEEP = b"K"
 PING = b"P"
 PONG = b"p"
 
-HEADER_BYTES = 64  # a pooled segment's header: generation, sent, loaded, holders (u64 each)
+HEADER_BYTES = 64  # a pooled segment's header: generation, sent, loaded, holders, finished (u64 each)
 INOS_PER_RECORD = 4000
 GENS_PER_RECORD = 2000
 
