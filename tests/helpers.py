@@ -214,3 +214,18 @@ def let_go_now() -> None:
     if client is not None:
         client.ping()
     transfer.collect()
+
+
+@contextmanager
+def running(proc: Any, timeout: float = 60.0) -> Iterator[Any]:
+    """Start *proc*; at the end of the block it must exit with 0 within *timeout*.
+    Killed if it still lives, whatever happened: never left behind."""
+    proc.start()
+    try:
+        yield proc
+        proc.join(timeout)
+        assert proc.exitcode == 0, proc.exitcode
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()

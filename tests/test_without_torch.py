@@ -105,7 +105,7 @@ def test_header_refuses_bad_addresses_and_arguments(header) -> None:
 
 def _gen(addr: int) -> _native.Gen:
     gen = _native.Gen(object(), addr, SIZE, 7, LOW)
-    gen.info = (None, -1)  # a test's token: pool.settle skips it
+    gen.info = (None, -1, {})  # a test's token, as pool's are (kept, owner pid, loads): pool.settle skips it
     return gen
 
 
