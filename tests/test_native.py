@@ -282,11 +282,11 @@ def _dims() -> st.SearchStrategy[tuple[tuple, tuple]]:
 
 def _extent(size: tuple, stride: tuple, itemsize: int) -> int | None:
     """The bytes a layout spans, None where rebuild() must not make it itself."""
-    if not all(type(v) is int for v in size + stride) or len(size) != len(stride) or not size:
+    if not all(type(v) is int for v in size + stride) or len(size) != len(stride):
         return None
     if any(d <= 0 for d in size) or any(v < 0 for v in stride) or len(size) > 8:
         return None
-    return (sum((d - 1) * v for d, v in zip(size, stride, strict=True)) + 1) * itemsize
+    return (sum((d - 1) * v for d, v in zip(size, stride, strict=True)) + 1) * itemsize  # a 0-d tensor: one element
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -327,7 +327,6 @@ def test_rebuild_makes_only_checked_tensors_or_raises_sharing_error(
                 _native.rebuild(ref, (dtype, size, stride, start, extra))
     finally:
         gen.release()
-        gc.collect()
         _drain()
     assert _KEY not in pool.live  # dead() took it out
 
