@@ -209,3 +209,27 @@ def test_from_dlpack_takes_a_legacy_capsule_and_aliases_its_memory():
     t = _torch.from_dlpack(capsule)
     assert t.data_ptr() == source.data_ptr() and t.dtype == torch.uint8
     assert t.untyped_storage().nbytes() == 16
+
+
+def test_the_sharing_strategy_lives_in_torch_multiprocessing_globals():
+    # _native.reduce reads the strategy from torch.multiprocessing's module globals
+    # (reductions passes vars(torch.multiprocessing)), where set_sharing_strategy
+    # stores it: a release that moves it would send every tensor down the general
+    # path (never wrong, only slower), so fail loudly here instead.
+    import torch.multiprocessing as tmp
+
+    before = tmp.get_sharing_strategy()
+    try:
+        for name in ("file_system", "file_descriptor"):
+            tmp.set_sharing_strategy(name)
+            assert vars(tmp).get("_sharing_strategy") == name, "torch.multiprocessing._sharing_strategy moved: fix reductions' init_send"
+    finally:
+        tmp.set_sharing_strategy(before)
+
+
+def test_tensor_attributes_native_reduce_reads():
+    # _native.reduce checks these by name on a torch.Tensor, exactly what they are here.
+    t = torch.zeros(4)
+    assert t.requires_grad is False and t._backward_hooks is None and t.layout is torch.strided
+    assert t.is_cpu is True and t.is_nested is False
+    _require(torch.UntypedStorage, "_swap_data_ptr_", "swap_memory")
