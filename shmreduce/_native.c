@@ -1,6 +1,7 @@
 /* shmreduce._native: the per-storage hot path and exact native lifetimes.
  *
- * Owns three things, and nothing else (policy stays in Python: pool.py, transfer.py):
+ * Owns these, and nothing else (policy stays in Python: pool.py, transfer.py,
+ * reductions.py):
  *
  * 1. ``Gen``: one generation of one mapped segment in this process. It knows the
  *    segment's address and size and checks every (offset, nbytes) against them before
@@ -16,6 +17,13 @@
  *    lock-free pushes only: its context goes back on a free list, and the Gen whose
  *    count reached zero is pushed on the "dead" stack. ``dead()`` (GIL held) takes
  *    the stack and returns the Gens that are really dead (none revived meanwhile).
+ * 4. A plain CPU tensor in one call each way: ``reduce()`` (the pickler's reducer
+ *    for torch.Tensor: into this thread's slab, or from where it lies) and
+ *    ``rebuild()`` (what pickles name: through a Gen this process holds). Each does
+ *    the common case and hands every other one to the Python it stands in for
+ *    (reductions.reduce_tensor / rebuild_tensor), which decides what is indexed,
+ *    published and filled. Every mapped segment is in one table by address.
+ * 5. A pooled segment's shared header, updated atomically (below).
  *
  * Reference ownership: while a Gen's count is above zero, or it sits on the dead
  * stack, it owns one reference to itself (its storages can outlive every Python
