@@ -531,6 +531,19 @@ static void gen_dealloc(GenObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* A weak reference's referent (a new reference), or NULL (no error set) if it died. */
+static PyObject *referent(PyObject *weak) {
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *obj = NULL;
+    if (PyWeakref_GetRef(weak, &obj) < 0)
+        PyErr_Clear();
+    return obj;
+#else
+    PyObject *obj = PyWeakref_GetObject(weak);
+    return obj == Py_None || obj == NULL ? (PyErr_Clear(), NULL) : Py_NewRef(obj);
+#endif
+}
+
 /* ---- mapped segments, by address ----
  *
  * Every segment Python maps (mapped() / unmapped(), the latter before it unmaps it),
@@ -674,14 +687,7 @@ static PyObject *native_segment_at(PyObject *Py_UNUSED(module), PyObject *const 
     if (PyErr_Occurred())
         return NULL;
     Range *r = range_at((uintptr_t)ptr, nbytes);
-    PyObject *segment = NULL;
-#if PY_VERSION_HEX >= 0x030D0000
-    if (r != NULL && PyWeakref_GetRef(r->segment, &segment) < 0)
-        return NULL;
-#else
-    if (r != NULL && PyWeakref_GetObject(r->segment) != Py_None)
-        segment = Py_NewRef(PyWeakref_GetObject(r->segment));
-#endif
+    PyObject *segment = r != NULL ? referent(r->segment) : NULL;
     return segment != NULL ? segment : Py_NewRef(Py_None);
 }
 
@@ -877,22 +883,15 @@ static int parse_header_gen(PyObject *const *args, Py_ssize_t nargs, const char 
     return 0;
 }
 
-PyDoc_STRVAR(hdr_count_doc, "hdr_sent(addr) / hdr_loaded(addr)\n\nCount one ref sent / loaded in the generation of the header at addr.");
+PyDoc_STRVAR(hdr_loaded_doc, "hdr_loaded(addr)\n\nCount one ref loaded in the generation of the header at addr "
+                             "(refs sent: count_sent).");
 
-static PyObject *count_ref(PyObject *addr, int field) {
+static PyObject *hdr_loaded(PyObject *Py_UNUSED(module), PyObject *addr) {
     _Atomic uint64_t *h = header_of(addr);
     if (h == NULL)
         return NULL;
-    atomic_fetch_add(&h[field], 1);
+    atomic_fetch_add(&h[HDR_LOADED], 1);
     Py_RETURN_NONE;
-}
-
-static PyObject *hdr_sent(PyObject *Py_UNUSED(module), PyObject *addr) {
-    return count_ref(addr, HDR_SENT);
-}
-
-static PyObject *hdr_loaded(PyObject *Py_UNUSED(module), PyObject *addr) {
-    return count_ref(addr, HDR_LOADED);
 }
 
 PyDoc_STRVAR(hdr_hold_doc, "hdr_hold(addr, gen) -> bool\n\nCount this process a holder of generation gen, then check that the "
@@ -997,31 +996,22 @@ static PyObject *hdr_read(PyObject *Py_UNUSED(module), PyObject *addr) {
                          (unsigned long long)atomic_load(&h[HDR_LOADED]), (unsigned long long)atomic_load(&h[HDR_HOLDERS]));
 }
 
-static PyObject *general(PyObject *const *args, Py_ssize_t nargs) {
-    if (slow_rebuild == NULL) { /* imports shmreduce, in a process whose first shmreduce object is this one */
+/* reductions.<name>, imported on first use into *slot (importing shmreduce, in a
+ * process whose first shmreduce object is a pickle's); borrowed, or NULL. */
+static PyObject *reductions_function(PyObject **slot, const char *name) {
+    if (*slot == NULL) {
         PyObject *module = PyImport_ImportModule("shmreduce.reductions");
         if (module == NULL)
             return NULL;
-        slow_rebuild = PyObject_GetAttrString(module, "rebuild_tensor");
+        *slot = PyObject_GetAttrString(module, name);
         Py_DECREF(module);
-        if (slow_rebuild == NULL)
-            return NULL;
     }
-    return PyObject_Vectorcall(slow_rebuild, args, (size_t)nargs, NULL);
+    return *slot;
 }
 
-/* Whether a weak reference's referent lives (no error set). */
-static int alive(PyObject *weak) {
-#if PY_VERSION_HEX >= 0x030D0000
-    PyObject *obj = NULL;
-    int found = PyWeakref_GetRef(weak, &obj);
-    Py_XDECREF(obj);
-    if (found < 0)
-        PyErr_Clear();
-    return found > 0;
-#else
-    return PyWeakref_GetObject(weak) != Py_None;
-#endif
+static PyObject *general(PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *fn = reductions_function(&slow_rebuild, "rebuild_tensor");
+    return fn == NULL ? NULL : PyObject_Vectorcall(fn, args, (size_t)nargs, NULL);
 }
 
 /* An exact int's value, or -1 for anything else (no error set). */
@@ -1064,8 +1054,11 @@ static PyObject *native_rebuild(PyObject *Py_UNUSED(module), PyObject *const *ar
         return PyErr_Occurred() ? NULL : general(args, nargs);
     PyObject *received = PyTuple_GET_ITEM(gen->info, 2);
     PyObject *weak = PyDict_GetItemWithError(received, PyTuple_GET_ITEM(ref, 4));
-    if (weak != NULL && PyWeakref_Check(weak) && alive(weak))
+    PyObject *loaded = weak != NULL && PyWeakref_Check(weak) ? referent(weak) : NULL;
+    if (loaded != NULL) {
+        Py_DECREF(loaded);
         return general(args, nargs); /* loaded here already: the general case returns the same storage */
+    }
     if (PyErr_Occurred() || check_range(gen, offset, nbytes) < 0)
         return NULL;
     Py_ssize_t code = small_int(PyTuple_GET_ITEM(dtype, 0)), bits = small_int(PyTuple_GET_ITEM(dtype, 1));
@@ -1112,16 +1105,8 @@ static PyObject *native_rebuild(PyObject *Py_UNUSED(module), PyObject *const *ar
 /* ---- reduce(): a plain CPU tensor shared in one call ---- */
 
 static PyObject *general_reduce(PyObject *tensor) {
-    if (slow_reduce == NULL) {
-        PyObject *module = PyImport_ImportModule("shmreduce.reductions");
-        if (module == NULL)
-            return NULL;
-        slow_reduce = PyObject_GetAttrString(module, "reduce_tensor");
-        Py_DECREF(module);
-        if (slow_reduce == NULL)
-            return NULL;
-    }
-    return PyObject_CallOneArg(slow_reduce, tensor);
+    PyObject *fn = reductions_function(&slow_reduce, "reduce_tensor");
+    return fn == NULL ? NULL : PyObject_CallOneArg(fn, tensor);
 }
 
 /* 1 if obj.<name> is want (a singleton), 0 if not, -1 on error. */
@@ -1382,8 +1367,7 @@ static PyMethodDef native_methods[] = {
     {"unmapped", native_unmapped, METH_O, mapped_doc},
     {"forget_mapped", native_forget_mapped, METH_NOARGS, forget_mapped_doc},
     {"segment_at", (PyCFunction)(void (*)(void))native_segment_at, METH_FASTCALL, segment_at_doc},
-    {"hdr_sent", hdr_sent, METH_O, hdr_count_doc},
-    {"hdr_loaded", hdr_loaded, METH_O, hdr_count_doc},
+    {"hdr_loaded", hdr_loaded, METH_O, hdr_loaded_doc},
     {"hdr_hold", (PyCFunction)(void (*)(void))hdr_hold, METH_FASTCALL, hdr_hold_doc},
     {"hdr_unhold", (PyCFunction)(void (*)(void))hdr_unhold, METH_FASTCALL, hdr_unhold_doc},
     {"hdr_free", (PyCFunction)(void (*)(void))hdr_free, METH_FASTCALL, hdr_free_doc},

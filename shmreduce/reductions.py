@@ -119,12 +119,10 @@ def dlpack_table() -> dict[torch.dtype, tuple[int, int, int, int]]:
 def _layout(meta: Any) -> tuple | None:
     """A tensor's layout for ``transfer.receive_tensor`` (which then makes the tensor
     itself), if *meta* is well formed, starts its storage and has a DLPack dtype."""
-    if not _DLPACK:
-        dlpack_table()
     if type(meta) is not tuple or len(meta) != 5 or meta[3] != 0:
         return None
     dtype, size, stride = meta[0], meta[1], meta[2]
-    code = _DLPACK.get(dtype) if type(dtype) is torch.dtype else None
+    code = dlpack_table().get(dtype) if type(dtype) is torch.dtype else None
     return None if code is None else (code[:3], code[3], size, stride)
 
 

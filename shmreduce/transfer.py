@@ -49,7 +49,6 @@ from shmreduce.strategy import get_sharing_strategy
 
 log = logging.getLogger("shmreduce")
 
-_hdr_sent = _native.hdr_sent
 _hdr_loaded = _native.hdr_loaded
 
 
@@ -323,21 +322,23 @@ def _move_once(storage: torch.UntypedStorage, key: int) -> Place:
     by the first thread to get here (in place: every tensor viewing it sees the
     shared memory), the place it made for every thread that waited meanwhile."""
     with _stripes[(key >> 4) % _STRIPES]:
-        place = cache.place_of(storage, key)
-        if place is not None:
-            _counters["storages_reused"] += 1
-            return place
-        nbytes = storage.nbytes()
-        if _torch_is_shared(storage):  # the cache does not know it: torch's answer is the answer
-            place = _adopt(storage, key, nbytes)
+        while True:
+            place = cache.place_of(storage, key)
             if place is not None:
+                _counters["storages_reused"] += 1
                 return place
-        ptr = storage.data_ptr()
-        seg, gen, offset, shared, token = _current_pool().place(nbytes, storage)
-        if not _native.move(storage, ptr, shared):  # moved meanwhile, by _native.reduce in another thread
+            nbytes = storage.nbytes()
+            if _torch_is_shared(storage):  # the cache does not know it: torch's answer is the answer
+                place = _adopt(storage, key, nbytes)
+                if place is not None:
+                    return place
+            ptr = storage.data_ptr()
+            seg, gen, offset, shared, token = _current_pool().place(nbytes, storage)
+            if _native.move(storage, ptr, shared):
+                return _placed(storage, Place(seg, gen, offset, nbytes), token)
+            # Moved meanwhile, by _native.reduce in another thread (which takes no
+            # stripe): where it lies now is found on the next turn, under this lock.
             del shared
-            return cache.place_of(storage, key) or _move_once(storage, key)
-        return _placed(storage, Place(seg, gen, offset, nbytes), token)
 
 
 def _current_pool() -> pool.Pool:

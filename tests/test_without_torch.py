@@ -79,8 +79,7 @@ def header() -> tuple[mmap.mmap, int]:
 def test_header_counts_holds_and_frees_one_generation(header) -> None:
     m, addr = header
     struct.pack_into("Q", m, 0, 5)  # generation 5
-    _native.hdr_sent(addr)
-    _native.hdr_sent(addr)
+    _native.count_sent([addr, addr])
     _native.hdr_loaded(addr)
     assert _native.hdr_read(addr) == (5, 2, 1, 0)
     assert _native.hdr_hold(addr, 5) and _native.hdr_read(addr)[3] == 1
@@ -98,7 +97,7 @@ def test_header_refuses_bad_addresses_and_arguments(header) -> None:
     with pytest.raises(ValueError, match="unaligned"):
         _native.hdr_read(addr + 4)
     with pytest.raises(ValueError, match="null"):
-        _native.hdr_sent(0)
+        _native.count_sent([0])
     with pytest.raises(TypeError):
         _native.hdr_hold(addr)  # type: ignore[call-arg]
 
