@@ -3,7 +3,7 @@
 ``make bench`` reports throughput; on a machine with as few cores as processes, what
 limits it is the CPU every process spends per message, the broker's included. This
 runs bench.py's throughput scenarios (1, 2 or 3) for each implementation asked, and
-reads each process's user+system time from ``/proc/<pid>/stat`` over the timed
+reads each process's time on the CPU from ``/proc/<pid>/task/*/schedstat`` over the timed
 messages: microseconds of CPU per message for the producer (its main thread and its
 queue feeder thread, which pickles), the consumer, and this program's broker (rows
 with shmreduce registered). The producer's main thread (which makes and puts each
@@ -26,19 +26,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
 
 MAKERS = {"1": bench.one_small, "2": bench.dict_small, "3": bench.one_large}
-_TICK = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pid: int, tid: int | None = None) -> float | None:
-    """User+system CPU seconds of *pid* (all its threads), or of its thread *tid*;
-    None if it is gone."""
-    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    """CPU seconds *pid* ran (every thread of it), or its thread *tid*; None if it
+    is gone. From ``schedstat`` (nanoseconds on the CPU), not ``stat``'s clock ticks
+    (10 ms each: a broker's few milliseconds per run would be all rounding)."""
+    tids = [str(tid)] if tid is not None else None
     try:
-        with open(path) as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        if tids is None:
+            tids = os.listdir(f"/proc/{pid}/task")
+        total = 0
+        for t in tids:
+            try:
+                with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except FileNotFoundError:
+                continue  # a thread that exited meanwhile (its time is lost to both reads)
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / _TICK
+    return total / 1e9
 
 
 def producer(impl: str, make: Any, q: Any, stop: Any) -> None:

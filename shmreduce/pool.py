@@ -363,7 +363,7 @@ def has_dead() -> bool:
 class Releases:
     """What this process lets go of, per broker directory: the generations it held
     as a receiver, (segment, generation) pairs, told to the broker and then counted
-    out of their headers (``transfer._send_releases``)."""
+    out of their headers (``transfer._post_gens``)."""
 
     def __init__(self) -> None:
         self.gens: dict[str, list[tuple[Segment, int]]] = {}

@@ -245,7 +245,7 @@ class sending:
                     _native.count_sent(out.counted)
                     _counters["messages_sent"] += 1
                 if pool.has_dead():
-                    _send_releases(_take_releases())
+                    _post_gens(_take_releases())
 
 
 def share(storage: torch.UntypedStorage) -> tuple:
@@ -436,21 +436,42 @@ def _take_releases(wait: bool = False) -> pool.Releases:
     return releases
 
 
-def _send_releases(releases: pool.Releases) -> None:
-    """Let go of the generations this process held as a receiver: the broker is told
-    first, then each is counted out of its header (dying in between leaves one count
-    too many, which keeps the segment out of reuse, never one too few). Not at
-    interpreter exit, once the connections closed: the brokers count it out then."""
-    if broker.exiting:
+# What this process, as a receiver, has not told its brokers yet, by directory: the
+# holds it took (posted at the end of the message that took them) and the
+# generations it let go of (posted with the next holds, or by the collector within
+# PURGE_EVERY): a steady stream costs one G record per slab generation (``_post_gens``).
+_holds: dict[str, list[tuple[int | str, int]]] = {}
+_lets_go: dict[str, list[tuple[pool.Segment, int]]] = {}
+_gens_lock = threading.Lock()
+
+
+def _post_gens(releases: pool.Releases, flush: bool = False) -> None:
+    """Add *releases* to what this process lets go of; post, in one G record per
+    broker, the holds taken since the last post and what it let go of, then count
+    those out of their headers: dying in between leaves one count too many, which
+    keeps a segment out of reuse, never one too few. Lets go wait for the next holds
+    unless *flush* (the collector's): an owner reuses a slab one generation later,
+    and the broker wakes once per generation, not twice. A hold is posted before its
+    let-go (one lock). Not at interpreter exit, once the connections closed: the
+    brokers count this process out then."""
+    global _holds, _lets_go
+    with _gens_lock:
+        for directory, pairs in releases.gens.items():
+            _lets_go.setdefault(directory, []).extend(pairs)
         releases.gens.clear()
-        return
-    for directory, pairs in releases.gens.items():
-        client = broker.connected_client(directory)
-        if client is not None:
-            _quietly(client.hold_gens, [(seg.key, gen) for seg, gen in pairs], False)
-        for seg, gen in pairs:
-            _native.hdr_unhold(seg.addr, gen)
-    releases.gens.clear()
+        if not (_holds or (flush and _lets_go)):
+            return
+        holds, _holds = _holds, {}
+        lets_go, _lets_go = _lets_go, {}
+        if broker.exiting:
+            return
+        for directory in holds.keys() | lets_go.keys():
+            pairs = lets_go.get(directory, [])
+            client = broker.client_for(directory) if directory in holds else broker.connected_client(directory)
+            if client is not None:
+                _quietly(client.gens, holds.get(directory, []), [(seg.key, gen) for seg, gen in pairs])
+            for seg, gen in pairs:
+                _native.hdr_unhold(seg.addr, gen)
 
 
 def _quietly(send: Callable[..., None], *args: Any) -> None:
@@ -468,7 +489,7 @@ def collect(linger: float = 0.0) -> None:
     cache entries dropped. A receiver's parked tokens go once parked *linger*
     seconds (all of them by default; the collector thread gives them ``pool.LINGER``)."""
     pool.unpark(linger)
-    _send_releases(_take_releases(wait=True))
+    _post_gens(_take_releases(wait=True), flush=True)
     for p in (_fd_pool, _fs_pool):
         if p.waiting:
             p.reap()
@@ -601,7 +622,10 @@ def _new_token(seg: pool.Segment, kind: str, directory: str, segkey: Any, gen: i
             _check_tag(directory, segkey, gen, tag)
         if not _native.hdr_hold(seg.addr, gen):
             raise stale_message(f"segment {segkey!r} holds other data now (generation {gen:x} is over)")
-        _quietly(broker.client_for(directory).hold_gens, [(segkey, gen)])
+        with _gens_lock:
+            _holds.setdefault(directory, []).append((segkey, gen))
+        if getattr(_local, "incoming", None) is None:
+            _post_gens(pool.Releases())  # no message scope to post it at its end
         token = seg.new_token(gen, directory)
         token.publish((kind, directory, segkey, gen))  # _native.rebuild loads through it from now on
         if seg.rtokens >= 2:  # the generation came in more than one message (a slab's)
@@ -655,8 +679,8 @@ class receiving:
                 _counters["messages_received"] += 1
             if pool.parked():
                 pool.unpark_finished()
-            if pool.has_dead():
-                _send_releases(_take_releases())
+            if _holds or pool.has_dead():
+                _post_gens(_take_releases())  # one record: this message's holds, what died
 
 
 def _loads() -> int:
@@ -684,9 +708,12 @@ def _before_fork() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _stripes, _releases_lock
+    global _stripes, _releases_lock, _gens_lock
     _stripes = [threading.Lock() for _ in range(_STRIPES)]  # a parent's thread may have held one
     _releases_lock = threading.Lock()
+    _gens_lock = threading.Lock()
+    _holds.clear()  # the parent's to tell
+    _lets_go.clear()
     _names.names.clear()  # the parent's holds, not ours
     _collector.started = False  # its thread did not come along
     _fd_pool.reset_after_fork()
@@ -722,7 +749,7 @@ def _on_connect(client: broker.BrokerClient) -> None:
     # it out of them if it dies.
     held = pool.held_generations(directory)
     if held:
-        _quietly(client.hold_gens, held)
+        _quietly(client.gens, held)
     try:
         present = set(os.listdir(directory))
     except OSError:

@@ -4,7 +4,7 @@ lost on its way out.
 A pooled segment's header counts the refs sent and loaded in its generation and the
 receivers holding it; its owner reuses it only with no holder and nothing in flight.
 A receiver that dies holding a generation is counted out by the broker, from the
-records it posted before its connections closed (``G``/``U``): one the broker loses,
+records it posted before its connections closed (``G``: + held, - let go): one the broker loses,
 or counts twice, either keeps the segment from reuse for good or lets its owner
 overwrite memory a live receiver still reads. The broker stays after its last client
 only for refs still in flight (draining), while the program's root lives.
@@ -226,8 +226,8 @@ def test_a_receiver_whose_connections_close_while_it_holds_is_counted_out_once(s
 
 
 def test_a_release_posted_before_a_close_counts(broker_log):
-    # A receiver lets go of a generation (U, then counted out of the header by itself)
-    # and closes, the broker stopped meanwhile: it reads the U before the close and
+    # A receiver lets go of a generation (a G record's - line, then counted out of the header by itself)
+    # and closes, the broker stopped meanwhile: it reads the - before the close and
     # does not count the receiver out a second time, which would take the other
     # receiver's count.
     prog = program.current()
@@ -239,13 +239,13 @@ def test_a_release_posted_before_a_close_counts(broker_log):
         sender.segment(seg.fd, header=True)
         for receiver in (first, second):
             assert _native.hdr_hold(seg.addr, seg.gen)
-            receiver.hold_gens([(seg.ino, seg.gen)])
+            receiver.gens([(seg.ino, seg.gen)])
         counters = sender.ping()
         assert (counters["segments"], counters["generations_held"]) == (1, 2), counters
         pid = sender.broker_pid
         os.kill(pid, signal.SIGSTOP)
         try:
-            first.hold_gens([(seg.ino, seg.gen)], hold=False)
+            first.gens([], [(seg.ino, seg.gen)])
             assert _native.hdr_unhold(seg.addr, seg.gen)
             first.close()
         finally:
@@ -288,7 +288,7 @@ def test_a_receiver_gone_before_its_owners_hold_is_read_is_still_counted_out(bro
         os.kill(pid, signal.SIGSTOP)  # records queue up; the broker serves them in the order they came
         try:
             assert _native.hdr_hold(addr, gen)
-            receiver.hold_gens([(name, gen)])
+            receiver.gens([(name, gen)])
             receiver.close()  # its process is gone
             sender.hold([name])
         finally:
@@ -336,8 +336,8 @@ def test_a_client_retired_by_close_all_never_connects_again(registered_fd, broke
     broker_client.close_all()
     assert not stale.connected()
     for call in (
-        lambda: stale.hold_gens([(seg.key, gen)]),
-        lambda: stale.hold_gens([(seg.key, gen)], hold=False),
+        lambda: stale.gens([(seg.key, gen)]),
+        lambda: stale.gens([], [(seg.key, gen)]),
         lambda: stale.release(["seg-" + "0" * 24]),
         lambda: stale.fetch(seg.key),
         stale.ping,

@@ -223,8 +223,9 @@ def test_bad_records_drop_only_their_client_and_are_logged(registered_fd, broker
         (P.ROLE_POST, P.SEGMENT + P.NO_KEY + b"x", 1),  # ... of an unknown kind
         (P.ROLE_POST, P.SEGMENT + P.NO_KEY + b"h", 2),  # ... with two descriptors
         (P.ROLE_POST, P.DROP + P.NO_KEY + b"1\n\n2", 0),
-        (P.ROLE_POST, P.GENS + P.NO_KEY + b"12345", 0),  # a segment without its generation
-        (P.ROLE_POST, P.UNGENS + P.NO_KEY + bad_name + b" 1", 0),
+        (P.ROLE_POST, P.GENS + P.NO_KEY + b"+12345", 0),  # a segment without its generation
+        (P.ROLE_POST, P.GENS + P.NO_KEY + b"-" + bad_name + b" 1", 0),
+        (P.ROLE_POST, P.GENS + P.NO_KEY + b"12345 1", 0),  # neither held nor let go of
         (P.ROLE_POST, P.HOLD + P.NO_KEY + bad_name, 0),
         (P.ROLE_POST, P.RELEASE + P.NO_KEY + b"gen-" + b"0" * 24, 0),  # generations are no names
         (P.ROLE_REQUEST, P.FETCH + P.NO_KEY + b"inode", 0),
@@ -256,7 +257,7 @@ def test_bad_records_drop_only_their_client_and_are_logged(registered_fd, broker
     r, w = os.pipe()
     try:
         P.send_record(sock, P.GENS, P.NO_KEY, P.encode_gens([(1 << 40, 1)]), [r, w])
-        P.send_record(sock, P.UNGENS, P.NO_KEY, P.encode_gens([(1 << 40, 1)]))
+        P.send_record(sock, P.GENS, P.NO_KEY, P.encode_gens([], [(1 << 40, 1)]))
         assert client.ping()["clients"] == 2
     finally:
         os.close(r)

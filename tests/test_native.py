@@ -57,7 +57,7 @@ def _drain() -> list[Any]:
     if others:
         releases = pool.Releases()
         pool.settle(releases, others)
-        transfer._send_releases(releases)
+        transfer._post_gens(releases, flush=True)
     return mine
 
 

@@ -104,34 +104,45 @@ def test_malformed_inos_are_refused(blob: bytes) -> None:
     ],
 )
 def test_gens_round_trip(gens: list[tuple[int | str, int]]) -> None:
-    assert P.decode_gens(P.encode_gens(gens)) == gens
+    assert P.decode_gens(P.encode_gens(gens)) == [(True, key, gen) for key, gen in gens]
+    assert P.decode_gens(P.encode_gens([], gens)) == [(False, key, gen) for key, gen in gens]
+
+
+def test_a_gens_record_holds_first_then_lets_go() -> None:
+    # One record per message: its holds, then what the receiver let go of since.
+    body = P.encode_gens([(1, 2)], [(SEG, 3), (1, 1)])
+    assert P.decode_gens(body) == [(True, 1, 2), (False, SEG, 3), (False, 1, 1)]
 
 
 def test_gens_keep_the_64_bits_a_header_holds() -> None:
     # A generation number may be wider (the pickle's); the header holds its low 64 bits.
-    assert P.decode_gens(P.encode_gens([(SEG, (1 << 70) + 5)])) == [(SEG, 5)]
-    assert P.encode_gens([(3, 255), (SEG, 16)]) == f"3 ff\n{SEG} 10".encode()
+    assert P.decode_gens(P.encode_gens([(SEG, (1 << 70) + 5)])) == [(True, SEG, 5)]
+    assert P.encode_gens([(3, 255)], [(SEG, 16)]) == f"+3 ff\n-{SEG} 10".encode()
 
 
 @pytest.mark.parametrize(
     "blob",
     [
         b"",
-        b"12345",  # no generation
-        b"12345 ",
-        b" 1",
-        b"12345  1",
-        b"12345 1 2",
-        b"12345 g",
-        b"12345 1\n",
-        b"\n12345 1",
-        b"12345 " + b"f" * 25,
-        b"12345\t1",
-        b"-1 1",
-        b"gen-" + b"0" * 24 + b" 1",
-        SEG.encode()[:-1] + b" 1",
-        b"../" + SEG.encode() + b" 1",
-        SEG.encode() + b" 1;" + SEG2.encode() + b" 2",
+        b"+12345",  # no generation
+        b"12345 1",  # neither held nor let go of
+        b"+12345 ",
+        b"+ 1",
+        b"+12345  1",
+        b"+12345 1 2",
+        b"+12345 g",
+        b"+12345 1\n",
+        b"\n+12345 1",
+        b"+12345 " + b"f" * 25,
+        b"+12345\t1",
+        b"+-1 1",
+        b"--1 1",
+        b"+1 1\n12345 1",
+        b"*12345 1",
+        b"+gen-" + b"0" * 24 + b" 1",
+        b"+" + SEG.encode()[:-1] + b" 1",
+        b"-../" + SEG.encode() + b" 1",
+        b"+" + SEG.encode() + b" 1;" + SEG2.encode() + b" 2",
     ],
 )
 def test_malformed_gens_are_refused(blob: bytes) -> None:

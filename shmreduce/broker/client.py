@@ -383,13 +383,16 @@ class BrokerClient:
         for i in range(0, len(names), P.NAMES_PER_RECORD):
             self._send(op, P.NO_KEY, P.encode_names(names[i : i + P.NAMES_PER_RECORD]), start=start)
 
-    def hold_gens(self, gens: list[tuple[int | str, int]], hold: bool = True) -> None:
-        """This process holds (or, not *hold*, no longer holds) these (segment,
-        generation) pairs as a receiver, counted in their headers: if it dies holding
-        one, the broker counts it out. Never starts a broker."""
-        op = P.GENS if hold else P.UNGENS
-        for i in range(0, len(gens), P.GENS_PER_RECORD):
-            self._send(op, P.NO_KEY, P.encode_gens(gens[i : i + P.GENS_PER_RECORD]), retry=hold)
+    def gens(self, holds: list[tuple[int | str, int]], lets_go: list[tuple[int | str, int]] = []) -> None:  # noqa: B006  never mutated
+        """This process holds *holds* and no longer holds *lets_go*, (segment,
+        generation) pairs, as a receiver, counted in their headers: if it dies holding
+        one, the broker counts it out. One record (a G record's lines, holds first),
+        more only past GENS_PER_RECORD. Never starts a broker."""
+        lines = [(True, pair) for pair in holds] + [(False, pair) for pair in lets_go]
+        for i in range(0, len(lines), P.GENS_PER_RECORD):
+            part = lines[i : i + P.GENS_PER_RECORD]
+            body = P.encode_gens([p for held, p in part if held], [p for held, p in part if not held])
+            self._send(P.GENS, P.NO_KEY, body, retry=bool(holds))
 
     # -- round trips -----------------------------------------------------------
 

@@ -38,7 +38,7 @@ Transport
     AF_UNIX, SOCK_SEQPACKET: every ``sendmsg`` is one record, delivered whole and in
     order, with its descriptors (SCM_RIGHTS) attached to it. Each client process has
     two connections, one identity (a random token sent in the handshake): *post*
-    (role ``o``) for the fire-and-forget records S, X, H, R, G, U, and *request*
+    (role ``o``) for the fire-and-forget records S, X, H, R, G, K, and *request*
     (role ``q``) for F and P, which get replies. A fetch or ping first reads every
     post connection if it needs to (a barrier: what any client posted before is
     seen). Every record posted before a close counts: Linux may report ECONNRESET
@@ -70,10 +70,14 @@ at most MAX_RECORD bytes. None has a reply but F and P.
                  no such memfd here (never deposited, or let go of: stale).
     H  hold      body = segment file names: this client made them and holds them.
     R  release   body = file names it no longer holds.
-    G  gens      body = "<inode or file name> <generation, hex>" lines: this client
-                 holds these generations as a receiver (counted in their headers).
-    U  ungens    the same body: it let go of them (it counts itself out after this
-                 record: dying in between leaves a count too many, never too few).
+    G  gens      body = lines "<+ or -><inode or file name> <generation, hex>",
+                 applied in order: this client holds (+) or let go of (-) these
+                 generations as a receiver (counted in their headers). A receiver
+                 posts the holds a message took and what it let go of since in one
+                 record, once the message is loaded: a steady stream wakes the broker
+                 once per slab generation. Held in the header *before* the + line is
+                 posted, counted out *after* the - line is (dying in between leaves a
+                 count too many, never too few); a - line never precedes its +.
     K  keep      no body: this client closes its connections and lives on (e.g.
                  ``unregister()``); it counts itself out of what it holds when its
                  storages die, so the broker must not count it out at the close.
@@ -82,7 +86,7 @@ at most MAX_RECORD bytes. None has a reply but F and P.
 
 Lifetimes
     A client whose connections have all closed (its process exited or was killed)
-    is counted out of the holders of every generation it held (G without U), unless
+    is counted out of the holders of every generation it held (+ without -), unless
     it said K, once every post connection has been read (a segment may be known only
     from a record still queued there); and it lets go of its memfds and files. A memfd or file nobody uses any more is closed
     or unlinked at once if every ref sent in its current generation was loaded, else
@@ -147,7 +151,6 @@ FETCHED = b"f"
 HOLD = b"H"
 RELEASE = b"R"
 GENS = b"G"
-UNGENS = b"U"
 KEEP = b"K"
 PING = b"P"
 PONG = b"p"
@@ -179,7 +182,8 @@ class DescriptorsDropped(OSError):
 _SEGMENT_NAME = re.compile(SEG_PREFIX + "[0-9a-f]{24}")
 _NAME_LIST = re.compile(rb"(?:seg-[0-9a-f]{24})(?:\nseg-[0-9a-f]{24})*")
 _INO_LIST = re.compile(rb"[0-9]{1,20}(?:\n[0-9]{1,20})*")
-_GEN_LIST = re.compile(rb"(?:(?:[0-9]{1,20}|seg-[0-9a-f]{24}) [0-9a-f]{1,24})(?:\n(?:[0-9]{1,20}|seg-[0-9a-f]{24}) [0-9a-f]{1,24})*")
+_GEN_LINE = rb"[+-](?:[0-9]{1,20}|seg-[0-9a-f]{24}) [0-9a-f]{1,24}"
+_GEN_LIST = re.compile(_GEN_LINE + rb"(?:\n" + _GEN_LINE + rb")*")
 
 
 def is_segment_name(name: str) -> bool:
@@ -235,20 +239,24 @@ def decode_inos(blob: bytes) -> list[int]:
     return [int(i) for i in blob.split(b"\n")]
 
 
-def encode_gens(gens) -> bytes:
-    """(segment, generation) pairs: a memfd's inode or a file's name, and a generation."""
-    return "\n".join(f"{key} {gen & 0xFFFFFFFFFFFFFFFF:x}" for key, gen in gens).encode("ascii")
+def encode_gens(holds, lets_go=()) -> bytes:
+    """A G record's body: (segment, generation) pairs held, then pairs let go of; a
+    segment is a memfd's inode or a file's name."""
+    lines = [f"+{key} {gen & 0xFFFFFFFFFFFFFFFF:x}" for key, gen in holds]
+    lines += [f"-{key} {gen & 0xFFFFFFFFFFFFFFFF:x}" for key, gen in lets_go]
+    return "\n".join(lines).encode("ascii")
 
 
-def decode_gens(blob: bytes) -> list[tuple[int | str, int]]:
-    """(segment, generation) pairs; raises ProtocolError if malformed."""
+def decode_gens(blob: bytes) -> list[tuple[bool, int | str, int]]:
+    """(held, segment, generation) for each line, in order; raises ProtocolError if
+    malformed."""
     if _GEN_LIST.fullmatch(blob) is None:
         raise ProtocolError(f"bad generations {blob[:80]!r}")
-    pairs: list[tuple[int | str, int]] = []
+    lines: list[tuple[bool, int | str, int]] = []
     for line in blob.decode("ascii").split("\n"):
-        key, gen = line.split(" ")
-        pairs.append((key if key.startswith(SEG_PREFIX) else int(key), int(gen, 16)))
-    return pairs
+        key, gen = line[1:].split(" ")
+        lines.append((line[0] == "+", key if key.startswith(SEG_PREFIX) else int(key), int(gen, 16)))
+    return lines
 
 
 def encode_fetched(status: int, total: int) -> bytes:
@@ -280,14 +288,21 @@ def send_record(sock: socket.socket, op: bytes, key: bytes, body: bytes = b"", f
         sock.sendall(data)
 
 
-def recv_record(sock: socket.socket, flags: int = 0) -> tuple[bytes, bytes, bytes, list[int]] | None:
+def recv_record(sock: socket.socket, flags: int = 0, buf: bytearray | None = None) -> tuple[bytes, bytes, bytes, list[int]] | None:
     """One record as (op, key, body, fds), or None at end of stream.
 
-    Every descriptor received is returned (or closed before raising): the caller owns
-    them. Raises DescriptorsDropped (an OSError(EMFILE)) if the kernel had to drop
-    descriptors because this process is at its descriptor limit.
+    *buf*: MAX_RECORD bytes to receive into, reused from call to call (the broker's:
+    a fresh MAX_RECORD-byte buffer is an mmap and munmap per call, the EAGAIN that
+    ends a read included). Every descriptor received is returned (or closed before
+    raising): the caller owns them. Raises DescriptorsDropped (an OSError(EMFILE))
+    if the kernel had to drop descriptors because this process is at its descriptor
+    limit.
     """
-    data, anc, msg_flags, _addr = sock.recvmsg(MAX_RECORD, _ANC_SPACE, flags)
+    if buf is None:
+        data, anc, msg_flags, _addr = sock.recvmsg(MAX_RECORD, _ANC_SPACE, flags)
+    else:
+        size, anc, msg_flags, _addr = sock.recvmsg_into([buf], _ANC_SPACE, flags)
+        data = bytes(memoryview(buf)[:size])
     fds: list[int] = []
     for level, kind, payload in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:

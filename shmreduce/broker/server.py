@@ -141,6 +141,11 @@ class Broker:
             self.root_alive = _pid_alive(root_pid)
         self.idle_since: float | None = time.monotonic()
         self.stopping = False
+        self.buf = bytearray(P.MAX_RECORD)  # every record is received into it (recv_record)
+        # The loop blocks in poll() while nothing is timed (a handshake, a draining
+        # segment, no client): a signal (SIGTERM: stop) wakes it through this pipe.
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.poller.register(self.wake_r, select.EPOLLIN)
 
     # -- segments --------------------------------------------------------------
 
@@ -386,7 +391,7 @@ class Broker:
         while not count or conn.post:
             lost = False
             try:
-                record = P.recv_record(conn.sock)
+                record = P.recv_record(conn.sock, 0, self.buf)
             except BlockingIOError:
                 return count
             except P.DescriptorsDropped as exc:
@@ -467,9 +472,12 @@ class Broker:
             elif op == P.RELEASE:
                 self._release(client, P.decode_names(body), died=False)
             elif op == P.GENS:
-                client.gens.update(P.decode_gens(body))
-            elif op == P.UNGENS:
-                client.gens.difference_update(P.decode_gens(body))
+                gens = client.gens
+                for held, key, gen in P.decode_gens(body):
+                    if held:
+                        gens.add((key, gen))
+                    else:
+                        gens.discard((key, gen))
             elif op == P.KEEP:
                 if body:
                     raise P.ProtocolError("a keep record has no body")
@@ -517,13 +525,21 @@ class Broker:
             now = time.monotonic()
             if self._should_exit(now):
                 break
-            timeout = 0.25
+            # Woken by records, connections, the root's exit or a signal; by time
+            # only for what is timed: a handshake's deadline, a draining segment, the
+            # GRACE before exiting without clients.
+            timeout = -1.0
             if self.handshakes:
-                timeout = min(timeout, max(0.0, min(h.deadline for h in self.handshakes.values()) - now))
+                timeout = max(0.0, min(h.deadline for h in self.handshakes.values()) - now)
+            elif self.draining or not conns:
+                timeout = 0.25
             for fd, _events in self.poller.poll(timeout):
                 conn = conns.get(fd)
                 if conn is not None:
                     self._serve(conn)
+                elif fd == self.wake_r:
+                    while _drain_pipe(fd):
+                        pass
                 elif fd in self.handshakes:
                     self._answer(self.handshakes[fd])
                 elif fd == listener:
@@ -552,7 +568,16 @@ class Broker:
             shake.sock.close()
         self.listener.close()
         self.poller.close()
+        os.close(self.wake_r)
+        os.close(self.wake_w)
         remove_program_dir(self.dir)
+
+
+def _drain_pipe(fd: int) -> bool:
+    try:
+        return bool(os.read(fd, 512))
+    except BlockingIOError:
+        return False
 
 
 def _unmap_header(seg: _Segment) -> None:
@@ -773,6 +798,7 @@ def _janitor(directory: str, listener: socket.socket, authkey: bytes, root_pid: 
         _log_to_stderr(directory)
         raise_nofile_limit()
         broker = Broker(directory, listener, authkey, root_pid)
+        signal.set_wakeup_fd(broker.wake_w, warn_on_full_buffer=False)
         try:
             broker.run()
         finally:
