@@ -502,8 +502,8 @@ def memfd_mappings(pid: int | str = "self") -> tuple[int, int]:
     seen: dict[str, int] = {}
     with open(f"/proc/{pid}/maps") as f:
         for line in f:
-            if "/memfd:" not in line:
-                continue
+            if "/memfd:" not in line or "/memfd:shmreduce-ledger" in line:
+                continue  # not a memfd, or shmreduce's ledger (what the process holds), no segment
             fields = line.split()
             lo, hi = (int(x, 16) for x in fields[0].split("-"))
             seen[fields[4]] = max(seen.get(fields[4], 0), hi - lo)  # by inode

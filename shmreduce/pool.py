@@ -25,8 +25,9 @@ by a new storage until ``settle`` takes it. When a token dies:
   (``_native.hdr_free``, which ends the generation in the header: a stale ref is
   refused); else it waits (``Pool.waiting``) and is checked again when the pool
   needs a segment and by the collector, every ``transfer.PURGE_EVERY``.
-- in a receiver: it lets go of the generation (the broker told first, then the
-  header's holders). A receiver keeps the token of a generation that has come to it
+- in a receiver: it lets go of the generation (its entry in this process's
+  ledger, which the broker reads if it dies, cleared first, then the header's
+  holders: no record). A receiver keeps the token of a generation that has come to it
   in more than one message (a slab's) alive until LINGER seconds after the last
   message in it (see "parked tokens" below).
 
@@ -69,6 +70,7 @@ from typing import Any
 import torch
 
 from shmreduce import _native, _torch, segments
+from shmreduce.broker import client as broker
 from shmreduce.errors import OutOfSharedMemory, SharingError, out_of_shm
 
 HEADER = 64  # a pooled segment's first bytes: its generation (u64); storages start after
@@ -189,16 +191,16 @@ class Segment:
         self.filled = max(self.filled, HEADER)  # its first page is allocated now
         return self.new_token(gen, None)
 
-    def new_token(self, gen: int, kept: str | None) -> Any:
+    def new_token(self, gen: int, entry: tuple | None) -> Any:
         """The token of *gen* in this process, made held once: its maker ``release()``s
-        that hold (or hands it to a ``Hold``). *kept*: a receiver's, the directory of
-        the broker told it holds *gen* (``hdr_hold`` counted it in the header), let go
-        of when the token dies (``settle``)."""
-        if kept is not None:
+        that hold (or hands it to a ``Hold``). *entry*: a receiver's, its ledger entry
+        for *gen* (``hdr_hold`` counted it in the header), let go of when the token
+        dies (``settle``)."""
+        if entry is not None:
             self.rtokens = self.rtokens + 1 if self.rgen == gen else 1
             self.rgen = gen
         token = _Gen(self, self.addr, self.size, gen, HEADER if gen else 0)
-        token.info = (kept, os.getpid(), {})  # the last: storages received through it (cache.storage_at)
+        token.info = (entry, os.getpid(), {})  # the last: storages received through it (cache.storage_at)
         self.token, self.gen = weakref.ref(token), gen
         return token
 
@@ -360,33 +362,26 @@ def has_dead() -> bool:
     return _native.pending()
 
 
-class Releases:
-    """What this process lets go of, per broker directory: the generations it held
-    as a receiver, (segment, generation) pairs, told to the broker and then counted
-    out of their headers (``transfer._post_gens``)."""
-
-    def __init__(self) -> None:
-        self.gens: dict[str, list[tuple[Segment, int]]] = {}
-
-
-def settle(releases: Releases, dead: list[Any] | None = None) -> None:
+def settle(dead: list[Any] | None = None) -> None:
     """Account for every generation whose last storage died here since the last call.
 
     In its owner the generation is over here: its segment is free at once if nobody
     holds it elsewhere and every ref sent in it was loaded (``_native.hdr_free``),
-    else it waits for that (``Pool.reap``). A receiver lets go of its hold. What a
-    receiver held of a slab's generation is let go of once its parked token goes
+    else it waits for that (``Pool.reap``). A receiver lets go of its hold: its
+    ledger entry cleared, then the header's holders (``broker.client.let_go``). What
+    a receiver held of a slab's generation is let go of once its parked token goes
     (see "parked tokens" below). *dead*: tokens taken from ``_native.dead()`` already."""
     pid = os.getpid()
     for token in _native.dead() if dead is None else dead:
         info: Any = token.info
-        kept, owner, _received = info
+        entry, owner, _received = info
         if owner != pid:
             continue  # a forked child's copy of its parent's token: not ours to tell
         seg: Segment = token.owner  # type: ignore[assignment]
         gen = token.number
-        if kept is not None:
-            releases.gens.setdefault(kept, []).append((seg, gen))
+        if entry is not None:
+            if broker.let_go(entry):  # else this process is exiting: its brokers count it out
+                _native.hdr_unhold(seg.addr, gen)
             continue
         pool = seg.pool
         if pool is None or seg.gen != gen:
@@ -409,17 +404,6 @@ def _in_use() -> list[Segment]:
     return in_use
 
 
-def held_generations(directory: str) -> list[tuple[int | str, int]]:
-    """(segment, generation) of every generation this process holds as a receiver,
-    told to the broker of *directory*."""
-    held = []
-    for seg in list(_mapped.values()):
-        token = seg.live_token(seg.gen)
-        if token is not None and token.info[0] == directory and token.info[1] == os.getpid():
-            held.append((seg.key, seg.gen))
-    return held
-
-
 def live_segments() -> int:
     return len(_in_use())
 
@@ -433,7 +417,7 @@ def live_segments() -> int:
 # transfer.PURGE_EVERY, unparks it: 0.25 to 0.75 s): a stream of messages in one
 # slab, each dropped before the next arrives
 # (the common consumer loop), then finds the token live. Each message costs no new
-# token, no hold and release of the generation (records at the broker), no settle.
+# token, no hold and release of the generation, no settle.
 # Once unparked (``unpark``, from the collector), the token ends with its last
 # storage and the hold goes at once. A generation seen in one message only (a large
 # storage's segment) is never parked: its owner waits for it to reuse the memory.

@@ -10,9 +10,11 @@ the generation died, nobody holds it and every ref sent was loaded (``pool``).
 
 The broker hears, fire-and-forget, only what it needs when a process dies: a memfd
 the first time this process sends a ref to it (a receiver fetches it once, by inode,
-to map it), the generations a receiver holds (counted out of their headers if it
-dies), the files a sender made. In a steady stream, where receivers map the
-segments already, a message costs no record to the broker from either side.
+to map it), the files a sender made, and once per connection this process's ledger
+of the generations it holds as a receiver (written in shared memory: counted out of
+their headers if it dies; ``broker.client.Ledger``). In a steady stream, where
+receivers map the segments already, a message costs no record to the broker from
+either side, and neither does a generation.
 
 These are the general path. A plain CPU tensor is sent and loaded in one C call
 (``_native.reduce`` / ``_native.rebuild``) wherever its generation is indexed /
@@ -245,7 +247,7 @@ class sending:
                     _native.count_sent(out.counted)
                     _counters["messages_sent"] += 1
                 if pool.has_dead():
-                    _post_gens(_take_releases())
+                    _settle()
 
 
 def share(storage: torch.UntypedStorage) -> tuple:
@@ -426,52 +428,13 @@ PURGE_EVERY = 0.5  # seconds between two looks for what died, in a process that 
 _releases_lock = threading.Lock()
 
 
-def _take_releases(wait: bool = False) -> pool.Releases:
-    """What died since the last call; *wait*: also for a call running in another
-    thread (the collector's) to finish, so that its effects are seen on return."""
-    releases = pool.Releases()
+def _settle(wait: bool = False) -> None:
+    """Account for what died since the last call (``pool.settle``); *wait*: also for
+    a call running in another thread (the collector's) to finish, so that its effects
+    are seen on return."""
     if wait or pool.has_dead():
         with _releases_lock:
-            pool.settle(releases)
-    return releases
-
-
-# What this process, as a receiver, has not told its brokers yet, by directory: the
-# holds it took (posted at the end of the message that took them) and the
-# generations it let go of (posted with the next holds, or by the collector within
-# PURGE_EVERY): a steady stream costs one G record per slab generation (``_post_gens``).
-_holds: dict[str, list[tuple[int | str, int]]] = {}
-_lets_go: dict[str, list[tuple[pool.Segment, int]]] = {}
-_gens_lock = threading.Lock()
-
-
-def _post_gens(releases: pool.Releases, flush: bool = False) -> None:
-    """Add *releases* to what this process lets go of; post, in one G record per
-    broker, the holds taken since the last post and what it let go of, then count
-    those out of their headers: dying in between leaves one count too many, which
-    keeps a segment out of reuse, never one too few. Lets go wait for the next holds
-    unless *flush* (the collector's): an owner reuses a slab one generation later,
-    and the broker wakes once per generation, not twice. A hold is posted before its
-    let-go (one lock). Not at interpreter exit, once the connections closed: the
-    brokers count this process out then."""
-    global _holds, _lets_go
-    with _gens_lock:
-        for directory, pairs in releases.gens.items():
-            _lets_go.setdefault(directory, []).extend(pairs)
-        releases.gens.clear()
-        if not (_holds or (flush and _lets_go)):
-            return
-        holds, _holds = _holds, {}
-        lets_go, _lets_go = _lets_go, {}
-        if broker.exiting:
-            return
-        for directory in holds.keys() | lets_go.keys():
-            pairs = lets_go.get(directory, [])
-            client = broker.client_for(directory) if directory in holds else broker.connected_client(directory)
-            if client is not None:
-                _quietly(client.gens, holds.get(directory, []), [(seg.key, gen) for seg, gen in pairs])
-            for seg, gen in pairs:
-                _native.hdr_unhold(seg.addr, gen)
+            pool.settle()
 
 
 def _quietly(send: Callable[..., None], *args: Any) -> None:
@@ -489,7 +452,7 @@ def collect(linger: float = 0.0) -> None:
     cache entries dropped. A receiver's parked tokens go once parked *linger*
     seconds (all of them by default; the collector thread gives them ``pool.LINGER``)."""
     pool.unpark(linger)
-    _post_gens(_take_releases(wait=True), flush=True)
+    _settle(wait=True)
     for p in (_fd_pool, _fs_pool):
         if p.waiting:
             p.reap()
@@ -622,11 +585,7 @@ def _new_token(seg: pool.Segment, kind: str, directory: str, segkey: Any, gen: i
             _check_tag(directory, segkey, gen, tag)
         if not _native.hdr_hold(seg.addr, gen):
             raise stale_message(f"segment {segkey!r} holds other data now (generation {gen:x} is over)")
-        with _gens_lock:
-            _holds.setdefault(directory, []).append((segkey, gen))
-        if getattr(_local, "incoming", None) is None:
-            _post_gens(pool.Releases())  # no message scope to post it at its end
-        token = seg.new_token(gen, directory)
+        token = seg.new_token(gen, broker.hold(directory, segkey, gen))
         token.publish((kind, directory, segkey, gen))  # _native.rebuild loads through it from now on
         if seg.rtokens >= 2:  # the generation came in more than one message (a slab's)
             pool.park(seg, token)
@@ -679,8 +638,8 @@ class receiving:
                 _counters["messages_received"] += 1
             if pool.parked():
                 pool.unpark_finished()
-            if _holds or pool.has_dead():
-                _post_gens(_take_releases())  # one record: this message's holds, what died
+            if pool.has_dead():
+                _settle()
 
 
 def _loads() -> int:
@@ -708,12 +667,9 @@ def _before_fork() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _stripes, _releases_lock, _gens_lock
+    global _stripes, _releases_lock
     _stripes = [threading.Lock() for _ in range(_STRIPES)]  # a parent's thread may have held one
     _releases_lock = threading.Lock()
-    _gens_lock = threading.Lock()
-    _holds.clear()  # the parent's to tell
-    _lets_go.clear()
     _names.names.clear()  # the parent's holds, not ours
     _collector.started = False  # its thread did not come along
     _fd_pool.reset_after_fork()
@@ -745,11 +701,6 @@ def _on_connect(client: broker.BrokerClient) -> None:
         return
     if directory == _program_dir():
         pool.forget_deposits()
-    # The generations this process holds as a receiver, so that the new broker counts
-    # it out of them if it dies.
-    held = pool.held_generations(directory)
-    if held:
-        _quietly(client.gens, held)
     try:
         present = set(os.listdir(directory))
     except OSError:

@@ -4,9 +4,9 @@ lost on its way out.
 A pooled segment's header counts the refs sent and loaded in its generation and the
 receivers holding it; its owner reuses it only with no holder and nothing in flight.
 A receiver that dies holding a generation is counted out by the broker, from the
-records it posted before its connections closed (``G``: + held, - let go): one the broker loses,
-or counts twice, either keeps the segment from reuse for good or lets its owner
-overwrite memory a live receiver still reads. The broker stays after its last client
+ledger it posted (what it holds, in shared memory), once its connections closed:
+an entry the broker misses, or counts twice, either keeps the segment from reuse
+for good or lets its owner overwrite memory a live receiver still reads. The broker stays after its last client
 only for refs still in flight (draining), while the program's root lives.
 """
 
@@ -88,10 +88,15 @@ class _Memfd:
         os.close(self.fd)
 
 
+def _ledger(client: broker_client.BrokerClient) -> broker_client.Ledger:
+    assert client.ledger is not None
+    return client.ledger
+
+
 def _receivers(count: int) -> list[broker_client.BrokerClient]:
     """*count* receiver identities (as processes are), both connections open."""
     directory = program.current().directory
-    clients = [broker_client.BrokerClient(directory, None) for _ in range(count)]
+    clients = [broker_client.BrokerClient(directory, None, broker_client.Ledger()) for _ in range(count)]
     for c in clients:
         c.ping()
         c._post_socket(start=False)
@@ -225,11 +230,11 @@ def test_a_receiver_whose_connections_close_while_it_holds_is_counted_out_once(s
     assert first.exitcode == 0 and second.exitcode == 0
 
 
-def test_a_release_posted_before_a_close_counts(broker_log):
-    # A receiver lets go of a generation (a G record's - line, then counted out of the header by itself)
-    # and closes, the broker stopped meanwhile: it reads the - before the close and
-    # does not count the receiver out a second time, which would take the other
-    # receiver's count.
+def test_a_let_go_written_before_a_close_counts(broker_log):
+    # A receiver lets go of a generation (its ledger entry cleared, then counted out
+    # of the header by itself) and closes, the broker stopped meanwhile: the broker
+    # reads the ledger as it is at the close and does not count the receiver out a
+    # second time, which would take the other receiver's count.
     prog = program.current()
     sender = broker_client.BrokerClient(prog.directory, prog.root_pid)
     sender.connect()
@@ -237,15 +242,16 @@ def test_a_release_posted_before_a_close_counts(broker_log):
     first, second = _receivers(2)
     try:
         sender.segment(seg.fd, header=True)
+        entries = {}
         for receiver in (first, second):
             assert _native.hdr_hold(seg.addr, seg.gen)
-            receiver.gens([(seg.ino, seg.gen)])
+            entries[receiver] = _ledger(receiver).hold(seg.ino, seg.gen)
         counters = sender.ping()
         assert (counters["segments"], counters["generations_held"]) == (1, 2), counters
         pid = sender.broker_pid
         os.kill(pid, signal.SIGSTOP)
         try:
-            first.gens([], [(seg.ino, seg.gen)])
+            assert _ledger(first).let_go(entries[first])
             assert _native.hdr_unhold(seg.addr, seg.gen)
             first.close()
         finally:
@@ -259,6 +265,8 @@ def test_a_release_posted_before_a_close_counts(broker_log):
     finally:
         for c in (first, second, sender):
             c.close()
+            if c.ledger is not None:
+                c.ledger.close()
         seg.close()
     assert "no client left, staying" not in _log_text(broker_log)
 
@@ -288,7 +296,7 @@ def test_a_receiver_gone_before_its_owners_hold_is_read_is_still_counted_out(bro
         os.kill(pid, signal.SIGSTOP)  # records queue up; the broker serves them in the order they came
         try:
             assert _native.hdr_hold(addr, gen)
-            receiver.gens([(name, gen)])
+            _ledger(receiver).hold(name, gen)
             receiver.close()  # its process is gone
             sender.hold([name])
         finally:
@@ -300,6 +308,7 @@ def test_a_receiver_gone_before_its_owners_hold_is_read_is_still_counted_out(bro
             m.close()
         os.close(fd)
         receiver.close()
+        _ledger(receiver).close()
         sender.close()  # the file's holder goes: the broker unlinks it
     assert wait_for(lambda: not os.path.exists(path), TIMEOUT)
 
@@ -324,20 +333,18 @@ def test_a_broker_left_with_refs_in_flight_logs_them_and_goes_once_they_are_load
 
 def test_a_client_retired_by_close_all_never_connects_again(registered_fd, broker_log):
     # A thread may hold this process's client of a directory across close_all() (as
-    # unregister() calls it): a load telling the broker the generations it holds, a
-    # release. Reconnected, that client held a connection nothing closed, and the
+    # unregister() calls it): a load connecting to post its ledger, a release.
+    # Reconnected, that client held a connection nothing closed, and the
     # broker never exited (the symptom of issue 19, item 2).
     t = torch.full((4,), 2.0)
     data = shmreduce.dumps(t)
     seg = _segment_of(t)
-    gen = _native.hdr_read(seg.addr)[0]
     stale = broker_client.client_for(program.current().directory)
     assert stale.connected()
     broker_client.close_all()
     assert not stale.connected()
     for call in (
-        lambda: stale.gens([(seg.key, gen)]),
-        lambda: stale.gens([], [(seg.key, gen)]),
+        stale.connect,
         lambda: stale.release(["seg-" + "0" * 24]),
         lambda: stale.fetch(seg.key),
         stale.ping,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import shmreduce
-from shmreduce import program, transfer
+from shmreduce import _native, program, transfer
 from shmreduce.broker import client as broker_client
 from shmreduce.cache import cache
 
@@ -391,3 +391,59 @@ def test_connect_replaces_a_broker_that_was_killed():
     assert status == "ok", value
     before, after = value
     assert after != before, "connect() kept a connection to a broker that was killed"
+
+
+# -- what a receiver holds reaches the new broker --------------------------------------
+
+NUMEL = (64 << 10) // 4 + 16  # a float32 tensor this long gets a segment of its own
+
+
+def _keep_all(conn):
+    kept = []
+    while (t := conn.recv()) is not None:
+        kept.append(t)
+        conn.send(float(t.sum()))
+
+
+def test_a_receiver_killed_after_a_restart_is_counted_out_of_what_it_held_before(registered_fd):
+    # A receiver's ledger goes to every broker it connects to. It holds a segment's
+    # generation; the broker is killed; the next hold (a new segment) connects it to
+    # the new broker, which then knows both holds: killed, the receiver is counted out
+    # of the first segment's header too (its owner re-deposited it by sending it
+    # again), so that segment is reused, not kept from reuse for good.
+    ours, theirs = CTX.Pipe()
+    proc = CTX.Process(target=_keep_all, args=(theirs,))
+    proc.start()
+    theirs.close()
+
+    def ask(t):
+        ours.send(t)
+        assert ours.poll(30), "receiver did not answer"
+        return ours.recv()
+
+    try:
+        first = torch.full((NUMEL,), 1.0)
+        assert ask(first) == float(NUMEL)
+        place = cache.place_of(first.untyped_storage())
+        assert place is not None
+        seg = place.segment
+        assert _native.hdr_read(seg.addr)[3] == 1  # the receiver holds it
+        client = broker_client.client_for(program.current().directory, program.current().root_pid)
+        old = client.broker_pid
+        os.kill(old, signal.SIGKILL)
+        assert wait_for(lambda: not os.path.exists(program.current().directory), 10)
+        assert ask(first) == float(NUMEL)  # sent again: deposited with the new broker
+        second = torch.full((NUMEL,), 2.0)
+        assert ask(second) == 2.0 * NUMEL  # a new hold: the receiver posts its ledger there
+        assert client.broker_pid not in (0, old)
+        assert client.ping()["generations_held"] == 2
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(30)
+        assert wait_for(lambda: _native.hdr_read(seg.addr)[3] == 0, 10), _native.hdr_read(seg.addr)
+        assert client.ping()["generations_held"] == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(30)
+        ours.close()

@@ -223,16 +223,16 @@ def test_bad_records_drop_only_their_client_and_are_logged(registered_fd, broker
         (P.ROLE_POST, P.SEGMENT + P.NO_KEY + b"x", 1),  # ... of an unknown kind
         (P.ROLE_POST, P.SEGMENT + P.NO_KEY + b"h", 2),  # ... with two descriptors
         (P.ROLE_POST, P.DROP + P.NO_KEY + b"1\n\n2", 0),
-        (P.ROLE_POST, P.GENS + P.NO_KEY + b"+12345", 0),  # a segment without its generation
-        (P.ROLE_POST, P.GENS + P.NO_KEY + b"-" + bad_name + b" 1", 0),
-        (P.ROLE_POST, P.GENS + P.NO_KEY + b"12345 1", 0),  # neither held nor let go of
+        (P.ROLE_POST, P.LEDGER + P.NO_KEY, 0),  # a ledger record without its memfd
+        (P.ROLE_POST, P.LEDGER + P.NO_KEY + b"x", 1),  # ... with a body
+        (P.ROLE_POST, P.LEDGER + P.NO_KEY, 2),  # ... with two descriptors
         (P.ROLE_POST, P.HOLD + P.NO_KEY + bad_name, 0),
         (P.ROLE_POST, P.RELEASE + P.NO_KEY + b"gen-" + b"0" * 24, 0),  # generations are no names
         (P.ROLE_REQUEST, P.FETCH + P.NO_KEY + b"inode", 0),
         (P.ROLE_REQUEST, P.FETCH + P.NO_KEY + b"1\n2", 0),  # a fetch names one memfd
         (P.ROLE_POST, b"Z" + P.NO_KEY, 0),  # unknown op
         (P.ROLE_POST, b"D", 0),  # shorter than a header
-        (P.ROLE_POST, P.GENS + P.NO_KEY + b"x" * (P.MAX_RECORD + 100), 0),  # larger than any record
+        (P.ROLE_POST, P.HOLD + P.NO_KEY + b"x" * (P.MAX_RECORD + 100), 0),  # larger than any record
     ]
     for role, record, nfds in garbage:
         sock = _raw(role)
@@ -256,9 +256,13 @@ def test_bad_records_drop_only_their_client_and_are_logged(registered_fd, broker
     sock = _raw()
     r, w = os.pipe()
     try:
-        P.send_record(sock, P.GENS, P.NO_KEY, P.encode_gens([(1 << 40, 1)]), [r, w])
-        P.send_record(sock, P.GENS, P.NO_KEY, P.encode_gens([], [(1 << 40, 1)]))
+        P.send_record(sock, P.RELEASE, P.NO_KEY, P.encode_names(["seg-" + "0" * 24]), [r, w])
+        P.send_record(sock, P.DROP, P.NO_KEY, P.encode_inos([1 << 40]))
         assert client.ping()["clients"] == 2
+        # A ledger that is no memfd (a pipe: the broker would block reading it) costs
+        # its connection.
+        P.send_record(sock, P.LEDGER, P.NO_KEY, b"", [r])
+        assert sock.recv(1) == b""
     finally:
         os.close(r)
         os.close(w)
@@ -268,7 +272,7 @@ def test_bad_records_drop_only_their_client_and_are_logged(registered_fd, broker
     assert shmreduce.loads(shmreduce.dumps(torch.arange(3.0))).tolist() == [0.0, 1.0, 2.0]
     log = _log_text(broker_log)
     assert log.count("dropped the connection") >= len(garbage), log
-    for why in ("one descriptor", "bad inodes", "bad generations", "bad segment names", "unknown op", "truncated", "larger than"):
+    for why in ("one descriptor", "bad inodes", "a ledger record carries", "bad segment names", "unknown op", "truncated", "larger than"):
         assert why in log, (why, log)
     # Each is a protocol error (a WARNING line), none an error of the broker's own.
     assert "unexpected error" not in log and "Traceback" not in log, log

@@ -55,9 +55,7 @@ def _drain() -> list[Any]:
     for gen in _native.dead():
         (mine if isinstance(gen.info, tuple) and gen.info[:2] == _MINE else others).append(gen)
     if others:
-        releases = pool.Releases()
-        pool.settle(releases, others)
-        transfer._post_gens(releases, flush=True)
+        pool.settle(others)
     return mine
 
 

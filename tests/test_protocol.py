@@ -95,59 +95,35 @@ def test_malformed_inos_are_refused(blob: bytes) -> None:
 
 
 @pytest.mark.parametrize(
-    "gens",
+    "held",
     [
         [(12345, 1)],
         [(SEG, (1 << 64) - 1)],
         [(1, 7), (SEG, 8), (SEG2, 0xABCDEF << 40), ((1 << 64) - 1, 1)],
-        [(i, i + 1) for i in range(P.GENS_PER_RECORD)],
     ],
 )
-def test_gens_round_trip(gens: list[tuple[int | str, int]]) -> None:
-    assert P.decode_gens(P.encode_gens(gens)) == [(True, key, gen) for key, gen in gens]
-    assert P.decode_gens(P.encode_gens([], gens)) == [(False, key, gen) for key, gen in gens]
+def test_ledger_entries_round_trip(held: list[tuple[int | str, int]]) -> None:
+    blob = b"".join(P.LEDGER_ENTRY.pack(*P.ledger_entry(key, gen)) for key, gen in held)
+    assert P.ledger_holds(blob) == held
 
 
-def test_a_gens_record_holds_first_then_lets_go() -> None:
-    # One record per message: its holds, then what the receiver let go of since.
-    body = P.encode_gens([(1, 2)], [(SEG, 3), (1, 1)])
-    assert P.decode_gens(body) == [(True, 1, 2), (False, SEG, 3), (False, 1, 1)]
-
-
-def test_gens_keep_the_64_bits_a_header_holds() -> None:
+def test_a_ledger_keeps_the_64_bits_a_header_holds_and_skips_free_entries() -> None:
     # A generation number may be wider (the pickle's); the header holds its low 64 bits.
-    assert P.decode_gens(P.encode_gens([(SEG, (1 << 70) + 5)])) == [(True, SEG, 5)]
-    assert P.encode_gens([(3, 255)], [(SEG, 16)]) == f"+3 ff\n-{SEG} 10".encode()
+    free = P.LEDGER_ENTRY.pack(0, 0, bytes(12), 0)
+    blob = P.LEDGER_ENTRY.pack(*P.ledger_entry(SEG, (1 << 70) + 5)) + free + P.LEDGER_ENTRY.pack(*P.ledger_entry(3, 255))
+    assert P.ledger_holds(blob + b"partial entry") == [(SEG, 5), (3, 255)]
 
 
-@pytest.mark.parametrize(
-    "blob",
-    [
-        b"",
-        b"+12345",  # no generation
-        b"12345 1",  # neither held nor let go of
-        b"+12345 ",
-        b"+ 1",
-        b"+12345  1",
-        b"+12345 1 2",
-        b"+12345 g",
-        b"+12345 1\n",
-        b"\n+12345 1",
-        b"+12345 " + b"f" * 25,
-        b"+12345\t1",
-        b"+-1 1",
-        b"--1 1",
-        b"+1 1\n12345 1",
-        b"*12345 1",
-        b"+gen-" + b"0" * 24 + b" 1",
-        b"+" + SEG.encode()[:-1] + b" 1",
-        b"-../" + SEG.encode() + b" 1",
-        b"+" + SEG.encode() + b" 1;" + SEG2.encode() + b" 2",
-    ],
-)
-def test_malformed_gens_are_refused(blob: bytes) -> None:
-    with pytest.raises(P.ProtocolError, match="bad generations"):
-        P.decode_gens(blob)
+def test_any_ledger_bytes_name_only_well_formed_segments() -> None:
+    # A ledger is the client's memory: whatever it holds, the broker reads inodes and
+    # file names of the right form (looked up among its own segments), nothing else.
+    blob = os.urandom(P.LEDGER_ENTRY.size * 500)
+    blob = b"".join(blob[i : i + 28] + P.LEDGER_ENTRY.pack(0, 0, bytes(12), 1)[28:] for i in range(0, len(blob), 32))
+    held = P.ledger_holds(blob)
+    assert len(held) == 500
+    for key, gen in held:
+        assert 0 <= gen < 1 << 64
+        assert (isinstance(key, int) and 0 < key < 1 << 64) or (isinstance(key, str) and P.is_segment_name(key))
 
 
 # -- fetched replies -----------------------------------------------------------------
@@ -188,11 +164,11 @@ def _fd_names() -> set[int]:
 
 def test_records_travel_whole_and_in_order(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
-    bodies = [b"", b"x", P.encode_gens([(SEG, 7)]), P.encode_inos([5, 6]), b"z" * 100_000]
+    bodies = [b"", b"x", P.encode_names([SEG]), P.encode_inos([5, 6]), b"z" * 100_000]
     for i, body in enumerate(bodies):
-        P.send_record(a, P.GENS if i % 2 else P.DROP, KEY, body)
+        P.send_record(a, P.HOLD if i % 2 else P.DROP, KEY, body)
     for i, body in enumerate(bodies):
-        assert P.recv_record(b) == (P.GENS if i % 2 else P.DROP, KEY, body, [])
+        assert P.recv_record(b) == (P.HOLD if i % 2 else P.DROP, KEY, body, [])
     P.send_record(b, P.PING, P.NO_KEY)
     assert P.recv_record(a) == (P.PING, P.NO_KEY, b"", [])
 

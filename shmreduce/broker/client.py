@@ -17,6 +17,7 @@ import errno
 import fcntl
 import json
 import logging
+import mmap
 import multiprocessing
 import os
 import select
@@ -184,18 +185,19 @@ class BrokerClient:
     """This process's connections to one broker; reconnects (and restarts it) on demand.
 
     Two connections, one identity: *post* carries the fire-and-forget records
-    (segment, drop, hold, release, generations held and let go of), a few per
-    segment or generation, never one per message; *request* carries fetch and ping,
-    which the broker answers at once.
+    (segment, drop, hold, release, this process's ledger), a few per segment, never
+    one per message; *request* carries fetch and ping, which the broker answers at
+    once.
 
     *root_pid* is the root of the program that owns the directory, known only to the
     processes of that program (see ``client_for``): only then may a sending
-    operation start the broker, which records it. Receiving operations (fetch,
-    generations held, releases) only connect: no broker there is a SharingError.
+    operation start the broker, which records it. Receiving operations (fetch, a
+    hold's connection, releases) only connect: no broker there is a SharingError.
     """
 
-    def __init__(self, directory: str, root_pid: int | None) -> None:
+    def __init__(self, directory: str, root_pid: int | None, ledger: Ledger | None = None) -> None:
         self.directory = directory
+        self.ledger = ledger  # the ledger it posts (tests: one each); None: this process's for its directory
         self.root_pid = root_pid
         self.lock = threading.RLock()
         self.sock: socket.socket | None = None  # request connection
@@ -270,7 +272,19 @@ class BrokerClient:
 
     def _post_socket(self, start: bool) -> socket.socket:
         if self.post is None:
-            self.post = self._open(P.ROLE_POST, start)
+            post = self._open(P.ROLE_POST, start)
+            try:
+                # What this process holds as a receiver, read by the broker once it is gone.
+                if self.ledger is not None:
+                    if not self.ledger.post(post):
+                        raise OSError(errno.EBADF, "this client's ledger is closed")
+                else:
+                    while not _ledger_for(self.directory).post(post):
+                        pass  # closed meanwhile, as its directory let go of its last hold
+            except OSError as exc:
+                post.close()
+                raise self._broken(exc) from exc
+            self.post = post
             for hook in on_connect:
                 hook(self)
         return self.post
@@ -383,17 +397,6 @@ class BrokerClient:
         for i in range(0, len(names), P.NAMES_PER_RECORD):
             self._send(op, P.NO_KEY, P.encode_names(names[i : i + P.NAMES_PER_RECORD]), start=start)
 
-    def gens(self, holds: list[tuple[int | str, int]], lets_go: list[tuple[int | str, int]] = []) -> None:  # noqa: B006  never mutated
-        """This process holds *holds* and no longer holds *lets_go*, (segment,
-        generation) pairs, as a receiver, counted in their headers: if it dies holding
-        one, the broker counts it out. One record (a G record's lines, holds first),
-        more only past GENS_PER_RECORD. Never starts a broker."""
-        lines = [(True, pair) for pair in holds] + [(False, pair) for pair in lets_go]
-        for i in range(0, len(lines), P.GENS_PER_RECORD):
-            part = lines[i : i + P.GENS_PER_RECORD]
-            body = P.encode_gens([p for held, p in part if held], [p for held, p in part if not held])
-            self._send(P.GENS, P.NO_KEY, body, retry=bool(holds))
-
     # -- round trips -----------------------------------------------------------
 
     def fetch(self, ino: int) -> int | None:
@@ -496,12 +499,150 @@ def close_all(exiting: bool = False) -> None:
     for client in list(_clients.values()):
         client.retire(exiting)
     _clients.clear()
+    with _ledgers_lock:
+        for directory, ledger in list(_ledgers.items()):
+            if not exiting and ledger.close(unless_held=True):
+                del _ledgers[directory]  # it held nothing: the next connection posts a new one
 
 
 def _close_all_at_exit() -> None:
     global exiting
     exiting = True
+    for ledger in list(_ledgers.values()):
+        ledger.freeze()  # what it holds now, its brokers count out
     close_all(exiting=True)
+
+
+# -- the ledger ----------------------------------------------------------------------
+
+
+class Ledger:
+    """The generations this process holds as a receiver in one program, in a memfd
+    that program's broker keeps and reads once this process is gone (protocol.py,
+    "Ledger"): holding one is an entry written, letting go one cleared, with no
+    record. Grows by doubling (the broker reads the memfd's size then)."""
+
+    def __init__(self, directory: str = "") -> None:
+        self.directory = directory
+        self.fd = os.memfd_create("shmreduce-ledger", os.MFD_CLOEXEC)
+        self.size = 0
+        self.map: mmap.mmap | None = None
+        self.free: list[int] = []  # entries let go of, reused first
+        self.used = 0  # entries ever handed out
+        self.frozen = False  # at exit: its brokers count out what it holds
+        self.closed = False
+        self.lock = threading.Lock()
+
+    def hold(self, key: int | str, gen: int) -> int:
+        """Write a held entry for generation *gen* of segment *key*: its index; -1 if
+        this ledger was closed meanwhile (``close_all``: take the next one)."""
+        with self.lock:
+            if self.closed:
+                return -1
+            if self.free:
+                index = self.free.pop()
+            else:
+                index, self.used = self.used, self.used + 1
+                if self.used * P.LEDGER_ENTRY.size > self.size:
+                    size = max(P.LEDGER_MIN, 2 * self.size)
+                    os.ftruncate(self.fd, size)
+                    self.map, self.size = mmap.mmap(self.fd, size), size
+            assert self.map is not None
+            P.LEDGER_ENTRY.pack_into(self.map, index * P.LEDGER_ENTRY.size, *P.ledger_entry(key, gen))
+            return index
+
+    def let_go(self, index: int) -> bool:
+        """Clear entry *index*; False once frozen (the brokers count it out: the
+        caller must not count itself out of the header too)."""
+        with self.lock:
+            if self.frozen:
+                return False
+            assert self.map is not None
+            P.LEDGER_ENTRY.pack_into(self.map, index * P.LEDGER_ENTRY.size, 0, 0, bytes(12), 0)
+            self.free.append(index)
+            return True
+
+    def post(self, sock: socket.socket) -> bool:
+        """Post it on the new connection *sock*; False if it was closed meanwhile."""
+        with self.lock:
+            if self.closed:
+                return False
+            P.send_record(sock, P.LEDGER, P.NO_KEY, b"", [self.fd])
+            return True
+
+    def empty(self) -> bool:
+        return len(self.free) == self.used
+
+    def freeze(self) -> None:
+        with self.lock:
+            self.frozen = True
+
+    def close(self, unless_held: bool = False) -> bool:
+        """Close it (*unless_held*: only if it holds nothing); whether it did."""
+        with self.lock:
+            if unless_held and not self.empty():
+                return False
+            if not self.closed:
+                self.closed = True
+                os.close(self.fd)
+                if self.map is not None:
+                    self.map.close()
+            return True
+
+    def held(self) -> list[tuple[int | str, int]]:
+        """(segment, generation) of every entry held now."""
+        with self.lock:
+            return P.ledger_holds(bytes(self.map)) if self.map is not None else []
+
+
+# One ledger per program directory (its broker reads only the holds taken through
+# it): it outlives the clients of its directory while it holds anything, so that a
+# client made after ``close_all`` (``register()`` again) posts what is still held.
+_ledgers: dict[str, Ledger] = {}
+_ledgers_lock = threading.Lock()
+
+
+def _ledger_for(directory: str) -> Ledger:
+    ledger = _ledgers.get(directory)
+    if ledger is None:
+        with _ledgers_lock:
+            ledger = _ledgers.get(directory)
+            if ledger is None:
+                ledger = _ledgers[directory] = Ledger(directory)
+    return ledger
+
+
+def hold(directory: str, key: int | str, gen: int) -> tuple[Ledger, int]:
+    """This process holds generation *gen* of segment *key* (counted in its header
+    already) of the program of *directory*: its ledger entry, which that broker reads
+    if this process dies. Connects to that broker (never starts it) if not yet: a
+    broker that does not know this process's ledger would count nobody out. Without
+    a broker, nobody could: the hold is written all the same."""
+    index = -1
+    while index < 0:
+        ledger = _ledger_for(directory)
+        index = ledger.hold(key, gen)
+    client = client_for(directory)
+    try:
+        with client.lock:
+            client._post_socket(start=False)
+    except SharingError:
+        pass
+    return ledger, index
+
+
+def let_go(entry: tuple[Ledger, int]) -> bool:
+    """Clear a ledger *entry* before the header counts this process out; False at
+    exit, once frozen: the brokers count it out then. A ledger left empty with no
+    client of its directory (after ``close_all``) is closed."""
+    ledger, index = entry
+    if not ledger.let_go(index):
+        return False
+    if ledger.empty() and ledger.directory not in _clients:
+        with _ledgers_lock:
+            if _ledgers.get(ledger.directory) is ledger and ledger.directory not in _clients and ledger.close(unless_held=True):
+                del _ledgers[ledger.directory]
+    return True
 
 
 # Set at interpreter exit, once every connection closed without a keep: the brokers
@@ -511,7 +652,11 @@ exiting = False
 
 def _after_fork_in_child() -> None:
     # The inherited sockets are the parent's connections: never write on them.
-    global _clients_lock, _launch_lock
+    global _clients_lock, _launch_lock, _ledgers_lock
+    for ledger in _ledgers.values():
+        os.close(ledger.fd)  # the parent's: the child writes its own (its tokens' holds)
+    _ledgers.clear()
+    _ledgers_lock = threading.Lock()
     for client in _clients.values():
         client.retired = True  # the parent's (its lock may be held by a parent's thread)
         _close_inherited(client.sockets())

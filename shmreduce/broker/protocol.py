@@ -38,12 +38,23 @@ Transport
     AF_UNIX, SOCK_SEQPACKET: every ``sendmsg`` is one record, delivered whole and in
     order, with its descriptors (SCM_RIGHTS) attached to it. Each client process has
     two connections, one identity (a random token sent in the handshake): *post*
-    (role ``o``) for the fire-and-forget records S, X, H, R, G, K, and *request*
+    (role ``o``) for the fire-and-forget records S, X, H, R, L, K, and *request*
     (role ``q``) for F and P, which get replies. A fetch or ping first reads every
     post connection if it needs to (a barrier: what any client posted before is
     seen). Every record posted before a close counts: Linux may report ECONNRESET
     to the broker ahead of records still queued, which the broker reads on. A forked
     child opens its own connections.
+
+Ledger
+    The generations a process holds as a receiver, in a memfd of LEDGER_ENTRY
+    records it writes with plain stores (``client.Ledger``): a hold is an entry
+    written (after the header counted it), a let-go the entry cleared (before the
+    header counts it out): dying in between leaves a count too many, never too few.
+    The broker keeps the descriptor and reads the ledger only once the process is
+    gone (not once it said K): so holding and letting go cost no record, and a
+    steady stream none at all. A process freezes its ledger before its connections
+    close at exit (what it holds then, the brokers count out); a forked child makes
+    its own.
 
 Handshake (once per connection; the broker also checks SO_PEERCRED uid == its own)
     The broker runs it inside its event loop, a step per record, never blocking: a
@@ -70,14 +81,9 @@ at most MAX_RECORD bytes. None has a reply but F and P.
                  no such memfd here (never deposited, or let go of: stale).
     H  hold      body = segment file names: this client made them and holds them.
     R  release   body = file names it no longer holds.
-    G  gens      body = lines "<+ or -><inode or file name> <generation, hex>",
-                 applied in order: this client holds (+) or let go of (-) these
-                 generations as a receiver (counted in their headers). A receiver
-                 posts the holds a message took and what it let go of since in one
-                 record, once the message is loaded: a steady stream wakes the broker
-                 once per slab generation. Held in the header *before* the + line is
-                 posted, counted out *after* the - line is (dying in between leaves a
-                 count too many, never too few); a - line never precedes its +.
+    L  ledger    one memfd descriptor attached, no body: this process's *ledger*
+                 (see below), posted on every new post connection; it replaces the
+                 one the broker kept for this client.
     K  keep      no body: this client closes its connections and lives on (e.g.
                  ``unregister()``); it counts itself out of what it holds when its
                  storages die, so the broker must not count it out at the close.
@@ -86,7 +92,7 @@ at most MAX_RECORD bytes. None has a reply but F and P.
 
 Lifetimes
     A client whose connections have all closed (its process exited or was killed)
-    is counted out of the holders of every generation it held (+ without -), unless
+    is counted out of the holders of every generation its ledger says it holds, unless
     it said K, once every post connection has been read (a segment may be known only
     from a record still queued there); and it lets go of its memfds and files. A memfd or file nobody uses any more is closed
     or unlinked at once if every ref sent in its current generation was loaded, else
@@ -150,14 +156,13 @@ FETCH = b"F"
 FETCHED = b"f"
 HOLD = b"H"
 RELEASE = b"R"
-GENS = b"G"
+LEDGER = b"L"
 KEEP = b"K"
 PING = b"P"
 PONG = b"p"
 
 HEADER_BYTES = 64  # a pooled segment's header: generation, sent, loaded, holders, finished (u64 each)
 INOS_PER_RECORD = 4000
-GENS_PER_RECORD = 2000
 
 STATUS_OK = 0
 STATUS_UNKNOWN = 1
@@ -182,8 +187,6 @@ class DescriptorsDropped(OSError):
 _SEGMENT_NAME = re.compile(SEG_PREFIX + "[0-9a-f]{24}")
 _NAME_LIST = re.compile(rb"(?:seg-[0-9a-f]{24})(?:\nseg-[0-9a-f]{24})*")
 _INO_LIST = re.compile(rb"[0-9]{1,20}(?:\n[0-9]{1,20})*")
-_GEN_LINE = rb"[+-](?:[0-9]{1,20}|seg-[0-9a-f]{24}) [0-9a-f]{1,24}"
-_GEN_LIST = re.compile(_GEN_LINE + rb"(?:\n" + _GEN_LINE + rb")*")
 
 
 def is_segment_name(name: str) -> bool:
@@ -239,24 +242,32 @@ def decode_inos(blob: bytes) -> list[int]:
     return [int(i) for i in blob.split(b"\n")]
 
 
-def encode_gens(holds, lets_go=()) -> bytes:
-    """A G record's body: (segment, generation) pairs held, then pairs let go of; a
-    segment is a memfd's inode or a file's name."""
-    lines = [f"+{key} {gen & 0xFFFFFFFFFFFFFFFF:x}" for key, gen in holds]
-    lines += [f"-{key} {gen & 0xFFFFFFFFFFFFFFFF:x}" for key, gen in lets_go]
-    return "\n".join(lines).encode("ascii")
+# A ledger entry: the generation (its low 64 bits, as a header holds it), the memfd's
+# inode (0 for a file), the file's name (``seg-`` and 24 hex digits, as 12 bytes; zeros
+# for a memfd), and 1 while held (0: a free entry).
+LEDGER_ENTRY = struct.Struct("<QQ12sI")
+LEDGER_MIN = 1024 * LEDGER_ENTRY.size  # a new ledger's size; it doubles when full
+LEDGER_MAX = 64 << 20  # what a broker reads of one: 2 M entries
 
 
-def decode_gens(blob: bytes) -> list[tuple[bool, int | str, int]]:
-    """(held, segment, generation) for each line, in order; raises ProtocolError if
-    malformed."""
-    if _GEN_LIST.fullmatch(blob) is None:
-        raise ProtocolError(f"bad generations {blob[:80]!r}")
-    lines: list[tuple[bool, int | str, int]] = []
-    for line in blob.decode("ascii").split("\n"):
-        key, gen = line[1:].split(" ")
-        lines.append((line[0] == "+", key if key.startswith(SEG_PREFIX) else int(key), int(gen, 16)))
-    return lines
+def ledger_entry(key: int | str, gen: int) -> tuple[int, int, bytes, int]:
+    """The fields of a held entry for generation *gen* of the memfd (inode) or file
+    (name) *key*."""
+    if isinstance(key, str):
+        return gen & 0xFFFFFFFFFFFFFFFF, 0, bytes.fromhex(key[len(SEG_PREFIX) :]), 1
+    return gen & 0xFFFFFFFFFFFFFFFF, key, bytes(12), 1
+
+
+def ledger_holds(blob: bytes) -> list[tuple[int | str, int]]:
+    """(segment, generation) of every held entry of a ledger's bytes; whatever the
+    bytes, a memfd's inode or a well-formed file name (others' are simply unknown)."""
+    end = min(len(blob), LEDGER_MAX)
+    end -= end % LEDGER_ENTRY.size
+    held: list[tuple[int | str, int]] = []
+    for gen, ino, name, state in LEDGER_ENTRY.iter_unpack(memoryview(blob)[:end]):
+        if state == 1:
+            held.append((ino if ino else SEG_PREFIX + name.hex(), gen))
+    return held
 
 
 def encode_fetched(status: int, total: int) -> bytes:

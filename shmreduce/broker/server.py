@@ -42,6 +42,7 @@ import select
 import shutil
 import signal
 import socket
+import stat
 import sys
 import time
 
@@ -58,16 +59,16 @@ log = logging.getLogger("shmreduce.broker")
 
 class _Client:
     """One client process, across its connections: the segments it deposited, the
-    files it holds, the generations it holds as a receiver."""
+    files it holds, its ledger (the generations it holds as a receiver)."""
 
-    __slots__ = ("token", "pid", "holds", "segs", "gens", "conns", "keeps")
+    __slots__ = ("token", "pid", "holds", "segs", "ledger", "conns", "keeps")
 
     def __init__(self, token: bytes, pid: int) -> None:
         self.token = token
         self.pid = pid  # its first connection's peer, for log lines
         self.holds: set[str] = set()  # segment files it holds (their owner)
         self.segs: set[int] = set()  # memfds it deposited, by inode
-        self.gens: set[tuple[int | str, int]] = set()  # (segment, generation) it holds as a receiver
+        self.ledger = -1  # its ledger's memfd (protocol.py, "Ledger"), read once it is gone
         self.conns = 0
         self.keeps = False  # it said it closes and lives on: its holds are its own to let go of
 
@@ -246,14 +247,14 @@ class Broker:
                 self._unuse(self.files[name], died)
 
     def _let_go_gens(self, client: _Client) -> None:
-        """A receiver died holding these generations: count it out of their holders
-        (a segment the broker no longer keeps is unmapped wherever it was, or went
-        with its owner: nobody reuses it)."""
-        for key, gen in client.gens:
+        """A receiver died: count it out of the holders of every generation its
+        ledger says it holds (a segment the broker no longer keeps is unmapped
+        wherever it was, or went with its owner: nobody reuses it)."""
+        for key, gen in _ledger_holds(client.ledger):
             seg = self.memfds.get(key) if isinstance(key, int) else self.files.get(key)
             if seg is not None and self._header(seg) is not None:
                 _native.hdr_unhold(seg.addr, gen)
-        client.gens.clear()
+        _close_ledger(client)
 
     def _drain(self, now: float) -> None:
         """Close the segments nobody uses whose refs are all loaded, or whose time is up."""
@@ -272,7 +273,7 @@ class Broker:
             "segments": len(self.memfds),
             "segment_files": len(self.files),
             "draining": len(self.draining),
-            "generations_held": sum(len(c.gens) for c in self.clients.values()),
+            "generations_held": sum(len(_ledger_holds(c.ledger)) for c in self.clients.values()),
             "handshakes": len(self.handshakes),
             "root_alive": self.root_alive,
             "records": dict(self.records),
@@ -354,12 +355,14 @@ class Broker:
         if not client.conns:
             log.debug("pid %d disconnected", client.pid)
             self.clients.pop(client.token, None)
-            if client.gens and not client.keeps:
+            if client.ledger >= 0 and not client.keeps:
                 # A segment it held may be known here only from a record still queued
                 # on its owner's post connection (the H or S the owner posted before
                 # any ref to it): counted out once every post connection is read.
                 self.departed.append(client)
                 self._read_posts()
+            else:
+                _close_ledger(client)  # it counts itself out (K), or holds nothing
             self._drop_deposits(client, list(client.segs), died=True)
             self._release(client, list(client.holds), died=True)
         if not self.conns:
@@ -471,13 +474,14 @@ class Broker:
                 self._hold(client, P.decode_names(body))
             elif op == P.RELEASE:
                 self._release(client, P.decode_names(body), died=False)
-            elif op == P.GENS:
-                gens = client.gens
-                for held, key, gen in P.decode_gens(body):
-                    if held:
-                        gens.add((key, gen))
-                    else:
-                        gens.discard((key, gen))
+            elif op == P.LEDGER:
+                if lost:
+                    pass  # not counted out if it dies: its holds keep their segments from reuse
+                elif len(fds) != 1 or body or not stat.S_ISREG(os.fstat(fds[0]).st_mode):
+                    raise P.ProtocolError("a ledger record carries one memfd and no body")
+                else:
+                    _close_ledger(client)
+                    client.ledger = fds.pop()
             elif op == P.KEEP:
                 if body:
                     raise P.ProtocolError("a keep record has no body")
@@ -562,6 +566,8 @@ class Broker:
                 os.close(seg.fd)
         self.memfds.clear()
         self.files.clear()
+        for client in self.clients.values():
+            _close_ledger(client)
         for conn in list(self.conns.values()):
             conn.sock.close()
         for shake in self.handshakes.values():
@@ -571,6 +577,22 @@ class Broker:
         os.close(self.wake_r)
         os.close(self.wake_w)
         remove_program_dir(self.dir)
+
+
+def _ledger_holds(fd: int) -> list[tuple[int | str, int]]:
+    """(segment, generation) of what the ledger *fd* says its client holds."""
+    if fd < 0:
+        return []
+    try:
+        return P.ledger_holds(os.pread(fd, min(os.fstat(fd).st_size, P.LEDGER_MAX), 0))
+    except OSError:
+        return []
+
+
+def _close_ledger(client: _Client) -> None:
+    if client.ledger >= 0:
+        os.close(client.ledger)
+        client.ledger = -1
 
 
 def _drain_pipe(fd: int) -> bool:
