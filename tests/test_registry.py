@@ -223,6 +223,33 @@ def test_copyreg_registration_after_the_first_message_is_honoured(strategy, via)
         dumps(g)
 
 
+def _by_name_reducer(obj):
+    return str, ("replaced",)
+
+
+@pytest.mark.parametrize("obj", [torch.float32, torch.bfloat16, _native.rebuild, len])
+def test_what_pickle_names_pickles_as_pickle_does_and_honours_later_reducers(registered_fd, obj):
+    # A tensor's dtype and the rebuild function are found in the table (not missed
+    # once per message): pickled by name, byte for byte as pickle does, unless a
+    # reducer for their class is registered, even after the first message.
+    for protocol in (2, pickle.DEFAULT_PROTOCOL, pickle.HIGHEST_PROTOCOL):
+        assert bytes(ForkingPickler.dumps(obj, protocol)) == pickle.dumps(obj, protocol)
+        assert shmreduce.dumps(obj, protocol) == pickle.dumps(obj, protocol)
+    copyreg.pickle(type(obj), _by_name_reducer)
+    try:
+        assert pickle.loads(ForkingPickler.dumps(obj)) == "replaced"
+        assert pickle.loads(shmreduce.dumps(obj)) == "replaced"
+    finally:
+        del copyreg.dispatch_table[type(obj)]
+    assert pickle.loads(ForkingPickler.dumps(obj)) is obj
+    shmreduce.register_reducer(type(obj), _by_name_reducer)
+    try:
+        assert pickle.loads(ForkingPickler.dumps(obj)) == "replaced"
+    finally:
+        shmreduce.unregister_reducer(type(obj))
+    assert pickle.loads(ForkingPickler.dumps(obj)) is obj
+
+
 # -- register() at a spawn/forkserver main module's top level (issue 11 item 16) -----
 
 
