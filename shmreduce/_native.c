@@ -42,7 +42,6 @@
 #include <string.h>
 #include <poll.h>
 #include <sched.h>
-#include <time.h>
 
 /* ---- DLPack (legacy, unversioned ABI: "dltensor" capsules), from the public spec ---- */
 
@@ -132,7 +131,6 @@ struct GenObject {
     PyObject *key;       /* its key in live, or NULL */
     PyObject *ref;       /* indexed for reduce(): its refs' (kind, directory, segment, generation, tag), or NULL */
     Py_ssize_t cursor;   /* a slab's next free offset */
-    double used;         /* when it last made a storage (CLOCK_MONOTONIC seconds) */
     int ended;           /* dead() reported it: no storage is made from it any more */
 };
 
@@ -242,9 +240,6 @@ static PyObject *import_tensor(GenObject *gen, Ctx *ctx, Py_ssize_t offset) {
     ctx->managed.manager_ctx = ctx;
     ctx->managed.deleter = ctx_deleter;
     add_count(gen); /* before the capsule exists: its destructor may drop it */
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    gen->used = (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
     PyObject *capsule = PyCapsule_New(&ctx->managed, "dltensor", capsule_destructor);
     if (capsule == NULL) {
         give_back_ctx(ctx);
@@ -422,7 +417,7 @@ static PyObject *gen_tensor(GenObject *self, PyObject *const *args, Py_ssize_t n
     return import_tensor(self, ctx, offset);
 }
 
-PyDoc_STRVAR(gen_acquire_doc, "acquire() -> bool\n\nHold the generation as a storage would (a slab's owner, a parked receiver, "
+PyDoc_STRVAR(gen_acquire_doc, "acquire() -> bool\n\nHold the generation as a storage would (a slab's owner, "
                               "a load in progress); False, holding nothing, once dead() has reported it.");
 
 static PyObject *gen_acquire(GenObject *self, PyObject *Py_UNUSED(ignored)) {
@@ -449,10 +444,6 @@ static PyObject *gen_get_live(GenObject *self, void *Py_UNUSED(closure)) {
 
 static PyObject *gen_get_ended(GenObject *self, void *Py_UNUSED(closure)) {
     return PyBool_FromLong(self->ended);
-}
-
-static PyObject *gen_get_used(GenObject *self, void *Py_UNUSED(closure)) {
-    return PyFloat_FromDouble(self->used);
 }
 
 PyDoc_STRVAR(gen_publish_doc, "publish(key)\n\nMake rebuild() load refs whose first four fields are key through this Gen, "
@@ -514,7 +505,6 @@ static PyObject *gen_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->key = NULL;
     self->ref = NULL;
     self->cursor = low;
-    self->used = 0.0;
     self->ended = 0;
     return (PyObject *)self;
 }
@@ -722,7 +712,6 @@ static PyGetSetDef gen_getset[] = {
     {"live", (getter)gen_get_live, NULL, "storages and holds alive now", NULL},
     {"ended", (getter)gen_get_ended, NULL, "dead() reported it", NULL},
     {"info", (getter)gen_get_info, (setter)gen_set_info, "the pool's bookkeeping", NULL},
-    {"used", (getter)gen_get_used, NULL, "when it last made a storage (time.monotonic())", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -841,8 +830,7 @@ static PyObject *native_init(PyObject *Py_UNUSED(module), PyObject *args) {
  * The first HEADER bytes of a pooled segment are shared by every process that maps
  * it: [0] the generation (u64), [8] refs sent (u64), [16] refs loaded (u64), [24]
  * holders (u64: processes holding the generation, FREEING while its owner checks it
- * free), [32] finished (u64: the generation, once its owner fills it no further: a
- * slab it moved on from). Every access is atomic. A receiver counts itself a holder before it trusts
+ * free). Every access is atomic. A receiver counts itself a holder before it trusts
  * the generation (hdr_hold), so its owner, which frees a generation only with no
  * holder and every ref sent loaded (hdr_free), never frees one under a load.
  */
@@ -851,7 +839,6 @@ static PyObject *native_init(PyObject *Py_UNUSED(module), PyObject *args) {
 #define HDR_SENT 1
 #define HDR_LOADED 2
 #define HDR_HOLDERS 3
-#define HDR_FINISHED 4
 #define FREEING (1ULL << 63)
 #define SPIN_LIMIT 1000000
 
@@ -958,32 +945,9 @@ static PyObject *hdr_free(PyObject *Py_UNUSED(module), PyObject *const *args, Py
         atomic_store(&h[HDR_GEN], 0);
         atomic_store(&h[HDR_SENT], 0);
         atomic_store(&h[HDR_LOADED], 0);
-        atomic_store(&h[HDR_FINISHED], 0);
     }
     atomic_store(&h[HDR_HOLDERS], 0);
     return PyBool_FromLong(free);
-}
-
-PyDoc_STRVAR(hdr_finish_doc, "hdr_finish(addr, gen) / hdr_finished(addr, gen) -> bool\n\nThe owner fills generation gen no "
-                             "further (a slab it moved on from) / whether it said so: receivers let go as soon as they are done.");
-
-static PyObject *hdr_finish(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    _Atomic uint64_t *h;
-    uint64_t gen;
-    if (parse_header_gen(args, nargs, "hdr_finish", &h, &gen) < 0)
-        return NULL;
-    if (atomic_load(&h[HDR_GEN]) != gen)
-        Py_RETURN_FALSE;
-    atomic_store(&h[HDR_FINISHED], gen);
-    Py_RETURN_TRUE;
-}
-
-static PyObject *hdr_finished(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    _Atomic uint64_t *h;
-    uint64_t gen;
-    if (parse_header_gen(args, nargs, "hdr_finished", &h, &gen) < 0)
-        return NULL;
-    return PyBool_FromLong(atomic_load(&h[HDR_FINISHED]) == gen);
 }
 
 PyDoc_STRVAR(hdr_read_doc, "hdr_read(addr) -> (gen, sent, loaded, holders)\n\nThe header at addr, each field read atomically.");
@@ -1372,8 +1336,6 @@ static PyMethodDef native_methods[] = {
     {"hdr_unhold", (PyCFunction)(void (*)(void))hdr_unhold, METH_FASTCALL, hdr_unhold_doc},
     {"hdr_free", (PyCFunction)(void (*)(void))hdr_free, METH_FASTCALL, hdr_free_doc},
     {"hdr_read", hdr_read, METH_O, hdr_read_doc},
-    {"hdr_finish", (PyCFunction)(void (*)(void))hdr_finish, METH_FASTCALL, hdr_finish_doc},
-    {"hdr_finished", (PyCFunction)(void (*)(void))hdr_finished, METH_FASTCALL, hdr_finish_doc},
 
     {"dead", native_dead, METH_NOARGS, dead_doc},
     {"pending", native_pending, METH_NOARGS, pending_doc},

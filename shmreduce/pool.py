@@ -13,7 +13,7 @@ unique in the program, written into the segment's first ``HEADER`` bytes with it
 shared counters (refs sent, refs loaded, holders: ``broker/protocol.py``). In each
 process the storages of one generation are made by one *token*, a ``_native.Gen``:
 a storage over the mapping through DLPack, its range checked in C. The token counts
-its live storages (and holds: the slab it is, a parked receiver) natively; torch's
+its live storages (and holds: the slab it is, a load in progress) natively; torch's
 deleter decrements the count when a storage dies, on any thread, and the token whose
 count reaches zero is handed to ``settle`` (``_native.dead()``): "the last storage
 of generation G died here" is known exactly, without weak references. The token
@@ -27,9 +27,9 @@ by a new storage until ``settle`` takes it. When a token dies:
   needs a segment and by the collector, every ``transfer.PURGE_EVERY``.
 - in a receiver: it lets go of the generation (its entry in this process's
   ledger, which the broker reads if it dies, cleared first, then the header's
-  holders: no record). A receiver keeps the token of a generation that has come to it
-  in more than one message (a slab's) alive until LINGER seconds after the last
-  message in it (see "parked tokens" below).
+  holders: no record). In a stream of messages in one slab, each dropped before
+  the next arrives, the next message's storage revives the token before it is
+  settled: a slab's generation is held once, not once per message.
 
 A free segment is reused with its pages already in memory (no page fault per page,
 no new descriptor, no new mapping in any process that keeps it mapped). Memory stays
@@ -142,8 +142,6 @@ class Segment:
         "sealed",
         "since",
         "filled",
-        "rgen",
-        "rtokens",
         "__weakref__",
     )
 
@@ -164,8 +162,6 @@ class Segment:
         self.sealed = False  # filled no further (its file went with a broker that died)
         self.since = 0.0  # when it became free
         self.filled = 0  # its pages up to here are allocated (written through fd, or allocate())
-        self.rgen = 0  # a receiver: the generation it last made a token of, and how many times
-        self.rtokens = 0
         # Unmapped (and its descriptor closed) once the segment is gone: a weakref
         # callback, run after every weak reference to it is cleared, never __del__,
         # which runs while _mapped can still hand the dying segment to another thread.
@@ -196,9 +192,6 @@ class Segment:
         that hold (or hands it to a ``Hold``). *entry*: a receiver's, its ledger entry
         for *gen* (``hdr_hold`` counted it in the header), let go of when the token
         dies (``settle``)."""
-        if entry is not None:
-            self.rtokens = self.rtokens + 1 if self.rgen == gen else 1
-            self.rgen = gen
         token = _Gen(self, self.addr, self.size, gen, HEADER if gen else 0)
         token.info = (entry, os.getpid(), {})  # the last: storages received through it (cache.storage_at)
         self.token, self.gen = weakref.ref(token), gen
@@ -339,9 +332,9 @@ def adopt(storage: torch.UntypedStorage) -> Segment | None:
 
 
 class Hold:
-    """One count on a token held by Python, not by a storage (a thread's current slab,
-    a parked receiver's token): let go of when the holder drops it, whatever the
-    thread or the time (a thread's slab goes with its thread-local data)."""
+    """One count on a token held by Python, not by a storage (a thread's current
+    slab): let go of when the holder drops it, whatever the thread or the time (a
+    thread's slab goes with its thread-local data)."""
 
     __slots__ = ("seg", "token")
 
@@ -368,9 +361,8 @@ def settle(dead: list[Any] | None = None) -> None:
     In its owner the generation is over here: its segment is free at once if nobody
     holds it elsewhere and every ref sent in it was loaded (``_native.hdr_free``),
     else it waits for that (``Pool.reap``). A receiver lets go of its hold: its
-    ledger entry cleared, then the header's holders (``broker.client.let_go``). What
-    a receiver held of a slab's generation is let go of once its parked token goes
-    (see "parked tokens" below). *dead*: tokens taken from ``_native.dead()`` already."""
+    ledger entry cleared, then the header's holders (``broker.client.let_go``).
+    *dead*: tokens taken from ``_native.dead()`` already."""
     pid = os.getpid()
     for token in _native.dead() if dead is None else dead:
         info: Any = token.info
@@ -406,71 +398,6 @@ def _in_use() -> list[Segment]:
 
 def live_segments() -> int:
     return len(_in_use())
-
-
-# -- parked tokens (receivers) -----------------------------------------------------
-#
-# A receiver keeps the token of a generation that has come to it in more than one
-# message (a slab's) alive until its owner finished it (moved on from the slab: the
-# header says so, read after each message, ``unpark_finished``) or LINGER seconds
-# after the last storage made through it (``Gen.used``; the collector, every
-# transfer.PURGE_EVERY, unparks it: 0.25 to 0.75 s): a stream of messages in one
-# slab, each dropped before the next arrives
-# (the common consumer loop), then finds the token live. Each message costs no new
-# token, no hold and release of the generation, no settle.
-# Once unparked (``unpark``, from the collector), the token ends with its last
-# storage and the hold goes at once. A generation seen in one message only (a large
-# storage's segment) is never parked: its owner waits for it to reuse the memory.
-
-LINGER = 0.25
-_parked: dict[tuple, Hold] = {}  # (kind, key) -> a hold on its token
-# Taken by park() and unpark() from any thread. A plain copy of the dict is not enough
-# since holds have a __del__ (Python code): a garbage collection during the copy can
-# run one, switch threads, and let another thread park ("dictionary changed size
-# during iteration", seen in CI).
-_parked_lock = threading.Lock()
-
-
-def park(seg: Segment, token: Any) -> None:
-    """Keep *token*, of a generation *seg* brought in more than one message, alive
-    until LINGER seconds after its last use (the segment's previous one goes)."""
-    key = (seg.kind, seg.key)
-    held = _parked.get(key)
-    if held is not None and held.token is token:
-        return
-    hold = Hold(seg, token)
-    with _parked_lock:
-        _parked[key] = hold  # the hold it replaces goes (its __del__ takes no lock)
-
-
-def parked() -> bool:
-    return bool(_parked)
-
-
-def unpark_finished() -> None:
-    """Let go of the parked tokens whose owner finished their generation (moved on
-    from the slab): each ends with its last storage here, at once."""
-    done = [k for k, hold in list(_parked.items()) if hold.token is not None and _native.hdr_finished(hold.seg.addr, hold.token.number)]
-    if done:
-        with _parked_lock:
-            gone = [_parked.pop(k, None) for k in done]
-        del gone
-
-
-def _used(hold: Hold) -> float:
-    return hold.token.used if hold.token is not None else 0.0
-
-
-def unpark(older_than: float = 0.0) -> None:
-    """Let go of the tokens last used *older_than* seconds ago or more (all by
-    default): each ends with its last storage, and what it kept is let go of at once
-    (settle). Any thread."""
-    if not _parked:
-        return
-    cutoff = time.monotonic() - older_than
-    with _parked_lock:
-        gone = [_parked.pop(k) for k, hold in list(_parked.items()) if older_than <= 0 or _used(hold) <= cutoff]
-    del gone  # the tokens die here if no storage of them is left
 
 
 # -- generations -------------------------------------------------------------------
@@ -693,12 +620,9 @@ class Pool:
             self._trim_locked(lambda s: True)
 
     def drop_slab(self) -> None:
-        """This thread's current slab is over: its generation ends with its last
-        storage, and its header says so (receivers let go as soon as they are done)."""
-        slab = self.local.__dict__.pop("slab", None)
+        """This thread's current slab is over: its generation ends with its last storage."""
+        self.local.__dict__.pop("slab", None)
         _native.set_slab(self.kind == "fs", None)
-        if slab is not None and slab.seg.pid == os.getpid():
-            _native.hdr_finish(slab.seg.addr, slab.token.number)
 
     def stats(self) -> dict[str, int]:
         with self.lock:
@@ -832,12 +756,10 @@ def mapped_stats() -> dict[str, int]:
 
 
 def _after_fork_in_child() -> None:
-    global _gen_prefix, _gen_count, _gen_lock, _parked_lock
+    global _gen_prefix, _gen_count, _gen_lock
     _gen_prefix = int.from_bytes(os.urandom(6), "little") << 48
     _gen_count = 0
     _gen_lock = threading.Lock()
-    _parked_lock = threading.Lock()  # a parent's thread may have held it
-    _parked.clear()  # the parent's tokens: their deaths are not ours to tell (settle)
     live.clear()  # nor theirs to load through: what this process keeps, it holds itself
     _native.unindex_all()  # nor to send from without depositing them itself
     for seg in list(_mapped.values()):

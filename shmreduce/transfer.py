@@ -446,12 +446,10 @@ def _quietly(send: Callable[..., None], *args: Any) -> None:
         pass
 
 
-def collect(linger: float = 0.0) -> None:
+def collect() -> None:
     """Let go now of what died here: generations (back to the pool, or let go of as
     a receiver), waiting segments given back once free, idle segments closed, dead
-    cache entries dropped. A receiver's parked tokens go once parked *linger*
-    seconds (all of them by default; the collector thread gives them ``pool.LINGER``)."""
-    pool.unpark(linger)
+    cache entries dropped."""
     _settle(wait=True)
     for p in (_fd_pool, _fs_pool):
         if p.waiting:
@@ -478,7 +476,7 @@ class _Collector:
         while True:
             time.sleep(PURGE_EVERY)
             try:
-                collect(pool.LINGER)
+                collect()
             except Exception:  # noqa: BLE001  a failure here must not stop the letting go for good
                 if sys.is_finalizing():
                     return  # interpreter shutdown tears modules down under it
@@ -516,8 +514,6 @@ def receive_tensor(ref: tuple, layout: tuple | None) -> torch.UntypedStorage | t
         if seg is None:
             seg = _map(kind, directory, segkey, gen, tag)
         token = _new_token(seg, kind, directory, segkey, gen, tag)
-    elif gen and seg.pool is None:  # a live token of an earlier message: a slab's, here again
-        pool.park(seg, token)
     try:
         storage = cache.storage_at(token, offset)
         if storage is not None and storage.nbytes() == nbytes:
@@ -532,7 +528,7 @@ def receive_tensor(ref: tuple, layout: tuple | None) -> torch.UntypedStorage | t
             # segment's bounds) was not loaded, and its message may be in flight.
             _hdr_loaded(seg.addr)
     finally:
-        token.release()  # the load's hold: from now on its storages (and a park) hold it
+        token.release()  # the load's hold: from now on its storages hold it
     _counters["storages_received"] += 1
     _counters["bytes_received"] += nbytes
     cache.remember(storage, token, offset)
@@ -576,8 +572,8 @@ def _check_tag(directory: str, segkey: str, gen: int, tag: int) -> None:
 def _new_token(seg: pool.Segment, kind: str, directory: str, segkey: Any, gen: int, tag: int) -> Any:
     """A new token of *gen* in *seg*, held once for the caller to release. A pooled
     generation is held first (counted in the header, then checked to be the one
-    there: its owner never reuses the segment under this load), and the broker told.
-    Parked once the generation has come in more than one message."""
+    there: its owner never reuses the segment under this load), then written in this
+    process's ledger (read by the broker if it dies)."""
     if not gen:
         token = seg.new_token(0, None)
     else:
@@ -587,8 +583,6 @@ def _new_token(seg: pool.Segment, kind: str, directory: str, segkey: Any, gen: i
             raise stale_message(f"segment {segkey!r} holds other data now (generation {gen:x} is over)")
         token = seg.new_token(gen, broker.hold(directory, segkey, gen))
         token.publish((kind, directory, segkey, gen))  # _native.rebuild loads through it from now on
-        if seg.rtokens >= 2:  # the generation came in more than one message (a slab's)
-            pool.park(seg, token)
     if seg.pool is None:
         pool.keep(seg)
     if not _collector.started:
@@ -636,8 +630,6 @@ class receiving:
             before, _local.incoming = _local.incoming, None
             if _loads() != before:
                 _counters["messages_received"] += 1
-            if pool.parked():
-                pool.unpark_finished()
             if pool.has_dead():
                 _settle()
 

@@ -11,7 +11,6 @@ import gc
 import mmap
 import pickle
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -336,7 +335,7 @@ def test_rebuild_counts_its_loads_in_the_header_and_the_process(memory) -> None:
     t = _native.rebuild((*_KEY, 128, 64, 0), (torch.float32, (16,), (1,), 0, None))
     assert _native.loaded() == (before[0] + 1, before[1] + 64)
     assert _native.hdr_read(addr)[2] == 1  # refs loaded, in the header a pooled segment has
-    assert gen.live == 2 and abs(gen.used - time.monotonic()) < 5
+    assert gen.live == 2
     t.fill_(2.0)
     assert m[128:192] == torch.full((16,), 2.0).numpy().tobytes()
     del t

@@ -589,11 +589,6 @@ class Ledger:
                     self.map.close()
             return True
 
-    def held(self) -> list[tuple[int | str, int]]:
-        """(segment, generation) of every entry held now."""
-        with self.lock:
-            return P.ledger_holds(bytes(self.map)) if self.map is not None else []
-
 
 # One ledger per program directory (its broker reads only the holds taken through
 # it): it outlives the clients of its directory while it holds anything, so that a

@@ -17,17 +17,16 @@ Segments and generations (``shmreduce/pool.py``, ``shmreduce/transfer.py``)
     A sender keeps its segments (memfds, or files here) and fills them anew, in
     *generations* (a number unique in the program). A pooled segment's first
     HEADER_BYTES are shared by every process that maps it: the generation, refs
-    *sent* in it, refs *loaded* from it, its *holders*, and whether its owner
-    *finished* it (fills it no further: receivers then let go as soon as their
-    storages die) (u64 each, updated with atomic operations by
-    ``shmreduce._native``). A sender counts every ref it pickles
+    *sent* in it, refs *loaded* from it and its *holders* (u64 each, updated with
+    atomic operations by ``shmreduce._native``). A sender counts every ref it pickles
     sent; a receiver counts every ref it loads loaded, and holds the generation once
     (holders + 1, *then* it checks the generation: its owner never frees one under a
     load) until its last storage of it dies. The owner reuses a segment once its own
     storages of the generation died, nobody holds it and every ref sent was loaded:
     it reads the header itself, nobody tells it. So in a steady stream, where every
     segment a message uses is known to the broker and mapped by its receiver, a
-    message costs no record to the broker from either side.
+    message costs no record to the broker from either side (the Ledger, below, holds
+    what a receiver holds).
 
     The broker is there for what a header cannot do: pass a memfd's descriptor (it
     keeps one per segment, deposited by the first ref a process sends to it, and a
@@ -161,7 +160,7 @@ KEEP = b"K"
 PING = b"P"
 PONG = b"p"
 
-HEADER_BYTES = 64  # a pooled segment's header: generation, sent, loaded, holders, finished (u64 each)
+HEADER_BYTES = 64  # a pooled segment's header: generation, sent, loaded, holders (u64 each)
 INOS_PER_RECORD = 4000
 
 STATUS_OK = 0
