@@ -334,13 +334,6 @@ static PyObject *gen_place(GenObject *self, PyObject *const *args, Py_ssize_t na
     return make_storage(self, offset, nbytes);
 }
 
-PyDoc_STRVAR(gen_tensor_doc,
-             "tensor(offset, nbytes, dtype, itemsize, size, stride) -> Tensor\n\n"
-             "A tensor of DLPack dtype (code, bits, lanes) over exactly the storage storage(offset, nbytes) "
-             "would be, or None where its elements do not reach exactly the last of the nbytes (torch would "
-             "make a storage of their extent), it has no element or more than 8 dimensions: then make it "
-             "over storage(). Malformed size or stride (not ints, negative, overflowing): SharingError.");
-
 /* Fills ctx's shape and strides from two tuples of ints and gives the byte extent
  * they reach: 0, or 1 for a layout DLPack cannot carry as this storage (no element,
  * too many dimensions), or -1 (SharingError) for a malformed one. */
@@ -384,37 +377,6 @@ static int parse_layout(PyObject *size, PyObject *stride, Py_ssize_t itemsize, C
 bad:
     PyErr_SetString(sharing_error, "tensor metadata that does not fit its storage: forged or corrupted message");
     return -1;
-}
-
-static PyObject *gen_tensor(GenObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Py_ssize_t offset, nbytes;
-    if (parse_range(args, nargs, 6, &offset, &nbytes) < 0 || check_range(self, offset, nbytes) < 0)
-        return NULL;
-    unsigned int code, bits, lanes;
-    Py_ssize_t itemsize = PyLong_AsSsize_t(args[3]);
-    if (!PyArg_ParseTuple(args[2], "III", &code, &bits, &lanes) || (itemsize == -1 && PyErr_Occurred()))
-        return NULL;
-    if (itemsize <= 0 || code > 255 || bits > 255 || lanes > 65535) {
-        PyErr_SetString(PyExc_ValueError, "not a DLPack dtype");
-        return NULL;
-    }
-    Ctx *ctx = new_ctx();
-    if (ctx == NULL)
-        return NULL;
-    int32_t ndim = 0;
-    int64_t extent = 0;
-    int parsed = parse_layout(args[4], args[5], itemsize, ctx, &ndim, &extent);
-    if (parsed != 0 || extent != nbytes) { /* torch would make a storage of the extent: not this storage */
-        give_back_ctx(ctx);
-        if (parsed < 0)
-            return NULL;
-        Py_RETURN_NONE;
-    }
-    ctx->managed.dl_tensor.ndim = ndim;
-    ctx->managed.dl_tensor.dtype.code = (uint8_t)code;
-    ctx->managed.dl_tensor.dtype.bits = (uint8_t)bits;
-    ctx->managed.dl_tensor.dtype.lanes = (uint16_t)lanes;
-    return import_tensor(self, ctx, offset);
 }
 
 PyDoc_STRVAR(gen_acquire_doc, "acquire() -> bool\n\nHold the generation as a storage would (a slab's owner, "
@@ -693,7 +655,6 @@ static PyObject *native_unindex_all(PyObject *Py_UNUSED(module), PyObject *Py_UN
 static PyMethodDef gen_methods[] = {
     {"storage", (PyCFunction)(void (*)(void))gen_storage, METH_FASTCALL, gen_storage_doc},
     {"place", (PyCFunction)(void (*)(void))gen_place, METH_FASTCALL, gen_place_doc},
-    {"tensor", (PyCFunction)(void (*)(void))gen_tensor, METH_FASTCALL, gen_tensor_doc},
     {"acquire", (PyCFunction)gen_acquire, METH_NOARGS, gen_acquire_doc},
     {"release", (PyCFunction)gen_release, METH_NOARGS, gen_release_doc},
     {"publish", (PyCFunction)gen_publish, METH_O, gen_publish_doc},
@@ -973,7 +934,10 @@ static PyObject *reductions_function(PyObject **slot, const char *name) {
     return *slot;
 }
 
+/* rebuild(ref, meta): the general one; rebuild(ref, meta, None), from it: None. */
 static PyObject *general(PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs == 3)
+        Py_RETURN_NONE;
     PyObject *fn = reductions_function(&slow_rebuild, "rebuild_tensor");
     return fn == NULL ? NULL : PyObject_Vectorcall(fn, args, (size_t)nargs, NULL);
 }
@@ -994,11 +958,12 @@ PyDoc_STRVAR(rebuild_doc,
              "published Gen and the tensor is plain (no subclass, no grad), starts its storage and spans it exactly, "
              "in a dtype of the table, and its storage was not loaded here already: counted loaded in the header, "
              "remembered in the Gen's identity map (a weak reference), dtype's layout checked first. Every other "
-             "case, malformed ones included, goes to the general one, shmreduce.reductions.rebuild_tensor.");
+             "case, malformed ones included, goes to the general one, shmreduce.reductions.rebuild_tensor, which "
+             "calls rebuild(ref, meta, None) once it published the Gen: None there instead of the general one.");
 
 static PyObject *native_rebuild(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || live == NULL || from_dlpack == NULL)
-        return general(args, nargs);
+    if (nargs < 2 || nargs > 3 || live == NULL || from_dlpack == NULL)
+        return nargs == 3 ? Py_NewRef(Py_None) : general(args, nargs);
     PyObject *ref = args[0], *meta = args[1];
     if (!PyTuple_CheckExact(ref) || PyTuple_GET_SIZE(ref) != 7 || !PyTuple_CheckExact(meta) || PyTuple_GET_SIZE(meta) != 5 ||
         PyTuple_GET_ITEM(meta, 4) != Py_None || small_int(PyTuple_GET_ITEM(meta, 3)) != 0)

@@ -116,14 +116,13 @@ def dlpack_table() -> dict[torch.dtype, tuple[int, int, int, int]]:
     return _DLPACK
 
 
-def _layout(meta: Any) -> tuple | None:
-    """A tensor's layout for ``transfer.receive_tensor`` (which then makes the tensor
-    itself), if *meta* is well formed, starts its storage and has a DLPack dtype."""
-    if type(meta) is not tuple or len(meta) != 5 or meta[3] != 0:
+def _plain(meta: Any) -> tuple | None:
+    """*meta* as a plain tensor's (its class and grad are applied after, ``_finish``),
+    for ``_native.rebuild`` to make in one step: if well formed, starting its storage,
+    in a dtype DLPack carries (the table filled on first use)."""
+    if type(meta) is not tuple or len(meta) != 5 or meta[3] != 0 or type(meta[0]) is not torch.dtype or meta[0] not in dlpack_table():
         return None
-    dtype, size, stride = meta[0], meta[1], meta[2]
-    code = dlpack_table().get(dtype) if type(dtype) is torch.dtype else None
-    return None if code is None else (code[:3], code[3], size, stride)
+    return meta if meta[4] is None else (*meta[:4], None)
 
 
 def rebuild_tensor(ref: tuple | torch.UntypedStorage | None, meta: Meta) -> torch.Tensor:
@@ -133,7 +132,7 @@ def rebuild_tensor(ref: tuple | torch.UntypedStorage | None, meta: Meta) -> torc
     over the whole of a storage not loaded here yet, in a generation this process
     holds already) and hands every other case here."""
     if isinstance(ref, tuple):
-        got = transfer.receive_tensor(ref, _layout(meta))
+        got = transfer.receive_tensor(ref, _plain(meta))
     else:
         got = torch.UntypedStorage(0) if ref is None else ref
     try:

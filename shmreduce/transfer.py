@@ -500,11 +500,11 @@ def receive(ref: tuple) -> torch.UntypedStorage:
     return storage
 
 
-def receive_tensor(ref: tuple, layout: tuple | None) -> torch.UntypedStorage | torch.Tensor:
-    """What ``receive(ref)`` returns, or, given a tensor's *layout* (DLPack dtype,
-    itemsize, size, stride) and where that tensor spans its storage exactly, the
-    tensor itself, made over the mapping in one step (its storage is the storage
-    ``receive`` would return, and is cached as such). Counts the ref loaded."""
+def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | torch.Tensor:
+    """What ``receive(ref)`` returns or, given a plain tensor's *meta* that spans
+    its storage exactly, the tensor itself, made by ``_native.rebuild`` once the
+    generation is published here (its storage is the storage ``receive`` would
+    return, and is cached as such). Counts the ref loaded."""
     kind, directory, segkey, gen, offset, nbytes, tag = _checked(ref)
     seg = pool.lookup(kind, segkey)
     if seg is not None and kind == "fs" and seg.directory != directory:
@@ -521,8 +521,11 @@ def receive_tensor(ref: tuple, layout: tuple | None) -> torch.UntypedStorage | t
                 _hdr_loaded(seg.addr)
             _loaded_again[0] += 1
             return storage
-        tensor = token.tensor(offset, nbytes, *layout) if layout is not None else None
-        storage = token.storage(offset, nbytes) if tensor is None else tensor.untyped_storage()
+        if meta is not None:
+            tensor = _native.rebuild(ref, meta, None)  # counted loaded and cached there
+            if tensor is not None:
+                return tensor
+        storage = token.storage(offset, nbytes)
         if gen:
             # Counted once its storage is made: a ref refused above (out of its
             # segment's bounds) was not loaded, and its message may be in flight.
@@ -532,7 +535,7 @@ def receive_tensor(ref: tuple, layout: tuple | None) -> torch.UntypedStorage | t
     _counters["storages_received"] += 1
     _counters["bytes_received"] += nbytes
     cache.remember(storage, token, offset)
-    return storage if tensor is None else tensor
+    return storage
 
 
 def _map(kind: str, directory: str, segkey: Any, gen: int, tag: int) -> pool.Segment:

@@ -202,31 +202,32 @@ def test_handles_of_the_wrong_type_are_sharing_errors(memory) -> None:
 # -- typed tensors --------------------------------------------------------------------
 
 
-def _dl(dtype: torch.dtype) -> tuple[int, int, int]:
-    return _torch.dlpack_dtypes(_native.dltype)[dtype]
+def _made(offset: int, nbytes: int, dtype: torch.dtype, size: Any, stride: Any) -> Any:
+    """What rebuild(ref, meta, None) makes through the published Gen: a tensor, or
+    None where the general rebuild would make it (never the general one itself)."""
+    return _native.rebuild((*_KEY, offset, nbytes, 0), (dtype, size, stride, 0, None), None)
 
 
 def test_a_typed_tensor_spans_exactly_its_storage(memory) -> None:
     m, addr = memory
-    gen = _gen(addr)
-    f32 = _dl(torch.float32)
-    t = gen.tensor(128, 96, f32, 4, (4, 6), (6, 1))
+    gen = _published(addr)
+    t = _made(128, 96, torch.float32, (4, 6), (6, 1))
     assert isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.shape == (4, 6) and t.stride() == (6, 1)
     s = t.untyped_storage()
     assert s.data_ptr() == addr + 128 and s.nbytes() == 96 and t.storage_offset() == 0
     t.fill_(1.5)
     assert m[128:224] == torch.full((24,), 1.5).numpy().tobytes()
-    tt = gen.tensor(128, 96, f32, 4, (6, 4), (1, 6))  # a transposed view spans it too
-    assert tt is not None and torch.equal(tt, t.t())
+    assert _made(128, 96, torch.float32, (4, 6), (6, 1)) is None  # loaded here already: the general one's
+    tt = _made(256, 96, torch.float32, (6, 4), (1, 6))  # a transposed view spans it too
+    assert tt is not None and tt.shape == (6, 4) and tt.stride() == (1, 6)
     # Not spanning exactly (a storage larger than the tensor, no element, too many
     # dimensions): None, and the caller takes the storage path.
-    assert gen.tensor(128, 128, f32, 4, (4, 6), (6, 1)) is None
-    assert gen.tensor(128, 96, f32, 4, (0, 6), (6, 1)) is None
-    assert gen.tensor(128, 96, f32, 4, (12,), (1,)) is None
-    expanded = gen.tensor(128, 96, f32, 4, (24, 1000), (1, 0))  # a broadcast whose extent is the storage
+    assert _made(384, 128, torch.float32, (4, 6), (6, 1)) is None
+    assert _made(384, 96, torch.float32, (0, 6), (6, 1)) is None
+    assert _made(384, 96, torch.float32, (12,), (1,)) is None
+    expanded = _made(384, 96, torch.float32, (24, 1000), (1, 0))  # a broadcast whose extent is the storage
     assert expanded is not None and expanded.untyped_storage().nbytes() == 96
-    del expanded
-    assert gen.tensor(128, 96, f32, 4, (1,) * 9 + (24,), (24,) * 9 + (1,)) is None
+    assert _made(512, 96, torch.float32, (1,) * 9 + (24,), (24,) * 9 + (1,)) is None
     for size, stride in [
         ((4, 6), (6, -1)),
         ((-4, 6), (6, 1)),
@@ -236,24 +237,27 @@ def test_a_typed_tensor_spans_exactly_its_storage(memory) -> None:
         ((4.0,), (1,)),
     ]:
         with pytest.raises(shmreduce.SharingError, match="forged or corrupted"):
-            gen.tensor(128, 96, f32, 4, size, stride)
+            _made(512, 96, torch.float32, size, stride)
     with pytest.raises(shmreduce.SharingError, match="out of bounds"):
-        gen.tensor(SIZE - 64, 96, f32, 4, (24,), (1,))
-    del t, tt, s
+        _made(SIZE - 64, 96, torch.float32, (24,), (1,))
+    del t, tt, s, expanded
     gen.release()
+    gc.collect()
     assert _drain() == [gen]
 
 
 def test_every_dtype_dlpack_carries_comes_back_as_itself(memory) -> None:
     _, addr = memory
-    gen = _gen(addr)
+    gen = _published(addr)
     table = _torch.dlpack_dtypes(_native.dltype)
     assert {torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.complex64} <= set(table)
-    for dtype, code in table.items():
+    kept = []
+    for i, dtype in enumerate(table):
         n = 64 // dtype.itemsize
-        t = gen.tensor(64, 64, code, dtype.itemsize, (n,), (1,))
+        t = _made(64 * (i + 1), 64, dtype, (n,), (1,))
         assert t is not None and t.dtype == dtype and t.numel() == n, dtype
-    del t
+        kept.append(t)
+    del t, kept
     gen.release()
 
 
