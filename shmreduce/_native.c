@@ -1138,6 +1138,24 @@ static GenObject *place(PyObject *storage, Py_ssize_t ptr, Py_ssize_t nbytes, Py
     return slab;
 }
 
+/* A tuple of n new references, taken over; NULL (each released) if any is NULL. */
+static PyObject *tuple_of(Py_ssize_t n, PyObject **items) {
+    PyObject *tuple = NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (items[i] == NULL)
+            goto fail;
+    tuple = PyTuple_New(n);
+    if (tuple == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyTuple_SET_ITEM(tuple, i, items[i]);
+    return tuple;
+fail:
+    for (Py_ssize_t i = 0; i < n; i++)
+        Py_XDECREF(items[i]);
+    return NULL;
+}
+
 static PyObject *share_plain(PyObject *tensor, PyObject *storage) {
     Py_ssize_t nbytes = call_int(storage, S_NBYTES), ptr = nbytes > 0 ? call_int(storage, S_DATA_PTR) : -1;
     if (nbytes <= 0 || ptr == -1)
@@ -1153,8 +1171,9 @@ static PyObject *share_plain(PyObject *tensor, PyObject *storage) {
     if (gen == NULL)
         return NULL;
     PyObject *r = gen->ref;
-    PyObject *ref = Py_BuildValue("(OOOOnnO)", PyTuple_GET_ITEM(r, 0), PyTuple_GET_ITEM(r, 1), PyTuple_GET_ITEM(r, 2),
-                                  PyTuple_GET_ITEM(r, 3), offset, nbytes, PyTuple_GET_ITEM(r, 4));
+    PyObject *ref = tuple_of(7, (PyObject *[]){Py_NewRef(PyTuple_GET_ITEM(r, 0)), Py_NewRef(PyTuple_GET_ITEM(r, 1)),
+                                                Py_NewRef(PyTuple_GET_ITEM(r, 2)), Py_NewRef(PyTuple_GET_ITEM(r, 3)),
+                                                PyLong_FromSsize_t(offset), PyLong_FromSsize_t(nbytes), Py_NewRef(PyTuple_GET_ITEM(r, 4))});
     PyObject *header = gen->low ? PyLong_FromVoidPtr(gen->addr) : NULL;
     if (ref == NULL || (gen->low && (header == NULL || PyList_Append(outgoing, header) < 0))) {
         Py_XDECREF(ref);
@@ -1162,14 +1181,18 @@ static PyObject *share_plain(PyObject *tensor, PyObject *storage) {
         return NULL;
     }
     Py_XDECREF(header);
-    PyObject *size = PyObject_CallMethodNoArgs(tensor, names[S_SIZE]);
-    PyObject *meta = NULL;
-    if (size != NULL)
-        meta = Py_BuildValue("(NNNNO)", PyObject_GetAttr(tensor, names[S_DTYPE]), PySequence_Tuple(size),
-                             PyObject_CallMethodNoArgs(tensor, names[S_STRIDE]),
-                             PyObject_CallMethodNoArgs(tensor, names[S_STORAGE_OFFSET]), Py_None);
+    /* One call at a time: none is made with an error set. */
+    PyObject *meta[5] = {PyObject_GetAttr(tensor, names[S_DTYPE]), NULL, NULL, NULL, Py_NewRef(Py_None)};
+    PyObject *size = meta[0] != NULL ? PyObject_CallMethodNoArgs(tensor, names[S_SIZE]) : NULL;
+    if (size != NULL) /* a torch.Size: its items as a plain tuple, which pickles and loads in C */
+        meta[1] = PyTuple_Check(size) ? PyTuple_GetSlice(size, 0, PY_SSIZE_T_MAX) : PySequence_Tuple(size);
     Py_XDECREF(size);
-    return meta == NULL ? (Py_DECREF(ref), NULL) : Py_BuildValue("(O(NN))", rebuild_fn, ref, meta);
+    if (meta[1] != NULL)
+        meta[2] = PyObject_CallMethodNoArgs(tensor, names[S_STRIDE]);
+    if (meta[2] != NULL)
+        meta[3] = PyObject_CallMethodNoArgs(tensor, names[S_STORAGE_OFFSET]);
+    PyObject *args = tuple_of(2, (PyObject *[]){ref, tuple_of(5, meta)});
+    return args == NULL ? NULL : tuple_of(2, (PyObject *[]){Py_NewRef(rebuild_fn), args});
 }
 
 PyDoc_STRVAR(reduce_doc,

@@ -15,8 +15,6 @@ import sys
 IS_LINUX = sys.platform.startswith("linux")
 HAVE_MEMFD = hasattr(os, "memfd_create")
 HAVE_SEQPACKET = hasattr(socket, "SOCK_SEQPACKET") and IS_LINUX
-# /proc/self/fd/N names the very file a descriptor is open on, even once unlinked.
-HAVE_PROC_FD = os.path.isdir("/proc/self/fd")
 
 _UCRED = struct.Struct("3i")
 

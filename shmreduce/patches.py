@@ -50,10 +50,6 @@ def process_config() -> dict[str, Any]:
     return multiprocessing.current_process()._config  # type: ignore[attr-defined]
 
 
-def installed() -> bool:
-    return bool(_saved_attrs)
-
-
 def install(dumps: Callable[..., Any], loads: Callable[..., Any], reducers: dict[type, Any], marker: Any) -> None:
     """Install everything at once (the caller holds the registry's lock)."""
     _torch_is_shared.append(torch.UntypedStorage.is_shared)

@@ -134,7 +134,6 @@ LOCK_NAME = "broker.lock"
 MARKER_NAME = "shmreduce.program"
 DIR_PREFIX = "shmreduce-"
 SEG_PREFIX = "seg-"
-GEN_PREFIX = "gen-"
 
 MAGIC = b"SHMREDUCE1"
 NONCE_LEN = 32

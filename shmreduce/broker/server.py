@@ -74,14 +74,13 @@ class _Client:
 
 
 class _Conn:
-    __slots__ = ("sock", "fd", "client", "post", "last_post", "pid")
+    __slots__ = ("sock", "fd", "client", "post", "pid")
 
     def __init__(self, sock: socket.socket, client: _Client, post: bool, pid: int) -> None:
         self.sock = sock
         self.fd = sock.fileno()
         self.client = client
         self.post = post
-        self.last_post = 0.0  # when a record was last read from this post connection
         self.pid = pid  # the peer's, for log lines
 
 
