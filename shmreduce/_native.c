@@ -80,7 +80,7 @@ enum { kDLCPU = 1, kDLUInt = 1 };
 #define QUEUED (1ULL << 63) /* Gen.state: on the dead stack */
 #define COUNT (QUEUED - 1)
 #define COPY_NOGIL 65536 /* copies this large release the GIL */
-#define MAX_DIMS 8         /* Gen.tensor's; more dimensions take the storage path */
+#define MAX_DIMS 8         /* rebuild()'s; more dimensions take the storage path */
 #define SLAB_ITEM_MAX 65536 /* pool.SLAB_ITEM_MAX: larger storages take the general path */
 
 static PyObject *from_dlpack; /* torch._C._from_dlpack */

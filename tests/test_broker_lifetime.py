@@ -123,8 +123,7 @@ def _hold_until_killed(conn) -> None:
 @pytest.mark.parametrize("queued", [False, True], ids=["read", "queued"])
 def test_a_receiver_killed_holding_a_generation_is_counted_out_and_the_owner_reuses_the_segment(strategy, queued):
     # queued: the broker is stopped from before the receiver's load until after its
-    # death, so its G record is still queued on its post connection when its
-    # connections close: read before the close, it counts.
+    # death: its close is read after the ledger entry the load wrote, which counts.
     ours, theirs = CTX.Pipe()
     proc = CTX.Process(target=_hold_until_killed, args=(theirs,))
     proc.start()  # before the tensor exists: it inherits no mapping of it
