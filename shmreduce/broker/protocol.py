@@ -45,8 +45,10 @@ Transport
     child opens its own connections.
 
 Ledger
-    The generations a process holds as a receiver, in a memfd of LEDGER_ENTRY
-    records it writes with plain stores (``client.Ledger``): a hold is an entry
+    The generations a process holds as a receiver in one program, in a memfd of
+    LEDGER_ENTRY records it writes with plain stores (``client.Ledger``; one per
+    program directory: a memfd forwarded into another program is known to both
+    brokers, and each counts out only the holds taken through it): a hold is an entry
     written (after the header counted it), a let-go the entry cleared (before the
     header counts it out): dying in between leaves a count too many, never too few.
     The broker keeps the descriptor and reads the ledger only once the process is
@@ -91,9 +93,10 @@ at most MAX_RECORD bytes. None has a reply but F and P.
 
 Lifetimes
     A client whose connections have all closed (its process exited or was killed)
-    is counted out of the holders of every generation its ledger says it holds, unless
-    it said K, once every post connection has been read (a segment may be known only
-    from a record still queued there); and it lets go of its memfds and files. A memfd or file nobody uses any more is closed
+    is counted out of the holders of every generation its ledger says it holds,
+    unless it said K, once every post connection has been read (a segment may be
+    known only from a record still queued there); and it lets go of its memfds and
+    files. A memfd or file nobody uses any more is closed
     or unlinked at once if every ref sent in its current generation was loaded, else
     kept ("draining") until they are, or for ``$SHMREDUCE_ORPHAN_TTL`` seconds
     (default 60): a receiver can read what an exited sender put, and a program whose
