@@ -963,7 +963,7 @@ PyDoc_STRVAR(rebuild_doc,
 
 static PyObject *native_rebuild(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
     if (nargs < 2 || nargs > 3 || live == NULL || from_dlpack == NULL)
-        return nargs == 3 ? Py_NewRef(Py_None) : general(args, nargs);
+        return general(args, nargs);
     PyObject *ref = args[0], *meta = args[1];
     if (!PyTuple_CheckExact(ref) || PyTuple_GET_SIZE(ref) != 7 || !PyTuple_CheckExact(meta) || PyTuple_GET_SIZE(meta) != 5 ||
         PyTuple_GET_ITEM(meta, 4) != Py_None || small_int(PyTuple_GET_ITEM(meta, 3)) != 0)

@@ -108,24 +108,26 @@ class DispatchTable(dict):
         bases = self.bases
 
         def reduce(obj: Any) -> Any:
-            for base in bases:
-                found = base.get(cls)
-                if found is not None:
-                    return found(obj)
-            found = lookup(cls)
+            found = _find(bases, cls)
             return found(obj) if found is not None else obj.__reduce__()
 
         return reduce
 
     def __missing__(self, cls: type) -> Reducer:
-        for base in self.bases:
-            found = base.get(cls)
-            if found is not None:
-                return found
-        found = lookup(cls) if isinstance(cls, type) else None
+        found = _find(self.bases, cls)
         if found is None:
             raise KeyError(cls)
         return found
+
+
+def _find(bases: tuple[Mapping[Any, Any], ...], cls: Any) -> Reducer | None:
+    """The reducer for *cls* outside shmreduce's table: the first of *bases* that has
+    it, then user reducers by MRO (``lookup``)."""
+    for base in bases:
+        found = base.get(cls)
+        if found is not None:
+            return found
+    return lookup(cls) if isinstance(cls, type) else None
 
 
 # Pickled by name (their ``__reduce__`` returns it), found in the table rather than

@@ -438,8 +438,8 @@ def _settle(wait: bool = False) -> None:
 
 
 def _quietly(send: Callable[..., None], *args: Any) -> None:
-    # Holds belong to a connection: once it closed (unregister(), a broker that died)
-    # the broker dropped them, and a new connection holds none of these.
+    # A release or a drop told a broker that is gone (unregister(), a broker that
+    # died): what this process held there went with its connection.
     try:
         send(*args)
     except SharingError:

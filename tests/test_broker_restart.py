@@ -20,22 +20,26 @@ import shmreduce
 from shmreduce import _native, program, transfer
 from shmreduce.broker import client as broker_client
 from shmreduce.cache import cache
+from shmreduce.pool import SLAB_ITEM_MAX
 
 from helpers import broker_pids, broker_procs, forget_mappings, run_in_child, wait_for
 
 CTX = mp.get_context("fork")
 
 
-def _sums(conn, stranger):
+def _sums(conn, stranger, keep):
     if stranger:
         forget_mappings()  # forked after the tensors: receive as a process that maps none of them
+    kept = []
     while (t := conn.recv()) is not None:
         conn.send(float(t.sum()))
+        if keep:
+            kept.append(t)  # holds every generation it received
 
 
-def _start_receiver(stranger=False):
+def _start_receiver(stranger=False, keep=False):
     ours, theirs = CTX.Pipe()
-    proc = CTX.Process(target=_sums, args=(theirs, stranger))
+    proc = CTX.Process(target=_sums, args=(theirs, stranger, keep))
     proc.start()  # (not stranger) before any tensor exists: it inherits none
     theirs.close()
 
@@ -127,8 +131,6 @@ def test_a_segment_whose_file_went_with_the_broker_is_never_reused():
     # is killed: its file goes with the broker's directory. Once the ref is loaded (by
     # a receiver that maps the segment already), the owner must not fill the segment
     # again: refs to it would name a file no other receiver can open.
-    from shmreduce.pool import SLAB_ITEM_MAX
-
     numel = SLAB_ITEM_MAX // 4 + 16  # a segment of its own
     with shmreduce.registered(strategy="file_system"):
         ours, theirs = CTX.Pipe()
@@ -395,14 +397,7 @@ def test_connect_replaces_a_broker_that_was_killed():
 
 # -- what a receiver holds reaches the new broker --------------------------------------
 
-NUMEL = (64 << 10) // 4 + 16  # a float32 tensor this long gets a segment of its own
-
-
-def _keep_all(conn):
-    kept = []
-    while (t := conn.recv()) is not None:
-        kept.append(t)
-        conn.send(float(t.sum()))
+NUMEL = SLAB_ITEM_MAX // 4 + 16  # a float32 tensor this long gets a segment of its own
 
 
 def test_a_receiver_killed_after_a_restart_is_counted_out_of_what_it_held_before(registered_fd):
@@ -411,16 +406,7 @@ def test_a_receiver_killed_after_a_restart_is_counted_out_of_what_it_held_before
     # the new broker, which then knows both holds: killed, the receiver is counted out
     # of the first segment's header too (its owner re-deposited it by sending it
     # again), so that segment is reused, not kept from reuse for good.
-    ours, theirs = CTX.Pipe()
-    proc = CTX.Process(target=_keep_all, args=(theirs,))
-    proc.start()
-    theirs.close()
-
-    def ask(t):
-        ours.send(t)
-        assert ours.poll(30), "receiver did not answer"
-        return ours.recv()
-
+    proc, ours, ask = _start_receiver(keep=True)
     try:
         first = torch.full((NUMEL,), 1.0)
         assert ask(first) == float(NUMEL)
@@ -443,7 +429,4 @@ def test_a_receiver_killed_after_a_restart_is_counted_out_of_what_it_held_before
         assert wait_for(lambda: _native.hdr_read(seg.addr)[3] == 0, 10), _native.hdr_read(seg.addr)
         assert client.ping()["generations_held"] == 0
     finally:
-        if proc.is_alive():
-            proc.kill()
-            proc.join(30)
-        ours.close()
+        _stop(proc, ours)
