@@ -788,18 +788,34 @@ static PyObject *native_init(PyObject *Py_UNUSED(module), PyObject *args) {
 
 /* ---- a pooled segment's header: the generation and its counters, shared ----
  *
- * The first HEADER bytes of a pooled segment are shared by every process that maps
- * it: [0] the generation (u64), [8] refs sent (u64), [16] refs loaded (u64), [24]
- * holders (u64: processes holding the generation, FREEING while its owner checks it
- * free). Every access is atomic. A receiver counts itself a holder before it trusts
- * the generation (hdr_hold), so its owner, which frees a generation only with no
- * holder and every ref sent loaded (hdr_free), never frees one under a load.
+ * The first HEADER_BYTES of a pooled segment are shared by every process that maps
+ * it (u64 words, every access atomic; the rules they follow are written once, in
+ * broker/protocol.py, "Lifetimes"):
+ *   [0] the generation        [1] refs sent (counted when their message is pickled whole)
+ *   [2] refs loaded (first loads only)   [3] holders (processes holding the generation,
+ *       FREEING while its owner checks it free)   [4] tickets issued   [5] flags
+ *   [8..] one bit per ticket: set by the first load of the ref that carries it.
+ * A ref carries a ticket, drawn from [4] when it is pickled: its first load sets the
+ * ticket's bit and counts it loaded, a repeated load finds the bit set and counts
+ * nothing, so sent == loaded means exactly "no message naming the generation waits
+ * for its first load". A ticket past the bitmap cannot be told from a repeat: it
+ * retires the generation (RETIRED | UNCOUNTED). A RETIRED generation is never reused
+ * (hdr_free refuses it): set where a hold cannot be counted exactly (a fork, a
+ * process dead in the middle of taking or letting go of a hold), its pages go back
+ * to the system when the last mapping and descriptor go, as torch's do.
  */
 
+#define HEADER_BYTES 4096
 #define HDR_GEN 0
 #define HDR_SENT 1
 #define HDR_LOADED 2
 #define HDR_HOLDERS 3
+#define HDR_ISSUED 4
+#define HDR_FLAGS 5
+#define HDR_BITS 8
+#define TICKETS ((uint64_t)(HEADER_BYTES / 8 - HDR_BITS) * 64)
+#define RETIRED 1ULL
+#define UNCOUNTED 2ULL
 #define FREEING (1ULL << 63)
 #define SPIN_LIMIT 1000000
 
@@ -831,14 +847,61 @@ static int parse_header_gen(PyObject *const *args, Py_ssize_t nargs, const char 
     return 0;
 }
 
-PyDoc_STRVAR(hdr_loaded_doc, "hdr_loaded(addr)\n\nCount one ref loaded in the generation of the header at addr "
-                             "(refs sent: count_sent).");
+/* A ref's ticket drawn from the header h (the generation is held: by its owner's
+ * storage, or by the sender's own hold of a storage it forwards). */
+static uint64_t issue_ticket(_Atomic uint64_t *h) {
+    uint64_t ticket = atomic_fetch_add(&h[HDR_ISSUED], 1);
+    if (ticket >= TICKETS)
+        atomic_fetch_or(&h[HDR_FLAGS], RETIRED | UNCOUNTED);
+    return ticket;
+}
 
-static PyObject *hdr_loaded(PyObject *Py_UNUSED(module), PyObject *addr) {
+/* The ref of ticket t loaded (the generation held here): counted once, at its first
+ * load. A ticket never issued (a forged ref) counts nothing. */
+static void count_loaded(_Atomic uint64_t *h, uint64_t ticket) {
+    if (ticket >= atomic_load(&h[HDR_ISSUED]))
+        return;
+    if (ticket >= TICKETS) {
+        atomic_fetch_add(&h[HDR_LOADED], 1); /* UNCOUNTED: the generation is retired */
+        return;
+    }
+    uint64_t bit = 1ULL << (ticket % 64);
+    if (!(atomic_fetch_or(&h[HDR_BITS + ticket / 64], bit) & bit))
+        atomic_fetch_add(&h[HDR_LOADED], 1);
+}
+
+static int parse_ticket(PyObject *obj, uint64_t *ticket) {
+    *ticket = PyLong_AsUnsignedLongLong(obj);
+    if (*ticket == (uint64_t)-1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError))
+            *ticket = UINT64_MAX - 1; /* past every ticket: counts nothing */
+        else
+            return -1;
+        PyErr_Clear();
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(hdr_issue_doc, "hdr_issue(addr) -> int\n\nA ticket for one ref to the generation of the header at addr.");
+
+static PyObject *hdr_issue(PyObject *Py_UNUSED(module), PyObject *addr) {
     _Atomic uint64_t *h = header_of(addr);
-    if (h == NULL)
+    return h == NULL ? NULL : PyLong_FromUnsignedLongLong(issue_ticket(h));
+}
+
+PyDoc_STRVAR(hdr_loaded_doc, "hdr_loaded(addr, ticket)\n\nThe ref of ticket loaded in the generation of the header at addr: "
+                             "counted loaded at its first load only (refs sent: count_sent).");
+
+static PyObject *hdr_loaded(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "hdr_loaded(addr, ticket)");
         return NULL;
-    atomic_fetch_add(&h[HDR_LOADED], 1);
+    }
+    _Atomic uint64_t *h = header_of(args[0]);
+    uint64_t ticket;
+    if (h == NULL || parse_ticket(args[1], &ticket) < 0)
+        return NULL;
+    count_loaded(h, ticket);
     Py_RETURN_NONE;
 }
 
@@ -888,8 +951,9 @@ static PyObject *hdr_unhold(PyObject *Py_UNUSED(module), PyObject *const *args, 
     Py_RETURN_TRUE;
 }
 
-PyDoc_STRVAR(hdr_free_doc, "hdr_free(addr, gen) -> bool\n\nThe owner, its own storages of gen all dead: if nobody holds gen and every "
-                           "ref sent was loaded, end it (generation 0, counters zeroed: a stale ref is refused) and return True.");
+PyDoc_STRVAR(hdr_free_doc, "hdr_free(addr, gen) -> bool\n\nThe owner, its own storages of gen all dead: if nobody holds gen, every "
+                           "ref sent was loaded and gen is not retired, end it (generation 0, counters, tickets and flags "
+                           "zeroed: a stale ref is refused) and return True.");
 
 static PyObject *hdr_free(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
     _Atomic uint64_t *h;
@@ -901,11 +965,18 @@ static PyObject *hdr_free(PyObject *Py_UNUSED(module), PyObject *const *args, Py
         Py_RETURN_FALSE; /* held (or being freed by another thread) */
     /* From here no new holder until FREEING goes: sent == loaded now means every ref
      * sent was loaded by a holder that has let go since. */
-    int free = atomic_load(&h[HDR_GEN]) == gen && atomic_load(&h[HDR_SENT]) == atomic_load(&h[HDR_LOADED]);
+    int free = atomic_load(&h[HDR_GEN]) == gen && !(atomic_load(&h[HDR_FLAGS]) & RETIRED) &&
+               atomic_load(&h[HDR_SENT]) == atomic_load(&h[HDR_LOADED]);
     if (free) {
         atomic_store(&h[HDR_GEN], 0);
+        uint64_t issued = atomic_load(&h[HDR_ISSUED]);
+        uint64_t words = (issued < TICKETS ? issued : TICKETS) / 64 + 1;
+        for (uint64_t i = 0; i < words && i < TICKETS / 64; i++)
+            atomic_store(&h[HDR_BITS + i], 0);
         atomic_store(&h[HDR_SENT], 0);
         atomic_store(&h[HDR_LOADED], 0);
+        atomic_store(&h[HDR_ISSUED], 0);
+        atomic_store(&h[HDR_FLAGS], 0);
     }
     atomic_store(&h[HDR_HOLDERS], 0);
     return PyBool_FromLong(free);
@@ -919,6 +990,28 @@ static PyObject *hdr_read(PyObject *Py_UNUSED(module), PyObject *addr) {
         return NULL;
     return Py_BuildValue("KKKK", (unsigned long long)atomic_load(&h[HDR_GEN]), (unsigned long long)atomic_load(&h[HDR_SENT]),
                          (unsigned long long)atomic_load(&h[HDR_LOADED]), (unsigned long long)atomic_load(&h[HDR_HOLDERS]));
+}
+
+PyDoc_STRVAR(hdr_retire_doc, "hdr_retire(addr, gen) -> bool\n\nNever reuse generation gen (if the header still holds it): "
+                             "its memory goes back to the system once nothing maps it.");
+
+static PyObject *hdr_retire(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    _Atomic uint64_t *h;
+    uint64_t gen;
+    if (parse_header_gen(args, nargs, "hdr_retire", &h, &gen) < 0)
+        return NULL;
+    if (atomic_load(&h[HDR_GEN]) != gen)
+        Py_RETURN_FALSE;
+    atomic_fetch_or(&h[HDR_FLAGS], RETIRED);
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(hdr_flags_doc, "hdr_flags(addr) -> int\n\nThe header's flags: RETIRED (never reused), UNCOUNTED (a ticket past "
+                            "the bitmap: its loads were not told from repeats).");
+
+static PyObject *hdr_flags(PyObject *Py_UNUSED(module), PyObject *addr) {
+    _Atomic uint64_t *h = header_of(addr);
+    return h == NULL ? NULL : PyLong_FromUnsignedLongLong(atomic_load(&h[HDR_FLAGS]));
 }
 
 /* reductions.<name>, imported on first use into *slot (importing shmreduce, in a
@@ -965,7 +1058,7 @@ static PyObject *native_rebuild(PyObject *Py_UNUSED(module), PyObject *const *ar
     if (nargs < 2 || nargs > 3 || live == NULL || from_dlpack == NULL)
         return general(args, nargs);
     PyObject *ref = args[0], *meta = args[1];
-    if (!PyTuple_CheckExact(ref) || PyTuple_GET_SIZE(ref) != 7 || !PyTuple_CheckExact(meta) || PyTuple_GET_SIZE(meta) != 5 ||
+    if (!PyTuple_CheckExact(ref) || PyTuple_GET_SIZE(ref) != 8 || !PyTuple_CheckExact(meta) || PyTuple_GET_SIZE(meta) != 5 ||
         PyTuple_GET_ITEM(meta, 4) != Py_None || small_int(PyTuple_GET_ITEM(meta, 3)) != 0)
         return general(args, nargs);
     PyObject *dtype = PyDict_GetItemWithError(dtypes, PyTuple_GET_ITEM(meta, 0));
@@ -977,6 +1070,8 @@ static PyObject *native_rebuild(PyObject *Py_UNUSED(module), PyObject *const *ar
     GenObject *gen = (GenObject *)PyDict_GetItemWithError(live, key);
     Py_DECREF(key);
     Py_ssize_t offset = small_int(PyTuple_GET_ITEM(ref, 4)), nbytes = small_int(PyTuple_GET_ITEM(ref, 5));
+    Py_ssize_t ticket_value = small_int(PyTuple_GET_ITEM(ref, 7));
+    uint64_t ticket = ticket_value < 0 ? UINT64_MAX - 1 : (uint64_t)ticket_value; /* not a ticket: counts nothing */
     if (gen == NULL || dtype == NULL || gen->ended || offset < 0 || nbytes <= 0 || !PyTuple_CheckExact(gen->info) ||
         PyTuple_GET_SIZE(gen->info) != 3 || !PyDict_CheckExact(PyTuple_GET_ITEM(gen->info, 2)) || !PyTuple_CheckExact(dtype) ||
         PyTuple_GET_SIZE(dtype) != 4)
@@ -1015,8 +1110,8 @@ static PyObject *native_rebuild(PyObject *Py_UNUSED(module), PyObject *const *ar
     PyObject *tensor = import_tensor(gen, ctx, offset);
     if (tensor == NULL)
         return NULL;
-    if (gen->low) /* pooled: counted loaded once its storage exists */
-        atomic_fetch_add(&((_Atomic uint64_t *)gen->addr)[HDR_LOADED], 1);
+    if (gen->low) /* pooled: counted loaded (a first load only) once its storage exists */
+        count_loaded((_Atomic uint64_t *)gen->addr, ticket);
     PyObject *storage = PyObject_CallMethodNoArgs(tensor, str_untyped_storage);
     weak = storage != NULL ? PyWeakref_NewRef(storage, NULL) : NULL;
     Py_XDECREF(storage);
@@ -1171,9 +1266,11 @@ static PyObject *share_plain(PyObject *tensor, PyObject *storage) {
     if (gen == NULL)
         return NULL;
     PyObject *r = gen->ref;
-    PyObject *ref = tuple_of(7, (PyObject *[]){Py_NewRef(PyTuple_GET_ITEM(r, 0)), Py_NewRef(PyTuple_GET_ITEM(r, 1)),
+    uint64_t ticket = gen->low ? issue_ticket((_Atomic uint64_t *)gen->addr) : 0;
+    PyObject *ref = tuple_of(8, (PyObject *[]){Py_NewRef(PyTuple_GET_ITEM(r, 0)), Py_NewRef(PyTuple_GET_ITEM(r, 1)),
                                                 Py_NewRef(PyTuple_GET_ITEM(r, 2)), Py_NewRef(PyTuple_GET_ITEM(r, 3)),
-                                                PyLong_FromSsize_t(offset), PyLong_FromSsize_t(nbytes), Py_NewRef(PyTuple_GET_ITEM(r, 4))});
+                                                PyLong_FromSsize_t(offset), PyLong_FromSsize_t(nbytes), Py_NewRef(PyTuple_GET_ITEM(r, 4)),
+                                                PyLong_FromUnsignedLongLong(ticket)});
     PyObject *header = gen->low ? PyLong_FromVoidPtr(gen->addr) : NULL;
     if (ref == NULL || (gen->low && (header == NULL || PyList_Append(outgoing, header) < 0))) {
         Py_XDECREF(ref);
@@ -1319,7 +1416,10 @@ static PyMethodDef native_methods[] = {
     {"unmapped", native_unmapped, METH_O, mapped_doc},
     {"forget_mapped", native_forget_mapped, METH_NOARGS, forget_mapped_doc},
     {"segment_at", (PyCFunction)(void (*)(void))native_segment_at, METH_FASTCALL, segment_at_doc},
-    {"hdr_loaded", hdr_loaded, METH_O, hdr_loaded_doc},
+    {"hdr_issue", hdr_issue, METH_O, hdr_issue_doc},
+    {"hdr_loaded", (PyCFunction)(void (*)(void))hdr_loaded, METH_FASTCALL, hdr_loaded_doc},
+    {"hdr_retire", (PyCFunction)(void (*)(void))hdr_retire, METH_FASTCALL, hdr_retire_doc},
+    {"hdr_flags", hdr_flags, METH_O, hdr_flags_doc},
     {"hdr_hold", (PyCFunction)(void (*)(void))hdr_hold, METH_FASTCALL, hdr_hold_doc},
     {"hdr_unhold", (PyCFunction)(void (*)(void))hdr_unhold, METH_FASTCALL, hdr_unhold_doc},
     {"hdr_free", (PyCFunction)(void (*)(void))hdr_free, METH_FASTCALL, hdr_free_doc},
@@ -1353,7 +1453,10 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyObject *module = PyModule_Create(&native_module);
     if (module == NULL)
         return NULL;
-    if (PyModule_AddObjectRef(module, "Gen", (PyObject *)&GenType) < 0 || PyModule_AddIntConstant(module, "ALIGN", ALIGN) < 0) {
+    if (PyModule_AddObjectRef(module, "Gen", (PyObject *)&GenType) < 0 || PyModule_AddIntConstant(module, "ALIGN", ALIGN) < 0 ||
+        PyModule_AddIntConstant(module, "HEADER_BYTES", HEADER_BYTES) < 0 || PyModule_AddIntConstant(module, "SLAB_ITEM_MAX", SLAB_ITEM_MAX) < 0 ||
+        PyModule_AddIntConstant(module, "TICKETS", (long)TICKETS) < 0 || PyModule_AddIntConstant(module, "RETIRED", (long)RETIRED) < 0 ||
+        PyModule_AddIntConstant(module, "UNCOUNTED", (long)UNCOUNTED) < 0) {
         Py_DECREF(module);
         return NULL;
     }

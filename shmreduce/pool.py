@@ -69,13 +69,13 @@ from typing import Any
 
 import torch
 
-from shmreduce import _native, _torch, segments
+from shmreduce import _faults, _native, _torch, segments
 from shmreduce.broker import client as broker
 from shmreduce.errors import OutOfSharedMemory, SharingError, out_of_shm
 
-HEADER = 64  # a pooled segment's first bytes: its generation (u64); storages start after
-ALIGN = 64  # each storage starts on a cache line, as torch's CPU allocator aligns
-SLAB_ITEM_MAX = 64 << 10  # storages up to this size share their thread's current slab
+HEADER = _native.HEADER_BYTES  # a pooled segment's shared header (generation, counters, tickets); storages start after
+ALIGN = _native.ALIGN  # each storage starts on a cache line, as torch's CPU allocator aligns
+SLAB_ITEM_MAX = _native.SLAB_ITEM_MAX  # storages up to this size share their thread's current slab
 SLAB_SIZE = 1 << 20
 POOL_BYTES = int(os.environ.get("SHMREDUCE_POOL_BYTES", str(1 << 30)))
 POOL_IDLE = float(os.environ.get("SHMREDUCE_POOL_IDLE", "10"))
@@ -372,8 +372,13 @@ def settle(dead: list[Any] | None = None) -> None:
         seg: Segment = token.owner  # type: ignore[assignment]
         gen = token.number
         if entry is not None:
-            if broker.let_go(entry):  # else this process is exiting: its brokers count it out
+            # The ledger says "dropping" before the header counts this process out, and
+            # is cleared after: a process killed in between is retired, not guessed.
+            if broker.dropping(entry):  # else this process is exiting: its brokers count it out
+                _faults.point("letgo.ledger")
                 _native.hdr_unhold(seg.addr, gen)
+                _faults.point("letgo.unhold")
+                broker.let_go(entry)
             continue
         pool = seg.pool
         if pool is None or seg.gen != gen:
@@ -382,6 +387,9 @@ def settle(dead: list[Any] | None = None) -> None:
             pool.closed(seg)  # never reused: what is in flight in it stays readable (the broker)
         elif _native.hdr_free(seg.addr, gen):
             pool.give_back(seg)
+        elif _native.hdr_flags(seg.addr) & _native.RETIRED:
+            seg.retired = True  # a fork, or a process dead mid-hold: never reused
+            pool.closed(seg)
         else:
             pool.waiting[seg.key] = seg  # held elsewhere, or refs to it in flight
 
@@ -398,6 +406,18 @@ def _in_use() -> list[Segment]:
 
 def live_segments() -> int:
     return len(_in_use())
+
+
+def retire_in_use() -> None:
+    """Before a fork: every generation with a storage (or a hold) alive here now is
+    retired in its header, never reused by its owner, whoever that is: the child
+    keeps what it inherits without counting itself a holder (SPEC 14), and its pages
+    go back to the system once the last process maps them no more."""
+    for seg in _in_use():
+        if seg.gen:
+            _native.hdr_retire(seg.addr, seg.gen)
+            if seg.pool is not None:
+                seg.retired = True
 
 
 # -- generations -------------------------------------------------------------------
@@ -532,6 +552,9 @@ class Pool:
             if _native.hdr_free(seg.addr, seg.gen):
                 if self.waiting.pop(key, None) is seg:
                     self.give_back(seg)
+            elif _native.hdr_flags(seg.addr) & _native.RETIRED and self.waiting.pop(key, None) is seg:
+                seg.retired = True
+                self.closed(seg)
 
     def give_back(self, seg: Segment) -> None:
         """*seg* is free: nobody anywhere holds a storage in it."""
@@ -576,14 +599,6 @@ class Pool:
                 found.update((id(seg), seg) for seg in segs)
         found.update((id(seg), seg) for seg in list(self.waiting.values()))
         return [seg for seg in found.values() if seg.pid == os.getpid()]
-
-    def retire_all(self) -> None:
-        """Never reuse what is in use or awaited now (at a fork: the child may use
-        those storages without its parent's pool knowing)."""
-        for seg in _in_use():
-            if seg.pool is self:
-                seg.retired = True
-        self._drop_waiting()
 
     def retire_where(self, gone: Callable[[Segment], bool]) -> None:
         """Never use again the segments *gone* names (their files went with a broker

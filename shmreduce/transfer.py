@@ -42,7 +42,7 @@ from typing import Any, NamedTuple, cast
 
 import torch
 
-from shmreduce import _native, _torch, pool, program, segments
+from shmreduce import _faults, _native, _torch, pool, program, segments
 from shmreduce.broker import client as broker
 from shmreduce.broker.protocol import is_program_dir
 from shmreduce.cache import Place, cache
@@ -69,6 +69,10 @@ class SegmentRef(NamedTuple):
     # (see fs_tag): nothing asks the broker before a file is mapped, so the receiver
     # checks the tag instead, once per generation. fd: 0 (the broker authenticates).
     tag: int
+    # This ref's ticket in its generation (``_native.hdr_issue``): its first load sets
+    # the ticket's bit in the header and counts it loaded, a repeated load counts
+    # nothing (broker/protocol.py, "Lifetimes"). 0 for generation 0.
+    ticket: int
 
 
 def fs_tag(directory: str, name: str, gen: int) -> int:
@@ -287,13 +291,15 @@ def share(storage: torch.UntypedStorage) -> tuple:
         if not seg.deposited:
             _deposit(seg, storage, gen)
         template = ("fd", out.program, seg.key, gen, 0)
+    ticket = 0
     if gen:
+        ticket = _native.hdr_issue(seg.addr)
         out.counted.append(seg.addr)
         token = seg.live_token(gen)
         if token is not None:
             token.index(template)  # _native.reduce sends from it from now on
     kind, directory, key, gen, tag = template
-    return (kind, directory, key, gen, offset, nbytes, tag)
+    return (kind, directory, key, gen, offset, nbytes, tag, ticket)
 
 
 def _deposit(seg: pool.Segment, storage: torch.UntypedStorage, gen: int) -> None:
@@ -505,7 +511,7 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
     its storage exactly, the tensor itself, made by ``_native.rebuild`` once the
     generation is published here (its storage is the storage ``receive`` would
     return, and is cached as such). Counts the ref loaded."""
-    kind, directory, segkey, gen, offset, nbytes, tag = _checked(ref)
+    kind, directory, segkey, gen, offset, nbytes, tag, ticket = _checked(ref)
     seg = pool.lookup(kind, segkey)
     if seg is not None and kind == "fs" and seg.directory != directory:
         seg = None
@@ -518,18 +524,21 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
         storage = cache.storage_at(token, offset)
         if storage is not None and storage.nbytes() == nbytes:
             if gen:
-                _hdr_loaded(seg.addr)
+                _hdr_loaded(seg.addr, ticket)
+                _faults.point("load.counted")
             _loaded_again[0] += 1
             return storage
         if meta is not None:
             tensor = _native.rebuild(ref, meta, None)  # counted loaded and cached there
             if tensor is not None:
+                _faults.point("load.counted")
                 return tensor
         storage = token.storage(offset, nbytes)
         if gen:
             # Counted once its storage is made: a ref refused above (out of its
             # segment's bounds) was not loaded, and its message may be in flight.
-            _hdr_loaded(seg.addr)
+            _hdr_loaded(seg.addr, ticket)
+            _faults.point("load.counted")
     finally:
         token.release()  # the load's hold: from now on its storages hold it
     _counters["storages_received"] += 1
@@ -582,9 +591,16 @@ def _new_token(seg: pool.Segment, kind: str, directory: str, segkey: Any, gen: i
     else:
         if kind == "fs":
             _check_tag(directory, segkey, gen, tag)
+        # The ledger says "taking" before the header counts the hold, "held" after:
+        # a process killed in between is retired, not guessed (protocol.py, "Lifetimes").
+        entry = broker.hold(directory, segkey, gen)
+        _faults.point("load.ledger")
         if not _native.hdr_hold(seg.addr, gen):
+            broker.let_go(entry, taken=False)
             raise stale_message(f"segment {segkey!r} holds other data now (generation {gen:x} is over)")
-        token = seg.new_token(gen, broker.hold(directory, segkey, gen))
+        _faults.point("load.hold")
+        broker.held(entry)
+        token = seg.new_token(gen, entry)
         token.publish((kind, directory, segkey, gen))  # _native.rebuild loads through it from now on
     if seg.pool is None:
         pool.keep(seg)
@@ -597,7 +613,7 @@ def _checked(ref: Any) -> tuple:
     """*ref*'s fields, each of the type and range a ``SegmentRef`` has, or
     SharingError: the one place a handle from a pickle is checked before use."""
     try:
-        kind, directory, segkey, gen, offset, nbytes, tag = ref
+        kind, directory, segkey, gen, offset, nbytes, tag, ticket = ref
     except (TypeError, ValueError):
         raise SharingError(f"not a shmreduce segment handle: {ref!r}") from None
     if (
@@ -612,6 +628,8 @@ def _checked(ref: Any) -> tuple:
         or type(nbytes) is not int
         or nbytes <= 0
         or type(tag) is not int
+        or type(ticket) is not int
+        or not 0 <= ticket < 1 << 64
     ):
         raise SharingError(f"not a shmreduce segment handle: {ref!r} (forged or corrupted message?)")
     return ref
@@ -655,10 +673,9 @@ def stats() -> dict[str, int]:
 
 
 def _before_fork() -> None:
-    # The child may use the storages alive now without the broker knowing: their
-    # segments are never reused.
-    _fd_pool.retire_all()
-    _fs_pool.retire_all()
+    # The child keeps the storages alive now, sent or received, without holding
+    # their generations: those are retired (broker/protocol.py, "Lifetimes").
+    pool.retire_in_use()
 
 
 def _after_fork_in_child() -> None:

@@ -25,6 +25,7 @@ import torch
 import shmreduce
 from shmreduce import _native, program, transfer
 from shmreduce.broker import client as broker_client
+from shmreduce.broker import protocol as P
 from shmreduce.cache import cache
 from shmreduce.pool import SLAB_ITEM_MAX
 
@@ -245,13 +246,15 @@ def test_a_let_go_written_before_a_close_counts(broker_log):
         for receiver in (first, second):
             assert _native.hdr_hold(seg.addr, seg.gen)
             entries[receiver] = _ledger(receiver).hold(seg.ino, seg.gen)
+            assert _ledger(receiver).mark(entries[receiver], P.HELD)
         counters = sender.ping()
         assert (counters["segments"], counters["generations_held"]) == (1, 2), counters
         pid = sender.broker_pid
         os.kill(pid, signal.SIGSTOP)
         try:
-            assert _ledger(first).let_go(entries[first])
+            assert _ledger(first).mark(entries[first], P.DROPPING)
             assert _native.hdr_unhold(seg.addr, seg.gen)
+            assert _ledger(first).mark(entries[first], P.FREE)
             first.close()
         finally:
             os.kill(pid, signal.SIGCONT)
@@ -295,7 +298,7 @@ def test_a_receiver_gone_before_its_owners_hold_is_read_is_still_counted_out(bro
         os.kill(pid, signal.SIGSTOP)  # records queue up; the broker serves them in the order they came
         try:
             assert _native.hdr_hold(addr, gen)
-            _ledger(receiver).hold(name, gen)
+            _ledger(receiver).mark(_ledger(receiver).hold(name, gen), P.HELD)
             receiver.close()  # its process is gone
             sender.hold([name])
         finally:

@@ -27,11 +27,12 @@ def test_a_shared_storage_is_found_by_its_address(strategy: str) -> None:
     assert inner is not None and inner.segment is place.segment and inner.gen == place.gen
     assert (inner.offset, inner.nbytes) == (place.offset + 400, 400)
     # Sent again: the same ref, no second move.
-    assert transfer.SegmentRef(*transfer.share(t.untyped_storage())) == ref
+    again = transfer.SegmentRef(*transfer.share(t.untyped_storage()))
+    assert again[:7] == ref[:7] and again.ticket != ref.ticket  # a ref of its own (its ticket), to the same place
     # Loaded here, each gives this process its own storage back (and counts loaded:
     # nothing is left in flight).
     with transfer.receiving():
-        assert transfer.receive(ref)._cdata == transfer.receive(ref)._cdata == t.untyped_storage()._cdata
+        assert transfer.receive(ref)._cdata == transfer.receive(again)._cdata == t.untyped_storage()._cdata
 
 
 def test_a_sealed_segment_is_not_a_place(strategy: str) -> None:

@@ -205,7 +205,7 @@ def test_handles_of_the_wrong_type_are_sharing_errors(memory) -> None:
 def _made(offset: int, nbytes: int, dtype: torch.dtype, size: Any, stride: Any) -> Any:
     """What rebuild(ref, meta, None) makes through the published Gen: a tensor, or
     None where the general rebuild would make it (never the general one itself)."""
-    return _native.rebuild((*_KEY, offset, nbytes, 0), (dtype, size, stride, 0, None), None)
+    return _native.rebuild((*_KEY, offset, nbytes, 0, 0), (dtype, size, stride, 0, None), None)
 
 
 def test_a_typed_tensor_spans_exactly_its_storage(memory) -> None:
@@ -313,7 +313,7 @@ def test_rebuild_makes_only_checked_tensors_or_raises_sharing_error(
     if exact and span is not None:
         nbytes = span
     gen = _published(addr)
-    ref = (*_KEY, offset, nbytes, 0)
+    ref = (*_KEY, offset, nbytes, 0, 0)
     in_range = LOW <= offset and 0 < nbytes and offset + nbytes <= SIZE and offset % _native.ALIGN == 0
     fast = in_range and dtype in _TABLE and start == 0 and type(start) is int and extra is None and span == nbytes
     try:
@@ -336,7 +336,8 @@ def test_rebuild_counts_its_loads_in_the_header_and_the_process(memory) -> None:
     m, addr = memory
     gen = _published(addr)
     before = _native.loaded()
-    t = _native.rebuild((*_KEY, 128, 64, 0), (torch.float32, (16,), (1,), 0, None))
+    assert _native.hdr_issue(addr) == 0  # the ref's ticket, as its sender drew it
+    t = _native.rebuild((*_KEY, 128, 64, 0, 0), (torch.float32, (16,), (1,), 0, None))
     assert _native.loaded() == (before[0] + 1, before[1] + 64)
     assert _native.hdr_read(addr)[2] == 1  # refs loaded, in the header a pooled segment has
     assert gen.live == 2

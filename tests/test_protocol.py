@@ -97,33 +97,47 @@ def test_malformed_inos_are_refused(blob: bytes) -> None:
 @pytest.mark.parametrize(
     "held",
     [
-        [(12345, 1)],
-        [(SEG, (1 << 64) - 1)],
-        [(1, 7), (SEG, 8), (SEG2, 0xABCDEF << 40), ((1 << 64) - 1, 1)],
+        [(12345, 1, P.HELD)],
+        [(SEG, (1 << 64) - 1, P.TAKING)],
+        [(1, 7, P.HELD), (SEG, 8, P.DROPPING), (SEG2, 0xABCDEF << 40, P.HELD), ((1 << 64) - 1, 1, P.TAKING), ((7 << 64) | 5, 2, P.HELD)],
     ],
 )
-def test_ledger_entries_round_trip(held: list[tuple[int | str, int]]) -> None:
-    blob = b"".join(P.LEDGER_ENTRY.pack(*P.ledger_entry(key, gen)) for key, gen in held)
+def test_ledger_entries_round_trip(held: list[tuple[int | str, int, int]]) -> None:
+    blob = b"".join(P.LEDGER_ENTRY.pack(*P.ledger_entry(key, gen, state)) for key, gen, state in held)
     assert P.ledger_holds(blob) == held
 
 
 def test_a_ledger_keeps_the_64_bits_a_header_holds_and_skips_free_entries() -> None:
     # A generation number may be wider (the pickle's); the header holds its low 64 bits.
-    free = P.LEDGER_ENTRY.pack(0, 0, bytes(12), 0)
+    free = P.LEDGER_ENTRY.pack(*P.ledger_entry(4, 4, P.FREE))
     blob = P.LEDGER_ENTRY.pack(*P.ledger_entry(SEG, (1 << 70) + 5)) + free + P.LEDGER_ENTRY.pack(*P.ledger_entry(3, 255))
-    assert P.ledger_holds(blob + b"partial entry") == [(SEG, 5), (3, 255)]
+    assert P.ledger_holds(blob + b"partial entry") == [(SEG, 5, P.HELD), (3, 255, P.HELD)]
+
+
+def test_a_ledger_entry_state_is_one_aligned_word() -> None:
+    # The state changes alone (TAKING -> HELD -> DROPPING -> FREE), one 4-byte store.
+    entry = bytearray(P.LEDGER_ENTRY.pack(*P.ledger_entry(SEG, 9, P.FREE)))
+    assert P.LEDGER_STATE_AT % 4 == 0 and P.LEDGER_STATE_AT + 4 == P.LEDGER_ENTRY.size
+    for state in (P.TAKING, P.HELD, P.DROPPING):
+        P.LEDGER_STATE.pack_into(entry, P.LEDGER_STATE_AT, state)
+        assert P.ledger_holds(bytes(entry)) == [(SEG, 9, state)]
+    P.LEDGER_STATE.pack_into(entry, P.LEDGER_STATE_AT, P.FREE)
+    assert P.ledger_holds(bytes(entry)) == []
 
 
 def test_any_ledger_bytes_name_only_well_formed_segments() -> None:
-    # A ledger is the client's memory: whatever it holds, the broker reads inodes and
-    # file names of the right form (looked up among its own segments), nothing else.
-    blob = os.urandom(P.LEDGER_ENTRY.size * 500)
-    blob = b"".join(blob[i : i + 28] + P.LEDGER_ENTRY.pack(0, 0, bytes(12), 1)[28:] for i in range(0, len(blob), 32))
+    # A ledger is the client's memory: whatever it holds, the broker reads memfd
+    # identities and file names of the right form (looked up among its own segments),
+    # nothing else.
+    size = P.LEDGER_ENTRY.size
+    blob = os.urandom(size * 500)
+    tail = P.LEDGER_ENTRY.pack(*P.ledger_entry(1, 0))[P.LEDGER_STATE_AT :]
+    blob = b"".join(blob[i : i + P.LEDGER_STATE_AT] + tail for i in range(0, len(blob), size))
     held = P.ledger_holds(blob)
     assert len(held) == 500
-    for key, gen in held:
-        assert 0 <= gen < 1 << 64
-        assert (isinstance(key, int) and 0 < key < 1 << 64) or (isinstance(key, str) and P.is_segment_name(key))
+    for key, gen, state in held:
+        assert 0 <= gen < 1 << 64 and state == P.HELD
+        assert (isinstance(key, int) and 0 < key < 1 << 128) or (isinstance(key, str) and P.is_segment_name(key))
 
 
 # -- fetched replies -----------------------------------------------------------------

@@ -79,17 +79,65 @@ def header() -> tuple[mmap.mmap, int]:
 def test_header_counts_holds_and_frees_one_generation(header) -> None:
     m, addr = header
     struct.pack_into("Q", m, 0, 5)  # generation 5
+    first, second = _native.hdr_issue(addr), _native.hdr_issue(addr)
+    assert (first, second) == (0, 1)
     _native.count_sent([addr, addr])
-    _native.hdr_loaded(addr)
+    _native.hdr_loaded(addr, first)
     assert _native.hdr_read(addr) == (5, 2, 1, 0)
     assert _native.hdr_hold(addr, 5) and _native.hdr_read(addr)[3] == 1
     assert not _native.hdr_hold(addr, 6) and _native.hdr_read(addr)[3] == 1  # another generation: nothing held
     assert not _native.hdr_free(addr, 5)  # held
     assert _native.hdr_unhold(addr, 5) and not _native.hdr_unhold(addr, 5)
     assert not _native.hdr_free(addr, 5)  # a ref sent is not loaded yet
-    _native.hdr_loaded(addr)
+    _native.hdr_loaded(addr, second)
     assert _native.hdr_free(addr, 5) and _native.hdr_read(addr) == (0, 0, 0, 0)
     assert not _native.hdr_hold(addr, 5)  # a stale ref finds the generation over
+    struct.pack_into("Q", m, 0, 6)
+    assert _native.hdr_issue(addr) == 0  # the tickets start again with the generation, their bits cleared
+    _native.count_sent([addr])
+    _native.hdr_loaded(addr, 0)
+    assert _native.hdr_read(addr)[1:3] == (1, 1)
+
+
+def test_a_repeated_load_counts_nothing(header) -> None:
+    """Bytes loaded again (one dumps() blob, loaded twice) never let the generation
+    end while another message in it waits for its first load (issue 27, item 2)."""
+    m, addr = header
+    struct.pack_into("Q", m, 0, 5)
+    blob, queued = _native.hdr_issue(addr), _native.hdr_issue(addr)
+    _native.count_sent([addr, addr])
+    for _ in range(20):
+        _native.hdr_loaded(addr, blob)
+    assert _native.hdr_read(addr)[1:3] == (2, 1)
+    assert not _native.hdr_free(addr, 5), "the queued message's generation ended under it"
+    _native.hdr_loaded(addr, 99)  # a ticket never issued (forged) counts nothing
+    _native.hdr_loaded(addr, 1 << 70)
+    assert _native.hdr_read(addr)[1:3] == (2, 1)
+    _native.hdr_loaded(addr, queued)
+    assert _native.hdr_free(addr, 5)
+
+
+def test_a_retired_generation_is_never_freed(header) -> None:
+    m, addr = header
+    struct.pack_into("Q", m, 0, 5)
+    assert not _native.hdr_retire(addr, 4)  # another generation: nothing done
+    assert _native.hdr_flags(addr) == 0
+    assert _native.hdr_retire(addr, 5)
+    assert _native.hdr_flags(addr) == _native.RETIRED
+    assert not _native.hdr_free(addr, 5)
+    assert _native.hdr_read(addr)[0] == 5  # still its generation: receivers holding it keep reading it
+
+
+def test_tickets_past_the_bitmap_retire_the_generation(header) -> None:
+    m, addr = header
+    struct.pack_into("Q", m, 0, 5)
+    struct.pack_into("Q", m, 32, _native.TICKETS - 1)  # tickets issued so far
+    assert _native.hdr_issue(addr) == _native.TICKETS - 1 and _native.hdr_flags(addr) == 0
+    assert _native.hdr_issue(addr) == _native.TICKETS
+    assert _native.hdr_flags(addr) == _native.RETIRED | _native.UNCOUNTED
+    _native.count_sent([addr])
+    _native.hdr_loaded(addr, _native.TICKETS)
+    assert _native.hdr_read(addr)[1:3] == (1, 1) and not _native.hdr_free(addr, 5)
 
 
 def test_header_refuses_bad_addresses_and_arguments(header) -> None:

@@ -534,7 +534,7 @@ class Ledger:
         self.lock = threading.Lock()
 
     def hold(self, key: int | str, gen: int) -> int:
-        """Write a held entry for generation *gen* of segment *key*: its index; -1 if
+        """Write a TAKING entry for generation *gen* of segment *key*: its index; -1 if
         this ledger was closed meanwhile (``close_all``: take the next one)."""
         with self.lock:
             if self.closed:
@@ -548,18 +548,21 @@ class Ledger:
                     os.ftruncate(self.fd, size)
                     self.map, self.size = mmap.mmap(self.fd, size), size
             assert self.map is not None
-            P.LEDGER_ENTRY.pack_into(self.map, index * P.LEDGER_ENTRY.size, *P.ledger_entry(key, gen))
+            at = index * P.LEDGER_ENTRY.size
+            P.LEDGER_ENTRY.pack_into(self.map, at, *P.ledger_entry(key, gen, P.FREE))
+            P.LEDGER_STATE.pack_into(self.map, at + P.LEDGER_STATE_AT, P.TAKING)
             return index
 
-    def let_go(self, index: int) -> bool:
-        """Clear entry *index*; False once frozen (the brokers count it out: the
-        caller must not count itself out of the header too)."""
+    def mark(self, index: int, state: int) -> bool:
+        """Set entry *index*'s state alone (one aligned store); False once frozen
+        (the brokers count it out: the caller must not count itself out too)."""
         with self.lock:
             if self.frozen:
                 return False
             assert self.map is not None
-            P.LEDGER_ENTRY.pack_into(self.map, index * P.LEDGER_ENTRY.size, 0, 0, bytes(12), 0)
-            self.free.append(index)
+            P.LEDGER_STATE.pack_into(self.map, index * P.LEDGER_ENTRY.size + P.LEDGER_STATE_AT, state)
+            if state == P.FREE:
+                self.free.append(index)
             return True
 
     def post(self, sock: socket.socket) -> bool:
@@ -608,11 +611,12 @@ def _ledger_for(directory: str) -> Ledger:
 
 
 def hold(directory: str, key: int | str, gen: int) -> tuple[Ledger, int]:
-    """This process holds generation *gen* of segment *key* (counted in its header
-    already) of the program of *directory*: its ledger entry, which that broker reads
-    if this process dies. Connects to that broker (never starts it) if not yet: a
-    broker that does not know this process's ledger would count nobody out. Without
-    a broker, nobody could: the hold is written all the same."""
+    """This process is about to hold generation *gen* of segment *key* of the program
+    of *directory*: its ledger entry, TAKING (``held`` once the header counted it),
+    which that broker reads if this process dies. Connects to that broker (never
+    starts it) if not yet: a broker that does not know this process's ledger would
+    count nobody out. Without a broker, nobody could: the entry is written all the
+    same."""
     index = -1
     while index < 0:
         ledger = _ledger_for(directory)
@@ -626,12 +630,25 @@ def hold(directory: str, key: int | str, gen: int) -> tuple[Ledger, int]:
     return ledger, index
 
 
-def let_go(entry: tuple[Ledger, int]) -> bool:
-    """Clear a ledger *entry* before the header counts this process out; False at
-    exit, once frozen: the brokers count it out then. A ledger left empty with no
-    client of its directory (after ``close_all``) is closed."""
+def held(entry: tuple[Ledger, int]) -> None:
+    """The header counted the hold of *entry*."""
     ledger, index = entry
-    if not ledger.let_go(index):
+    ledger.mark(index, P.HELD)
+
+
+def dropping(entry: tuple[Ledger, int]) -> bool:
+    """About to count this process out of *entry*'s header; False at exit, once
+    frozen: the brokers count it out then."""
+    ledger, index = entry
+    return ledger.mark(index, P.DROPPING)
+
+
+def let_go(entry: tuple[Ledger, int], taken: bool = True) -> bool:
+    """Clear a ledger *entry* once the header counted this process out (or, not
+    *taken*, never counted it in); False at exit, once frozen. A ledger left empty
+    with no client of its directory (after ``close_all``) is closed."""
+    ledger, index = entry
+    if not ledger.mark(index, P.FREE):
         return False
     if ledger.empty() and ledger.directory not in _clients:
         with _ledgers_lock:

@@ -162,7 +162,7 @@ KEEP = b"K"
 PING = b"P"
 PONG = b"p"
 
-HEADER_BYTES = 64  # a pooled segment's header: generation, sent, loaded, holders (u64 each)
+HEADER_BYTES = 64  # what the broker maps of a pooled segment's header: its counters (the ticket bits after them are the clients')
 INOS_PER_RECORD = 4000
 
 STATUS_OK = 0
@@ -244,30 +244,38 @@ def decode_inos(blob: bytes) -> list[int]:
 
 
 # A ledger entry: the generation (its low 64 bits, as a header holds it), the memfd's
-# inode (0 for a file), the file's name (``seg-`` and 24 hex digits, as 12 bytes; zeros
-# for a memfd), and 1 while held (0: a free entry).
-LEDGER_ENTRY = struct.Struct("<QQ12sI")
+# identity (``segments.identity``: device << 64 | inode, as two u64, low first; 0 for a
+# file), the file's name (``seg-`` and 24 hex digits, as 12 bytes; zeros for a memfd),
+# and its state (u32, written alone: a 4-byte aligned store): FREE, TAKING (written
+# before the header counts the hold), HELD (after), DROPPING (before the header
+# counts the let-go; FREE after). See Lifetimes for what the broker does with each.
+LEDGER_ENTRY = struct.Struct("<QQQ12sI")
+LEDGER_STATE_AT = 36  # the state's offset in an entry
+LEDGER_STATE = struct.Struct("<I")
+FREE, HELD, TAKING, DROPPING = 0, 1, 2, 3
 LEDGER_MIN = 1024 * LEDGER_ENTRY.size  # a new ledger's size; it doubles when full
-LEDGER_MAX = 64 << 20  # what a broker reads of one: 2 M entries
+LEDGER_MAX = 64 << 20  # what a broker reads of one: 1.6 M entries
+_U64 = 0xFFFFFFFFFFFFFFFF
 
 
-def ledger_entry(key: int | str, gen: int) -> tuple[int, int, bytes, int]:
-    """The fields of a held entry for generation *gen* of the memfd (inode) or file
-    (name) *key*."""
+def ledger_entry(key: int | str, gen: int, state: int = HELD) -> tuple[int, int, int, bytes, int]:
+    """The fields of an entry in *state* for generation *gen* of the memfd (identity)
+    or file (name) *key*."""
     if isinstance(key, str):
-        return gen & 0xFFFFFFFFFFFFFFFF, 0, bytes.fromhex(key[len(SEG_PREFIX) :]), 1
-    return gen & 0xFFFFFFFFFFFFFFFF, key, bytes(12), 1
+        return gen & _U64, 0, 0, bytes.fromhex(key[len(SEG_PREFIX) :]), state
+    return gen & _U64, key & _U64, key >> 64, bytes(12), state
 
 
-def ledger_holds(blob: bytes) -> list[tuple[int | str, int]]:
-    """(segment, generation) of every held entry of a ledger's bytes; whatever the
-    bytes, a memfd's inode or a well-formed file name (others' are simply unknown)."""
+def ledger_holds(blob: bytes) -> list[tuple[int | str, int, int]]:
+    """(segment, generation, state) of every entry of a ledger's bytes that is not
+    FREE; whatever the bytes, a memfd's identity or a well-formed file name (others'
+    are simply unknown)."""
     end = min(len(blob), LEDGER_MAX)
     end -= end % LEDGER_ENTRY.size
-    held: list[tuple[int | str, int]] = []
-    for gen, ino, name, state in LEDGER_ENTRY.iter_unpack(memoryview(blob)[:end]):
-        if state == 1:
-            held.append((ino if ino else SEG_PREFIX + name.hex(), gen))
+    held: list[tuple[int | str, int, int]] = []
+    for gen, lo, hi, name, state in LEDGER_ENTRY.iter_unpack(memoryview(blob)[:end]):
+        if state in (HELD, TAKING, DROPPING):
+            held.append((lo | hi << 64 if lo or hi else SEG_PREFIX + name.hex(), gen, state))
     return held
 
 

@@ -194,10 +194,13 @@ class Broker:
             self._close(seg)
 
     def _in_flight(self, seg: _Segment) -> bool:
-        """Whether refs sent in *seg*'s current generation are not all loaded yet
-        (bytes loaded twice count twice: more loaded than sent is nothing in flight)."""
+        """Whether refs sent in *seg*'s current generation are not all loaded yet (a
+        ref loaded again counts once: its ticket). A generation whose tickets ran past
+        the header's bitmap (UNCOUNTED) cannot tell: in flight until ORPHAN_TTL."""
         header = self._header(seg)
-        return header is not None and header[1] > header[2]
+        if header is None:
+            return False
+        return header[1] > header[2] or bool(_native.hdr_flags(seg.addr) & _native.UNCOUNTED)
 
     def _header(self, seg: _Segment) -> tuple[int, int, int, int] | None:
         """(generation, sent, loaded, holders) of *seg*, or None if it has none."""
@@ -249,10 +252,13 @@ class Broker:
         """A receiver died: count it out of the holders of every generation its
         ledger says it holds (a segment the broker no longer keeps is unmapped
         wherever it was, or went with its owner: nobody reuses it)."""
-        for key, gen in _ledger_holds(client.ledger):
+        for key, gen, state in _ledger_holds(client.ledger):
             seg = self.memfds.get(key) if isinstance(key, int) else self.files.get(key)
             if seg is not None and self._header(seg) is not None:
-                _native.hdr_unhold(seg.addr, gen)
+                if state == P.HELD:
+                    _native.hdr_unhold(seg.addr, gen)
+                else:  # died between the header and the ledger: which came first is unknown
+                    _native.hdr_retire(seg.addr, gen)
         _close_ledger(client)
 
     def _drain(self, now: float) -> None:
@@ -578,8 +584,8 @@ class Broker:
         remove_program_dir(self.dir)
 
 
-def _ledger_holds(fd: int) -> list[tuple[int | str, int]]:
-    """(segment, generation) of what the ledger *fd* says its client holds."""
+def _ledger_holds(fd: int) -> list[tuple[int | str, int, int]]:
+    """(segment, generation, state) of what the ledger *fd* says its client holds."""
     if fd < 0:
         return []
     try:
