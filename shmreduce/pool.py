@@ -279,20 +279,19 @@ def keep(seg: Segment) -> None:
 
 
 def open_fd(fd: int, ino: int) -> Segment:
-    """Map a received memfd, which must be *ino*; the segment owns *fd* from now on."""
+    """Map a received memfd, which must be *ino* (its identity: device and inode),
+    and close *fd*: a mapping needs no descriptor, so a receiver keeping thousands
+    of tensors holds none per segment (issue 27, item 4). Sending from it again
+    fetches its descriptor anew (``transfer._deposit``)."""
     try:
         got, size = segments.fd_identity(fd)
+        if got != ino or size <= 0:
+            raise SharingError(f"received descriptor does not match its handle (memfd {got}, expected {ino}): forged or corrupted message")
+        return Segment("fd", ino, "", None, size, fd)
     except OSError as exc:
-        os.close(fd)
-        raise segments.os_error(exc, "checking a received descriptor") from exc
-    if got != ino or size <= 0:
-        os.close(fd)
-        raise SharingError(f"received descriptor does not match its handle (inode {got}, expected {ino}): forged or corrupted message")
-    try:
-        return Segment("fd", ino, "", fd, size, fd)
-    except OSError as exc:
-        os.close(fd)
         raise segments.os_error(exc, "mapping a received segment") from exc
+    finally:
+        os.close(fd)
 
 
 def open_file(directory: str, name: str) -> Segment:

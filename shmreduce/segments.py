@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from shmreduce.broker.protocol import DIR_PREFIX, SEG_PREFIX, is_segment_name
+from shmreduce.broker.protocol import DIR_PREFIX, SEG_PREFIX, identity, is_segment_name
 from shmreduce.errors import SharingError, out_of_shm, too_many_files
 
 
@@ -46,9 +46,10 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def fd_identity(fd: int) -> tuple[int, int]:
-    """The inode of the file *fd* is open on (memfds share one device), and its size."""
+    """The identity (device and inode: ``protocol.identity``) of the file *fd* is
+    open on, and its size."""
     st = os.fstat(fd)
-    return st.st_ino, st.st_size
+    return identity(st), st.st_size
 
 
 def os_error(exc: OSError, what: str) -> SharingError:

@@ -288,8 +288,11 @@ def share(storage: torch.UntypedStorage) -> tuple:
     else:
         if not out.program:
             out.program = _program_dir()
-        if not seg.deposited:
-            _deposit(seg, storage, gen)
+        if not seg.deposited and not _deposit(seg, storage, gen):
+            # A received memfd its broker let go of (its owner and every other sender
+            # gone): what lies in it is shared anew, from this process's pool.
+            seg.sealed = True
+            return share(storage)
         template = ("fd", out.program, seg.key, gen, 0)
     ticket = 0
     if gen:
@@ -302,12 +305,24 @@ def share(storage: torch.UntypedStorage) -> tuple:
     return (kind, directory, key, gen, offset, nbytes, tag, ticket)
 
 
-def _deposit(seg: pool.Segment, storage: torch.UntypedStorage, gen: int) -> None:
-    """This process's first ref to the memfd *seg*: its descriptor goes to the broker."""
+def _deposit(seg: pool.Segment, storage: torch.UntypedStorage, gen: int) -> bool:
+    """This process's first ref to the memfd *seg*: its descriptor goes to the broker.
+    A received one is mapped without a descriptor (``pool.open_fd``): the broker's is
+    fetched once more, for this deposit; False if the broker keeps it no longer."""
     prog = program.current()
-    fd = seg.fd if seg.fd is not None else _torch.storage_fd(storage)  # a storage torch shared keeps its own
-    broker.client_for(prog.directory, prog.root_pid).segment(fd, header=gen != 0)
+    client = broker.client_for(prog.directory, prog.root_pid)
+    if seg.fd is not None:
+        client.segment(seg.fd, header=gen != 0)
+    else:
+        fd = client.fetch(int(seg.key))
+        if fd is None:
+            return False
+        try:
+            client.segment(fd, header=gen != 0)
+        finally:
+            os.close(fd)
     seg.deposited = True
+    return True
 
 
 # A storage moves into shared memory once, whatever the number of threads pickling it
@@ -620,7 +635,7 @@ def _checked(ref: Any) -> tuple:
         (kind != "fd" and kind != "fs")
         or type(directory) is not str
         or type(segkey) is not (int if kind == "fd" else str)
-        or (kind == "fd" and not 0 <= cast(int, segkey) < 1 << 64)  # an inode
+        or (kind == "fd" and not 0 <= cast(int, segkey) < 1 << 128)  # a device and inode (protocol.identity)
         or type(gen) is not int
         or not 0 <= gen < 1 << 96
         or type(offset) is not int

@@ -76,7 +76,7 @@ class _Memfd:
         self.fd = os.memfd_create("shmreduce-test", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, mmap.PAGESIZE)
         os.pwrite(self.fd, gen.to_bytes(8, "little"), 0)
-        self.ino = os.fstat(self.fd).st_ino
+        self.ino = P.identity(os.fstat(self.fd))
         self.gen = gen
         self.map = mmap.mmap(self.fd, mmap.PAGESIZE)
         self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.map))  # the export goes with the temporary

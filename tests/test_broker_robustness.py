@@ -157,7 +157,7 @@ def test_a_fetch_finds_a_memfd_whose_record_is_still_queued_on_its_senders_post_
     fds: list[int] = []
     try:
         os.ftruncate(fd, mmap.PAGESIZE)
-        ino = os.fstat(fd).st_ino
+        ino = P.identity(os.fstat(fd))
         assert receiver.fetch(ino) is None  # nobody deposited it: refused, the connection kept
         sock = receiver._socket(start=False)
         pid = sender.broker_pid
@@ -171,7 +171,7 @@ def test_a_fetch_finds_a_memfd_whose_record_is_still_queued_on_its_senders_post_
         assert record is not None
         op, _key, body, fds = record
         assert op == P.FETCHED and P.decode_fetched(body) == (P.STATUS_OK, 1) and len(fds) == 1
-        assert os.fstat(fds[0]).st_ino == ino
+        assert P.identity(os.fstat(fds[0])) == ino
         assert receiver.ping()["segments"] == 1
     finally:
         for f in fds:
@@ -183,7 +183,7 @@ def test_a_fetch_finds_a_memfd_whose_record_is_still_queued_on_its_senders_post_
 
 def test_a_ref_to_a_memfd_the_broker_does_not_keep_is_stale(registered_fd):
     assert shmreduce.loads(shmreduce.dumps(torch.ones(2))).sum().item() == 2  # the broker runs
-    forged = ("fd", program.current().directory, 1 << 40, 5, 64, 8, 0)
+    forged = ("fd", program.current().directory, 1 << 40, 5, 64, 8, 0, 0)
     with pytest.raises(shmreduce.SharingError, match="cannot receive segment"):
         transfer.receive(forged)
     assert _client().ping()["pid"] == _client().broker_pid  # a refusal, not a dropped connection

@@ -187,7 +187,7 @@ class DescriptorsDropped(OSError):
 
 _SEGMENT_NAME = re.compile(SEG_PREFIX + "[0-9a-f]{24}")
 _NAME_LIST = re.compile(rb"(?:seg-[0-9a-f]{24})(?:\nseg-[0-9a-f]{24})*")
-_INO_LIST = re.compile(rb"[0-9]{1,20}(?:\n[0-9]{1,20})*")
+_INO_LIST = re.compile(rb"[0-9]{1,39}(?:\n[0-9]{1,39})*")
 
 
 def is_segment_name(name: str) -> bool:
@@ -230,6 +230,13 @@ def decode_names(blob: bytes) -> list[str]:
     if _NAME_LIST.fullmatch(blob) is None:
         raise ProtocolError(f"bad segment names {blob[:80]!r}")
     return blob.decode("ascii").split("\n")
+
+
+def identity(st: os.stat_result) -> int:
+    """A memfd's identity, as refs, deposits, fetches and ledgers name it: its device
+    and inode (``st_dev << 64 | st_ino``): a memfd and a ``/dev/shm`` file torch shared
+    may have the same inode number on two devices (issue 27, item 7)."""
+    return st.st_dev << 64 | st.st_ino
 
 
 def encode_inos(inos) -> bytes:

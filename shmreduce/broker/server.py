@@ -152,7 +152,7 @@ class Broker:
     def _deposit(self, client: _Client, fd: int, header: bool) -> None:
         """*client* sends refs to the memfd *fd* (taken over here): kept by inode."""
         try:
-            ino = os.fstat(fd).st_ino
+            ino = P.identity(os.fstat(fd))
         except OSError:
             os.close(fd)
             return
