@@ -16,17 +16,52 @@ Where
 Segments and generations (``shmreduce/pool.py``, ``shmreduce/transfer.py``)
     A sender keeps its segments (memfds, or files here) and fills them anew, in
     *generations* (a number unique in the program). A pooled segment's first
-    HEADER_BYTES are shared by every process that maps it: the generation, refs
-    *sent* in it, refs *loaded* from it and its *holders* (u64 each, updated with
-    atomic operations by ``shmreduce._native``). A sender counts every ref it pickles
-    sent; a receiver counts every ref it loads loaded, and holds the generation once
-    (holders + 1, *then* it checks the generation: its owner never frees one under a
-    load) until its last storage of it dies. The owner reuses a segment once its own
-    storages of the generation died, nobody holds it and every ref sent was loaded:
-    it reads the header itself, nobody tells it. So in a steady stream, where every
-    segment a message uses is known to the broker and mapped by its receiver, a
-    message costs no record to the broker from either side (the Ledger, below, holds
-    what a receiver holds).
+    HEADER_BYTES (``_native.HEADER_BYTES``, a page) are shared by every process that
+    maps it: the generation, refs *sent*, refs *loaded*, *holders*, tickets *issued*,
+    *flags* (RETIRED, UNCOUNTED), then one bit per ticket (``_native``, atomics).
+
+    The invariant: **a generation's memory is reused only when no process holds a
+    storage of it and no message naming it waits to be loaded for the first time.**
+    Where that cannot be counted exactly, the generation is *retired*: never reused,
+    its pages go back to the system when the last mapping and descriptor go, as
+    torch's do. What each event does:
+
+    send        a ref is pickled: it draws a ticket (issued + 1; a ticket past the
+                bitmap sets RETIRED | UNCOUNTED). Once the whole message is pickled,
+                sent + 1 per ref (a pickle that fails counts nothing sent).
+    first load  (the first storage of the generation in this process) the ledger
+                entry is written TAKING; holders + 1 (waits while FREEING); the
+                generation checked (stale: holders - 1, entry cleared, SharingError);
+                the entry becomes HELD; the storage is made; its ticket's bit set:
+                loaded + 1 if the bit was clear.
+    load again  (the same bytes, here or anywhere) the ticket's bit is set already:
+                nothing is counted. A load in a process holding the generation takes
+                no hold.
+    drop        the last storage of the generation here dies: the entry becomes
+                DROPPING, holders - 1, the entry is cleared (FREE).
+    owner's end the owner's own storages of it all dead: ``hdr_free`` sets FREEING
+                on holders == 0 and ends the generation if sent == loaded and it is
+                not RETIRED (generation 0, counters, tickets, flags cleared); a
+                RETIRED one leaves the pool (closed); else it waits and is looked at
+                again (``Pool.reap``).
+    fork        before any fork (``os.register_at_fork``), every generation with a
+                storage or a hold alive in the forking process, owner or receiver, is
+                retired: the child keeps what it inherits without holding it, and
+                nobody can count when it lets go. A failed fork retired them too.
+    death       (exit or SIGKILL at any point) the broker reads the process's ledger:
+                a HELD entry is counted out (holders - 1); a TAKING or DROPPING one is
+                retired (whether the header counted it is unknown). A message the
+                process never loaded keeps its generation from being reused while
+                its owner lives (as torch's file_descriptor strategy keeps it through
+                its sender's resource sharer), and at most ORPHAN_TTL after.
+    broker death the headers live in the segments, not in the broker: clients
+                reconnect and post their ledgers again. A process that dies while
+                no broker runs is never counted out: its holds pin their
+                generations (not reused) for their owners' lifetimes.
+
+    So in a steady stream, where every segment a message uses is known to the broker
+    and mapped by its receiver, a message costs no record to the broker from either
+    side (the Ledger, below, holds what a receiver holds).
 
     The broker is there for what a header cannot do: pass a memfd's descriptor (it
     keeps one per segment, deposited by the first ref a process sends to it, and a
@@ -48,14 +83,13 @@ Ledger
     The generations a process holds as a receiver in one program, in a memfd of
     LEDGER_ENTRY records it writes with plain stores (``client.Ledger``; one per
     program directory: a memfd forwarded into another program is known to both
-    brokers, and each counts out only the holds taken through it): a hold is an entry
-    written (after the header counted it), a let-go the entry cleared (before the
-    header counts it out): dying in between leaves a count too many, never too few.
-    The broker keeps the descriptor and reads the ledger only once the process is
-    gone (not once it said K): so holding and letting go cost no record, and a
-    steady stream none at all. A process freezes its ledger before its connections
-    close at exit (what it holds then, the brokers count out); a forked child makes
-    its own.
+    brokers, and each counts out only the holds taken through it). An entry's state
+    says where the process is in taking or letting go of a hold (TAKING, HELD,
+    DROPPING: see "the invariant" above), each change one aligned store. The broker
+    keeps the descriptor and reads the ledger only once the process is gone (not once
+    it said K): so holding and letting go cost no record, and a steady stream none at
+    all. A process freezes its ledger before its connections close at exit (what it
+    holds then, the brokers count out); a forked child makes its own.
 
 Handshake (once per connection; the broker also checks SO_PEERCRED uid == its own)
     The broker runs it inside its event loop, a step per record, never blocking: a
