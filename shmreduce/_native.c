@@ -42,6 +42,7 @@
 #include <string.h>
 #include <poll.h>
 #include <sched.h>
+#include <time.h>
 
 /* ---- DLPack (legacy, unversioned ABI: "dltensor" capsules), from the public spec ---- */
 
@@ -817,7 +818,7 @@ static PyObject *native_init(PyObject *Py_UNUSED(module), PyObject *args) {
 #define RETIRED 1ULL
 #define UNCOUNTED 2ULL
 #define FREEING (1ULL << 63)
-#define SPIN_LIMIT 1000000
+#define FREEING_WAIT_NS 1000000000LL /* hdr_hold's wait for an owner's check (a few instructions) */
 
 static _Atomic uint64_t *header_of(PyObject *addr_obj) {
     void *addr = PyLong_AsVoidPtr(addr_obj);
@@ -914,13 +915,34 @@ static PyObject *hdr_hold(PyObject *Py_UNUSED(module), PyObject *const *args, Py
     if (parse_header_gen(args, nargs, "hdr_hold", &h, &gen) < 0)
         return NULL;
     uint64_t n = atomic_load(&h[HDR_HOLDERS]);
-    for (long spins = 0;; spins++) {
+    for (;;) {
         if (n & FREEING) {
-            /* its owner is checking it free (a few instructions): wait, briefly */
-            if (spins >= SPIN_LIMIT)
+            /* Its owner is checking it free (a few instructions): wait, without the GIL
+             * (nothing here may stall this process's other threads on another process),
+             * at most FREEING_WAIT_NS. A bit still set then was left by an owner killed
+             * mid-check: that generation was being ended (nobody held it, every ref was
+             * loaded), so this load is of a ref loaded already: refused as stale. */
+            int cleared = 0;
+            Py_BEGIN_ALLOW_THREADS
+            struct timespec start, now, pause = {0, 100000};
+            clock_gettime(CLOCK_MONOTONIC, &start);
+            for (long spins = 0;; spins++) {
+                if (spins < 1000)
+                    sched_yield();
+                else
+                    nanosleep(&pause, NULL);
+                n = atomic_load(&h[HDR_HOLDERS]);
+                if (!(n & FREEING)) {
+                    cleared = 1;
+                    break;
+                }
+                clock_gettime(CLOCK_MONOTONIC, &now);
+                if ((now.tv_sec - start.tv_sec) * 1000000000LL + (now.tv_nsec - start.tv_nsec) > FREEING_WAIT_NS)
+                    break;
+            }
+            Py_END_ALLOW_THREADS
+            if (!cleared)
                 Py_RETURN_FALSE;
-            sched_yield();
-            n = atomic_load(&h[HDR_HOLDERS]);
             continue;
         }
         if (atomic_compare_exchange_weak(&h[HDR_HOLDERS], &n, n + 1))

@@ -204,3 +204,29 @@ def _generation_lifetime() -> str:
 def test_a_generation_is_reported_dead_once_its_holds_are_released() -> None:
     result = run_in_child(_generation_lifetime)
     assert result == ("ok", "ok"), result
+
+
+def test_a_freeing_bit_left_set_stalls_no_other_thread(header) -> None:
+    """An owner killed between its check's compare-and-swap and its store leaves
+    FREEING set for good: a load waits for it without the GIL, a bounded time, then
+    refuses the ref as stale (issue 28, item 5: it spun 0.74 s holding the GIL)."""
+    import threading
+    import time
+
+    m, addr = header
+    struct.pack_into("Q", m, 0, 5)
+    struct.pack_into("Q", m, 24, 1 << 63)  # holders: FREEING, by an owner now dead
+    result: list[bool] = []
+    thread = threading.Thread(target=lambda: result.append(_native.hdr_hold(addr, 5)))
+    started = time.monotonic()
+    thread.start()
+    ticks = 0
+    while thread.is_alive() and time.monotonic() - started < 10:
+        ticks += 1  # this thread runs while the other waits
+        time.sleep(0.001)
+    thread.join(10)
+    took = time.monotonic() - started
+    assert result == [False], "a hold taken under a FREEING bit"
+    assert took < 5, f"waited {took:.1f} s"
+    assert ticks >= 100, f"the waiting thread held the GIL ({ticks} ticks of 1 ms in {took:.2f} s)"
+    assert _native.hdr_read(addr)[3] == 1 << 63  # nothing changed
