@@ -80,7 +80,10 @@ enum { kDLCPU = 1, kDLUInt = 1 };
 #define ALIGN 64            /* every storage starts on a cache line (pool.ALIGN) */
 #define QUEUED (1ULL << 63) /* Gen.state: on the dead stack */
 #define COUNT (QUEUED - 1)
-#define COPY_NOGIL 65536 /* copies this large release the GIL */
+/* Copies this large release the GIL: only storages reduce() never moves (it takes
+ * none above SLAB_ITEM_MAX, and takes no stripe lock), so no other thread can swap
+ * the source away and free it under the copy (issue 28, item 4: at exactly 64 KiB). */
+#define COPY_NOGIL (SLAB_ITEM_MAX + 1)
 #define MAX_DIMS 8         /* rebuild()'s; more dimensions take the storage path */
 #define SLAB_ITEM_MAX 65536 /* pool.SLAB_ITEM_MAX: larger storages take the general path */
 

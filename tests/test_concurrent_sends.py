@@ -220,3 +220,35 @@ def test_stress_threads_and_queues_with_overlapping_tensors(strategy):
         assert t[:HEADER].tolist() == [float(n) for n in sent[tag]], f"tensor {tag}: writes lost"
         assert torch.equal(t[HEADER:], torch.full((t.numel() - HEADER,), float(tag)))
     assert all(p.exitcode == 0 for p in procs)
+
+
+def test_a_64_kib_storage_pickled_by_two_threads_at_once_keeps_its_bytes(strategy):
+    # A storage of exactly SLAB_ITEM_MAX bytes: the Python path copied it with the GIL
+    # released while reduce() in C, in the other thread, could swap the same storage
+    # into its slab and free the memory under the copy (issue 28, item 4; make asan
+    # reads the freed memory).
+    from multiprocessing.reduction import ForkingPickler
+
+    from shmreduce.pool import SLAB_ITEM_MAX
+
+    numel = SLAB_ITEM_MAX // 4
+    for round_ in range(40):
+        t = torch.arange(numel, dtype=torch.float32) + round_
+        blobs: list[bytes] = []
+        barrier = threading.Barrier(2)
+
+        def pickle_it() -> None:
+            barrier.wait(10)
+            blobs.append(bytes(ForkingPickler.dumps(t)))
+
+        threads = [threading.Thread(target=pickle_it) for _ in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+        assert len(blobs) == 2
+        expected = torch.arange(numel, dtype=torch.float32) + round_
+        for blob in blobs:
+            got = ForkingPickler.loads(blob)
+            assert torch.equal(got, expected), round_
+            assert got.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
