@@ -237,11 +237,11 @@ def test_a_64_kib_storage_pickled_by_two_threads_at_once_keeps_its_bytes(strateg
         blobs: list[bytes] = []
         barrier = threading.Barrier(2)
 
-        def pickle_it() -> None:
+        def pickle_it(t: torch.Tensor, blobs: list[bytes], barrier: threading.Barrier) -> None:
             barrier.wait(10)
             blobs.append(bytes(ForkingPickler.dumps(t)))
 
-        threads = [threading.Thread(target=pickle_it) for _ in range(2)]
+        threads = [threading.Thread(target=pickle_it, args=(t, blobs, barrier)) for _ in range(2)]
         for th in threads:
             th.start()
         for th in threads:
