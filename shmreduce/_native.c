@@ -119,6 +119,8 @@ typedef struct Ctx {
     int64_t strides[MAX_DIMS];
     GenObject *gen;
     struct Ctx *next;
+    _Atomic int importing; /* import_tensor() is inside torch's importer with it */
+    _Atomic int deleted;   /* the deleter ran while importing: import_tensor() recycles it */
 } Ctx;
 
 struct GenObject {
@@ -171,6 +173,13 @@ static void drop_count(GenObject *gen) {
 static void ctx_deleter(DLManagedTensor *managed) {
     Ctx *ctx = (Ctx *)managed->manager_ctx;
     GenObject *gen = ctx->gen;
+    if (atomic_load_explicit(&ctx->importing, memory_order_acquire)) {
+        /* torch's importer failed after taking the tensor (issue 28, item 2): the count
+         * goes now, once; import_tensor() recycles the context (no second deleter). */
+        atomic_store_explicit(&ctx->deleted, 1, memory_order_release);
+        drop_count(gen);
+        return;
+    }
     Ctx *head = atomic_load_explicit(&free_ctx, memory_order_relaxed);
     do {
         ctx->next = head;
@@ -222,17 +231,10 @@ static int check_range(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes) {
     return 0;
 }
 
-static void capsule_destructor(PyObject *capsule) {
-    /* Not consumed by torch (an error before it took ownership): let go here. */
-    if (PyCapsule_IsValid(capsule, "dltensor")) {
-        DLManagedTensor *managed = PyCapsule_GetPointer(capsule, "dltensor");
-        if (managed != NULL)
-            managed->deleter(managed);
-    }
-}
-
 /* A tensor over the mapping at offset: the caller checked the range (and, for a
- * typed tensor, that its extent lies within it). ctx's dtype, shape and strides set. */
+ * typed tensor, that its extent lies within it). ctx's dtype, shape and strides set.
+ * A failed import changes no count, whether torch's importer called the deleter
+ * (then ctx->deleted says so, not the capsule's name) or never took the tensor. */
 static PyObject *import_tensor(GenObject *gen, Ctx *ctx, Py_ssize_t offset) {
     ctx->gen = gen;
     ctx->managed.dl_tensor.data = gen->addr + offset;
@@ -243,16 +245,34 @@ static PyObject *import_tensor(GenObject *gen, Ctx *ctx, Py_ssize_t offset) {
     ctx->managed.dl_tensor.byte_offset = 0;
     ctx->managed.manager_ctx = ctx;
     ctx->managed.deleter = ctx_deleter;
-    add_count(gen); /* before the capsule exists: its destructor may drop it */
-    PyObject *capsule = PyCapsule_New(&ctx->managed, "dltensor", capsule_destructor);
+    atomic_store(&ctx->deleted, 0);
+    atomic_store(&ctx->importing, 1);
+    add_count(gen);
+    PyObject *capsule = PyCapsule_New(&ctx->managed, "dltensor", NULL);
     if (capsule == NULL) {
+        atomic_store(&ctx->importing, 0);
         give_back_ctx(ctx);
         drop_count(gen);
         return NULL;
     }
     PyObject *tensor = PyObject_CallOneArg(from_dlpack, capsule);
-    Py_DECREF(capsule); /* consumed: torch's storage owns ctx; else the destructor let go */
-    return tensor;
+    int consumed = !PyCapsule_IsValid(capsule, "dltensor"); /* torch renames what it takes */
+    Py_DECREF(capsule);
+    if (tensor != NULL) {
+        atomic_store(&ctx->importing, 0); /* torch's storage owns ctx: its deleter recycles it */
+        return tensor;
+    }
+    if (atomic_load(&ctx->deleted)) {
+        atomic_store(&ctx->importing, 0);
+        give_back_ctx(ctx); /* the deleter ran inside the importer: the count went there */
+    } else if (consumed) {
+        atomic_store(&ctx->importing, 0); /* torch holds it still: its deleter lets go, later */
+    } else {
+        atomic_store(&ctx->importing, 0);
+        give_back_ctx(ctx); /* never taken */
+        drop_count(gen);
+    }
+    return NULL;
 }
 
 static Ctx *new_ctx(void) {

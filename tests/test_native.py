@@ -393,3 +393,28 @@ def test_mutated_messages_never_crash_the_loader(strategy_name: str) -> None:
             except shmreduce.SharingError:
                 pass
     assert sum(outcomes.values()) == rounds, outcomes
+
+
+def test_a_failed_import_changes_no_count(memory) -> None:
+    # sizes (2**62, 2**62) with strides (0, 0) span one element: torch's importer
+    # takes the tensor, fails on the element count overflow and calls the deleter;
+    # the capsule, never renamed, ran it a second time (issue 28, item 2: the count
+    # dropped twice, the context pushed twice, a cycle in the free list).
+    _, addr = memory
+    gen = _published(addr)
+    assert gen.live == 1
+    for _ in range(3):
+        try:
+            _made(128, 4, torch.float32, (1 << 62, 1 << 62), (0, 0))
+        except (RuntimeError, ValueError, OverflowError):
+            pass
+        assert gen.live == 1, "a failed import changed the generation's count"
+    # The contexts it used are whole: many storages made and let go of, each counted once.
+    kept = [_made(64 * (i + 2), 64, torch.uint8, (64,), (1,)) for i in range(20)]
+    assert gen.live == 21
+    del kept
+    gc.collect()
+    assert gen.live == 1
+    gen.release()
+    gc.collect()
+    assert _drain() == [gen]
