@@ -1310,12 +1310,20 @@ static PyObject *share_plain(PyObject *tensor, PyObject *storage) {
     GenObject *gen = place(storage, ptr, nbytes, &offset);
     if (gen == NULL)
         return NULL;
+    /* place() ran torch code (the importer, the swap): a collection there may have run
+     * finalizers that unindexed gen (unindex_all(), a broker reconnect), so gen->ref is
+     * read only now, and held while this builds (issue 28, item 3). Without it, the
+     * general path sends the storage from where it lies now. */
     PyObject *r = gen->ref;
+    if (r == NULL || gen->ended)
+        return NULL;
+    Py_INCREF(r);
     uint64_t ticket = gen->low ? issue_ticket((_Atomic uint64_t *)gen->addr) : 0;
     PyObject *ref = tuple_of(8, (PyObject *[]){Py_NewRef(PyTuple_GET_ITEM(r, 0)), Py_NewRef(PyTuple_GET_ITEM(r, 1)),
                                                 Py_NewRef(PyTuple_GET_ITEM(r, 2)), Py_NewRef(PyTuple_GET_ITEM(r, 3)),
                                                 PyLong_FromSsize_t(offset), PyLong_FromSsize_t(nbytes), Py_NewRef(PyTuple_GET_ITEM(r, 4)),
                                                 PyLong_FromUnsignedLongLong(ticket)});
+    Py_DECREF(r);
     PyObject *header = gen->low ? PyLong_FromVoidPtr(gen->addr) : NULL;
     if (ref == NULL || (gen->low && (header == NULL || PyList_Append(outgoing, header) < 0))) {
         Py_XDECREF(ref);

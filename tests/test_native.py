@@ -418,3 +418,38 @@ def test_a_failed_import_changes_no_count(memory) -> None:
     gen.release()
     gc.collect()
     assert _drain() == [gen]
+
+
+def _reduce_while_torch_code_unindexes() -> int:
+    # place() makes the slab storage through torch's DLPack importer (the callable
+    # init() took): standing in for a finalizer that a collection runs in there, or
+    # another thread's broker reconnect, a wrapper unindexes every Gen first.
+    from multiprocessing.reduction import ForkingPickler
+
+    from shmreduce import _torch
+
+    torch.set_num_threads(1)
+
+    armed = [False]
+
+    def unindex_then_import(capsule: object) -> torch.Tensor:
+        if armed[0]:
+            armed[0] = False
+            _native.unindex_all()
+        return _torch.from_dlpack(capsule)
+
+    _native.init(unindex_then_import, shmreduce.SharingError, pool.dtypes, pool.live)
+    sent = 0
+    for i in range(50):
+        ForkingPickler.loads(ForkingPickler.dumps(torch.full((16,), -1.0)))  # indexes this thread's slab (the general path)
+        armed[0] = True  # the next import, inside reduce()'s place(), unindexes
+        blob = ForkingPickler.dumps(torch.full((16,), float(i)))
+        assert torch.equal(ForkingPickler.loads(blob), torch.full((16,), float(i))), i
+        sent += 1
+    return sent
+
+
+def test_reduce_survives_torch_code_that_unindexes_its_generation(strategy) -> None:
+    # reduce() read gen->ref after place() had run torch code, which could clear it:
+    # a NULL dereference (issue 28, item 3).
+    assert run_in_child(_reduce_while_torch_code_unindexes, timeout=60) == ("ok", 50)
