@@ -865,7 +865,7 @@ static int parse_header_gen(PyObject *const *args, Py_ssize_t nargs, const char 
     *h = header_of(args[0]);
     if (*h == NULL)
         return -1;
-    *gen = PyLong_AsUnsignedLongLongMask(args[1]);
+    *gen = PyLong_AsUnsignedLongLong(args[1]); /* a header holds 64 bits: a wider one is an error, never truncated */
     if (*gen == (uint64_t)-1 && PyErr_Occurred())
         return -1;
     return 0;

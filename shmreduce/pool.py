@@ -81,7 +81,6 @@ POOL_BYTES = int(os.environ.get("SHMREDUCE_POOL_BYTES", str(1 << 30)))
 POOL_IDLE = float(os.environ.get("SHMREDUCE_POOL_IDLE", "10"))
 KEPT_SEGMENTS = int(os.environ.get("SHMREDUCE_KEPT_SEGMENTS", "8"))
 _PAGE = mmap.PAGESIZE
-_GEN_MASK = (1 << 64) - 1
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _mmap = _libc.mmap
@@ -181,7 +180,7 @@ class Segment:
         """Start generation *gen* (owner): header written, a new token, empty."""
         assert self.fd is not None
         try:
-            os.pwrite(self.fd, (gen & _GEN_MASK).to_bytes(8, "little"), 0)  # allocates the page if need be
+            os.pwrite(self.fd, gen.to_bytes(8, "little"), 0)  # allocates the page if need be
         except OSError as exc:
             raise self._write_error(exc, self.size, "writing a segment header") from exc
         self.filled = max(self.filled, HEADER)  # its first page is allocated now
@@ -421,9 +420,12 @@ def retire_in_use() -> None:
 
 # -- generations -------------------------------------------------------------------
 
-# Generation numbers: a random per-process prefix and a counter, unique in the
-# program without a round trip; drawn again in a forked child.
-_gen_prefix = int.from_bytes(os.urandom(6), "little") << 48
+# Generation numbers: 64 bits, as a header holds them (a wider one would be compared
+# by its low bits only): a random per-process prefix (24 bits) and a counter (40
+# bits), never 0 (a segment shmreduce does not pool). Only its owner starts
+# generations in a segment, so a stale ref never meets its number again there;
+# drawn again in a forked child.
+_gen_prefix = int.from_bytes(os.urandom(3), "little") << 40
 _gen_count = 0
 _gen_lock = threading.Lock()
 
@@ -432,7 +434,7 @@ def new_gen() -> int:
     global _gen_count
     with _gen_lock:
         _gen_count += 1
-        return _gen_prefix | (_gen_count & 0xFFFFFFFFFFFF)
+        return _gen_prefix | (_gen_count & 0xFFFFFFFFFF) or 1
 
 
 # -- pools -------------------------------------------------------------------------
@@ -771,7 +773,7 @@ def mapped_stats() -> dict[str, int]:
 
 def _after_fork_in_child() -> None:
     global _gen_prefix, _gen_count, _gen_lock
-    _gen_prefix = int.from_bytes(os.urandom(6), "little") << 48
+    _gen_prefix = int.from_bytes(os.urandom(3), "little") << 40
     _gen_count = 0
     _gen_lock = threading.Lock()
     live.clear()  # nor theirs to load through: what this process keeps, it holds itself

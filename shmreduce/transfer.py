@@ -637,7 +637,7 @@ def _checked(ref: Any) -> tuple:
         or type(segkey) is not (int if kind == "fd" else str)
         or (kind == "fd" and not 0 <= cast(int, segkey) < 1 << 128)  # a device and inode (protocol.identity)
         or type(gen) is not int
-        or not 0 <= gen < 1 << 96
+        or not 0 <= gen < 1 << 64
         or type(offset) is not int
         or offset < 0
         or type(nbytes) is not int

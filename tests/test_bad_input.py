@@ -482,7 +482,7 @@ _CORRUPTIONS: dict[str, list[object]] = {
     "kind": [None, b"fd", 0, "evil"],
     "program": [None, b"/dev/shm", "", "\x00"],
     "segment": [None, b"seg-", 2.5, "seg-\x00", "", 1 << 70, -1],
-    "gen": [None, -1, 1 << 96, "1", 2.5, 12345],
+    "gen": [None, -1, 1 << 64, "1", 2.5, 12345],
     "offset": [None, -1, 1 << 62, 2.5, 3],
     "nbytes": [None, -1, 0, 1 << 62, 2.5],
     "tag": [None, "0", 2.5, b"\x00"],

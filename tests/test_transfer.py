@@ -259,7 +259,7 @@ _MALFORMED: dict[str, object] = {
     "fd segment str": (*_VALID[:2], "seg-1", *_VALID[3:]),
     "fs segment int": ("fs", _VALID[1], 12345, *_VALID[3:]),
     "gen negative": (*_VALID[:3], -1, *_VALID[4:]),
-    "gen too large": (*_VALID[:3], 1 << 96, *_VALID[4:]),
+    "gen too large": (*_VALID[:3], 1 << 64, *_VALID[4:]),
     "gen float": (*_VALID[:3], 7.0, *_VALID[4:]),
     "gen bool": (*_VALID[:3], True, *_VALID[4:]),
     "offset negative": (*_VALID[:4], -1, *_VALID[5:]),

@@ -148,6 +148,9 @@ def test_header_refuses_bad_addresses_and_arguments(header) -> None:
         _native.count_sent([0])
     with pytest.raises(TypeError):
         _native.hdr_hold(addr)  # type: ignore[call-arg]
+    with pytest.raises(OverflowError):
+        _native.hdr_hold(addr, (1 << 64) + 5)  # a header holds 64 bits: never compared by its low ones
+    assert _native.hdr_read(addr)[3] == 0
 
 
 def _gen(addr: int) -> _native.Gen:
