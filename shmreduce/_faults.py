@@ -1,7 +1,7 @@
 """Fault points for tests: ``SHMREDUCE_FAULT_AT=<point>`` makes this process SIGKILL
 itself when it reaches the named point, so a test kills a process at an exact step of
-a protocol instead of by timing luck. Read once at import (a child started with the
-variable set has it; nothing else changes).
+a protocol instead of by timing luck. Read at each point (a test's fork child sets it
+in its own environment); unset, nothing changes.
 
 Points (``broker/protocol.py``, "Lifetimes", says what each step does):
 ``load.ledger``   a first load's ledger entry written (taking), the header not counted yet
@@ -16,10 +16,11 @@ from __future__ import annotations
 import os
 import signal
 
-AT = os.environ.get("SHMREDUCE_FAULT_AT", "")
+_environ = os.environ
 
 
 def point(name: str) -> None:
-    """Die here if this is the point the environment names."""
-    if AT == name:
+    """Die here if this is the point the environment names (read at each call: the
+    points are on per-generation paths, and a test's child sets it after its fork)."""
+    if _environ.get("SHMREDUCE_FAULT_AT") == name:
         os.kill(os.getpid(), signal.SIGKILL)
