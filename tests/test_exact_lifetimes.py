@@ -105,15 +105,37 @@ def _freed_within(timeout: float = FREE_WITHIN) -> bool:
 # -- process plumbing ---------------------------------------------------------------
 
 
+class Flag:
+    """A one-way flag between processes, safe against SIGKILL: a plain shared int,
+    no lock and no condition (an ``mp.Event`` whose waiter is SIGKILLed hangs the next
+    ``set()``, waiting for that sleeper to wake)."""
+
+    def __init__(self) -> None:
+        self.value = SPAWN.RawValue("i", 0)
+
+    def set(self) -> None:
+        self.value.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self.value.value)
+
+    def wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.is_set()
+
+
 class Crew:
-    """The processes of one test: each reports to one queue as (name, kind, value); a
+    """The processes of one test: each reports (name, kind, value) on one pipe, every
+    report a single small write (atomic, no lock: a SIGKILLed writer blocks no one); a
     child's exception is raised in the test by ``get``. On exit, ``stop`` is set (every
     wait of a child ends on it), every child is joined and killed if it outlives that."""
 
     def __init__(self) -> None:
         # spawn-context primitives: usable by fork and spawn children alike
-        self.stop = SPAWN.Event()
-        self.report: Any = SPAWN.Queue()
+        self.stop = Flag()
+        self.inbox, self.report = SPAWN.Pipe(duplex=False)
         self.procs: list[Any] = []
         self.pending: list[tuple[str, str, Any]] = []
         self.conns: list[Any] = []
@@ -130,8 +152,8 @@ class Crew:
         self.conns.extend(ends)
         return ends
 
-    def event(self) -> Any:
-        return SPAWN.Event()
+    def event(self) -> Flag:
+        return Flag()
 
     def get(self, name: str, timeout: float = TIMEOUT) -> Any:
         """The next value *name* reported."""
@@ -144,10 +166,9 @@ class Crew:
                     del self.pending[i]
                     return value
             left = deadline - time.monotonic()
-            try:
-                self.pending.append(self.report.get(timeout=max(left, 0.01)))
-            except queue.Empty:
-                raise AssertionError(f"no report from {name} within {timeout}s") from None
+            if not self.inbox.poll(max(left, 0.01)):
+                raise AssertionError(f"no report from {name} within {timeout}s")
+            self.pending.append(self.inbox.recv())
 
     def close(self) -> None:
         self.stop.set()
@@ -157,8 +178,8 @@ class Crew:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        self.inbox.close()
         self.report.close()
-        self.report.join_thread()
         for conn in self.conns:
             conn.close()
 
@@ -173,17 +194,17 @@ def crew() -> Iterator[Crew]:
 
 
 def _child(name: str, fn: Callable[..., None], report: Any, stop: Any, *args: Any) -> None:
+    torch.set_num_threads(1)  # a fork child must not use its parent's OpenMP pool: a large op hangs
+
     def say(value: Any) -> None:
-        report.put((name, "ok", value))
+        report.send((name, "ok", value))
 
     try:
         fn(say, stop, *args)
     except BaseException as exc:  # noqa: BLE001  reported: the test raises it
-        report.put((name, "error", f"{type(exc).__name__}: {exc}"))
+        if not isinstance(exc, SystemExit):
+            report.send((name, "error", f"{type(exc).__name__}: {exc}"))
         raise
-    finally:
-        report.close()
-        report.join_thread()
 
 
 def _wait(event: Any, stop: Any) -> None:
