@@ -59,18 +59,29 @@ log = logging.getLogger("shmreduce.broker")
 
 class _Client:
     """One client process, across its connections: the segments it deposited, the
-    files it holds, its ledger (the generations it holds as a receiver)."""
+    files it holds, its ledger (the generations it holds as a receiver).
 
-    __slots__ = ("token", "pid", "holds", "segs", "ledger", "conns", "keeps")
+    Known from its first connection until it is counted out (``Broker._count_out``):
+    once its process is dead and its connections are closed and read, or at its last
+    close if it said K (or if its death cannot be watched: no pidfd). A live process
+    whose connections all closed (the broker dropped them: one bad record, an I/O
+    error) stays known, and its new connections (same token, same pid) join it."""
+
+    __slots__ = ("token", "pid", "holds", "segs", "ledger", "conns", "keeps", "watched", "dead")
 
     def __init__(self, token: bytes, pid: int) -> None:
         self.token = token
-        self.pid = pid  # its first connection's peer, for log lines
+        self.pid = pid  # its first connection's peer: every later connection's must be the same
         self.holds: set[str] = set()  # segment files it holds (their owner)
         self.segs: set[int] = set()  # memfds it deposited, by inode
         self.ledger = -1  # its ledger's memfd (protocol.py, "Ledger"), read once it is gone
         self.conns = 0
         self.keeps = False  # it said it closes and lives on: its holds are its own to let go of
+        self.watched = False  # its process's death is watched (a pidfd in Broker.pidfds)
+        self.dead = False  # its process died (its pidfd was readable)
+
+    def holds_nothing(self) -> bool:
+        return self.ledger < 0 and not self.segs and not self.holds
 
 
 class _Conn:
@@ -126,6 +137,11 @@ class Broker:
         self.memfds: dict[int, _Segment] = {}  # inode -> deposited memfd
         self.files: dict[str, _Segment] = {}  # name -> held file
         self.draining: set[_Segment] = set()  # no user left, refs still in flight
+        # pid -> pidfd of every client process known here, and back (issue 27: a
+        # process is counted out once the kernel says it died, never because a
+        # connection of it closed).
+        self.pidfds: dict[int, int] = {}
+        self.pids: dict[int, int] = {}
         self.departed: list[_Client] = []  # gone holding generations: counted out once every post connection is read
         self.records: dict[str, int] = {}  # records read, by op: how often clients need the broker
         self.reading = False
@@ -267,7 +283,8 @@ class Broker:
     def counters(self) -> dict:
         return {
             "pid": os.getpid(),
-            "clients": len(self.clients),
+            "clients": sum(1 for c in self.clients.values() if c.conns),
+            "clients_away": sum(1 for c in self.clients.values() if not c.conns),  # alive, no connection
             "connections": len(self.conns),
             "segments": len(self.memfds),
             "segment_files": len(self.files),
@@ -323,6 +340,11 @@ class Broker:
         del self.handshakes[fd]
         try:
             role, token, reply = P.handshake_reply(self.authkey, shake.nonce, answer)
+            known = self.clients.get(token)
+            if known is not None and known.pid != shake.pid:
+                # A token is one process's: another process presenting it would join
+                # (and one day count out) a ledger that is not its own.
+                raise P.ProtocolError(f"its token is pid {known.pid}'s")
             shake.sock.send(reply)
         except (OSError, P.ProtocolError) as exc:
             if answer:
@@ -333,6 +355,9 @@ class Broker:
         client = self.clients.get(token)
         if client is None:
             client = self.clients[token] = _Client(token, shake.pid)
+            client.watched = self._watch(shake.pid)
+        elif not client.conns:
+            log.debug("pid %d reconnected", client.pid)
         client.conns += 1
         conn = _Conn(shake.sock, client, role == P.ROLE_POST, shake.pid)
         self.conns[fd] = conn
@@ -352,18 +377,13 @@ class Broker:
         client = conn.client
         client.conns -= 1
         if not client.conns:
-            log.debug("pid %d disconnected", client.pid)
-            self.clients.pop(client.token, None)
-            if client.ledger >= 0 and not client.keeps:
-                # A segment it held may be known here only from a record still queued
-                # on its owner's post connection (the H or S the owner posted before
-                # any ref to it): counted out once every post connection is read.
-                self.departed.append(client)
-                self._read_posts()
+            if client.keeps or client.dead or not client.watched or client.holds_nothing():
+                self._count_out(client)
             else:
-                _close_ledger(client)  # it counts itself out (K), or holds nothing
-            self._drop_deposits(client, list(client.segs), died=True)
-            self._release(client, list(client.holds), died=True)
+                # Its process lives (the broker dropped its connections, or it closed
+                # them without K): what it holds stays counted until it reconnects or
+                # dies (issue 27: counted out alive, its tensors were overwritten).
+                log.debug("pid %d closed its connections and lives: known until it reconnects or dies", client.pid)
         if not self.conns:
             self.idle_since = time.monotonic()
             if self.draining and self.root_alive and log.isEnabledFor(logging.DEBUG):
@@ -371,6 +391,60 @@ class Broker:
                 # or refs nobody will load (a DataLoader stopped early). They go with
                 # the program's root, or after ORPHAN_TTL.
                 log.debug("no client left, staying for what is still in flight: %s", self.holdings())
+
+    def _count_out(self, client: _Client) -> None:
+        """*client* is gone (dead, its connections closed and read; or it said K): what
+        it held goes, what it sent stays while in flight."""
+        if self.clients.get(client.token) is not client:
+            return  # counted out already (meanwhile, by a read this one started)
+        log.debug("pid %d disconnected", client.pid)
+        del self.clients[client.token]
+        if client.ledger >= 0 and not client.keeps:
+            # A segment it held may be known here only from a record still queued
+            # on its owner's post connection (the H or S the owner posted before
+            # any ref to it): counted out once every post connection is read.
+            self.departed.append(client)
+            self._read_posts()
+        else:
+            _close_ledger(client)  # it counts itself out (K), or holds nothing
+        self._drop_deposits(client, list(client.segs), died=True)
+        self._release(client, list(client.holds), died=True)
+        if client.watched and not any(c.pid == client.pid for c in self.clients.values()):
+            self._unwatch(client.pid)
+
+    def _watch(self, pid: int) -> bool:
+        """Watch process *pid*'s death (one pidfd per process, in the epoll); False if
+        it cannot be (no pidfd_open: kernel before 5.3; or it died already): its
+        clients are then counted out at their last close, as before issue 27."""
+        if pid in self.pidfds:
+            return True
+        if pid <= 0:
+            return False
+        try:
+            pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError) as exc:
+            log.debug("cannot watch pid %d (%s): counted out at its last close", pid, exc)
+            return False
+        self.pidfds[pid] = pidfd
+        self.pids[pidfd] = pid
+        self.poller.register(pidfd, select.EPOLLIN)
+        return True
+
+    def _unwatch(self, pid: int) -> None:
+        pidfd = self.pidfds.pop(pid, -1)
+        if pidfd >= 0:
+            del self.pids[pidfd]
+            self.poller.unregister(pidfd)
+            os.close(pidfd)
+
+    def _died(self, pid: int) -> None:
+        """Process *pid* died (its pidfd is readable): each of its clients is counted
+        out once its connections are closed and read (now, or at its last close)."""
+        self._unwatch(pid)
+        for client in [c for c in self.clients.values() if c.pid == pid]:
+            client.dead = True
+            if not client.conns:
+                self._count_out(client)
 
     def holdings(self, limit: int = 20) -> str:
         """What keeps this broker alive without clients, for its log: each segment
@@ -547,6 +621,8 @@ class Broker:
                     self._answer(self.handshakes[fd])
                 elif fd == listener:
                     self._accept()
+                elif fd in self.pids:
+                    self._died(self.pids[fd])
                 elif fd == self.root_fd:
                     self.root_alive = False
                     self.poller.unregister(self.root_fd)
@@ -567,6 +643,8 @@ class Broker:
         self.files.clear()
         for client in self.clients.values():
             _close_ledger(client)
+        for pidfd in self.pids:
+            os.close(pidfd)
         for conn in list(self.conns.values()):
             conn.sock.close()
         for shake in self.handshakes.values():
