@@ -20,9 +20,12 @@ caller is never left with a zombie and knows the socket is listening when it
 returns). The grandchild is the *janitor*: it forks the *server*, waits for it, and
 removes the program directory whatever way the server ended, SIGKILL included,
 before it lets go of the lock: a lock is the directory's only while its file is the
-one at the directory's path (``_lock_program_dir``), so one broker at most serves a
-program directory, however launchers and a dying janitor interleave (issue 19,
-item 4). The launcher's stdout is the starter's stderr: the server logs there (or
+one at the directory's path (``_lock_program_dir``), and the lock, not the path,
+decides who removes a directory: only a process holding the flock of the lock file
+at the directory's path (``remove_program_dir``: the server at its exit, then its
+janitor, which finds it gone or another's; a sweep, ``sweep_stale``). So one broker
+at most serves a program directory, however launchers, sweeps and a dying janitor
+interleave (issue 19, item 4; issue 27, finding B). The launcher's stdout is the starter's stderr: the server logs there (or
 to ``$SHMREDUCE_BROKER_LOG``).
 
 Also owns the one sweep of stale program directories (``sweep_stale``), used by
@@ -126,8 +129,9 @@ class _Segment:
 
 
 class Broker:
-    def __init__(self, directory: str, listener: socket.socket, authkey: bytes, root_pid: int) -> None:
+    def __init__(self, directory: str, listener: socket.socket, authkey: bytes, root_pid: int, lock_fd: int) -> None:
         self.dir = directory
+        self.lock_fd = lock_fd  # the directory's lock, flock'ed by the launcher (shared with the janitor)
         self.listener = listener
         self.authkey = authkey
         self.uid = os.getuid()
@@ -653,7 +657,7 @@ class Broker:
         self.poller.close()
         os.close(self.wake_r)
         os.close(self.wake_w)
-        remove_program_dir(self.dir)
+        remove_program_dir(self.dir, self.lock_fd)
 
 
 def _ledger_holds(fd: int) -> list[tuple[int | str, int]]:
@@ -708,18 +712,60 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_program_dir(directory: str) -> None:
-    """Remove a program directory: segment files, socket, lock, the directory.
+def remove_program_dir(directory: str, lock_fd: int) -> bool:
+    """Remove a program directory (segment files, socket, lock, the directory) whose
+    lock the caller holds: *lock_fd*, flock'ed. Whether it did.
 
-    It is first renamed away, atomically, so that a broker starting meanwhile for the
-    same program makes a fresh directory and never loses files to this removal.
+    The lock, not the path, decides who removes a directory (issue 27, finding B):
+    only if the lock file at the directory's path is the very file *lock_fd* is open
+    on. Else the directory there is another broker's: ours was removed already (by
+    its server, before its janitor came to it; by a sweep) and made anew since. While
+    we hold that lock nobody else can take the directory, and nobody makes a new one
+    at its path: checked, then renamed away at once. Renamed away first, atomically,
+    so that a broker starting meanwhile for the same program makes a fresh directory
+    and never loses files to this removal.
     """
+    if not _is_lock_of(directory, lock_fd):
+        return False
     tomb = f"{directory}.gone-{os.getpid()}"
     try:
         os.rename(directory, tomb)
     except OSError:
-        tomb = directory
+        return False  # gone already
     shutil.rmtree(tomb, ignore_errors=True)
+    return True
+
+
+def _is_lock_of(directory: str, lock_fd: int) -> bool:
+    """Whether *lock_fd* is open on the lock file at *directory*'s path."""
+    try:
+        held = os.fstat(lock_fd)
+        here = os.stat(os.path.join(directory, P.LOCK_NAME), follow_symlinks=False)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _lock_if_free(directory: str) -> int | None:
+    """*directory*'s lock, taken, if no live broker holds it and it is still the
+    directory's: its descriptor (the caller closes it, which lets go); else None.
+
+    A directory without a lock file (a launcher between making it and locking it, or
+    one killed there) gets one: held here, the launcher's flock fails and its client
+    tries again."""
+    try:
+        fd = os.open(os.path.join(directory, P.LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    if not _is_lock_of(directory, fd):
+        os.close(fd)  # removed (and maybe made anew) between our open and our flock
+        return None
+    return fd
 
 
 def lock_is_free(directory: str) -> bool:
@@ -740,7 +786,8 @@ def lock_is_free(directory: str) -> bool:
 
 
 def stale_dirs(base: str) -> list[str]:
-    """This user's program directories under *base* whose broker is dead.
+    """This user's program directories under *base* whose broker is dead (when
+    looked at: ``sweep_stale`` looks again under the lock).
 
     Only directories shmreduce made (``protocol.is_program_dir``), at least
     STALE_MIN_AGE old (a younger one may be a launcher's between its making and its
@@ -750,25 +797,41 @@ def stale_dirs(base: str) -> list[str]:
         entries = sorted(os.listdir(base))
     except OSError:
         return []
-    stale = []
-    for entry in entries:
-        path = os.path.join(base, entry)
-        if not P.is_program_dir(path, base):
-            continue
-        try:
-            young = time.time() - os.lstat(path).st_mtime < STALE_MIN_AGE
-        except OSError:
-            continue
-        if not young and lock_is_free(path):
-            stale.append(path)
-    return stale
+    return [
+        os.path.join(base, entry)
+        for entry in entries
+        if _old_program_dir(base, os.path.join(base, entry)) and lock_is_free(os.path.join(base, entry))
+    ]
+
+
+def _old_program_dir(base: str, path: str) -> bool:
+    if not P.is_program_dir(path, base):
+        return False
+    try:
+        return time.time() - os.lstat(path).st_mtime >= STALE_MIN_AGE
+    except OSError:
+        return False
 
 
 def sweep_stale(base: str, keep: str | None = None) -> list[str]:
-    """Remove the ``stale_dirs`` of *base* (but *keep*); return those removed."""
-    removed = [path for path in stale_dirs(base) if path != keep]
-    for path in removed:
-        remove_program_dir(path)
+    """Remove the ``stale_dirs`` of *base* (but *keep*); return those removed.
+
+    Each is removed holding its lock, looked at again under it: a directory found
+    stale may have been removed and made anew by a fresh broker before the removal
+    (issue 27, finding B: a sweep that checked the lock, let go of it and removed by
+    path later deleted a fresh broker's directory, and a second broker started)."""
+    removed = []
+    for path in stale_dirs(base):
+        if path == keep:
+            continue
+        lock_fd = _lock_if_free(path)
+        if lock_fd is None:
+            continue
+        try:
+            if _old_program_dir(base, path) and remove_program_dir(path, lock_fd):
+                removed.append(path)
+        finally:
+            os.close(lock_fd)
     return removed
 
 
@@ -896,7 +959,7 @@ def _janitor(directory: str, listener: socket.socket, authkey: bytes, root_pid: 
         signal.signal(signal.SIGTERM, lambda *_: setattr(broker, "stopping", True))
         _log_to_stderr(directory)
         raise_nofile_limit()
-        broker = Broker(directory, listener, authkey, root_pid)
+        broker = Broker(directory, listener, authkey, root_pid, lock_fd)
         signal.set_wakeup_fd(broker.wake_w, warn_on_full_buffer=False)
         try:
             broker.run()
@@ -913,7 +976,9 @@ def _janitor(directory: str, listener: socket.socket, authkey: bytes, root_pid: 
             break
         except InterruptedError:
             continue
-    remove_program_dir(directory)
+    # Only if the directory is still ours (its server removed it already, at its
+    # exit: a fresh broker may serve a new one at that path now).
+    remove_program_dir(directory, lock_fd)
     os.close(lock_fd)
 
 
