@@ -112,7 +112,15 @@ Lifetimes
     reconnects (same token: it is the same client again) or dies. One that said K is
     done with at its last close (it counts itself out; its memfds and files are let
     go of). Where a pidfd cannot be had (a kernel before 5.3), a client is counted out
-    at its last close, as before. A memfd or file nobody uses any more is closed
+    at its last close, as before.
+
+    A broker killed loses the messages in flight at that moment, no others: under
+    ``file_system`` refs to files its directory took with it (unless the receiver
+    maps them already); under ``file_descriptor`` refs to a memfd the receiver does
+    not map yet, whose descriptor went with it (the receiver's fetch is refused,
+    stale). A sender sees its post connection's hang-up at its next message and
+    deposits each memfd it keeps again with the new broker, with its next ref
+    (``tests/test_broker_kills.py``). A memfd or file nobody uses any more is closed
     or unlinked at once if every ref sent in its current generation was loaded, else
     kept ("draining") until they are, or for ``$SHMREDUCE_ORPHAN_TTL`` seconds
     (default 60): a receiver can read what an exited sender put, and a program whose
