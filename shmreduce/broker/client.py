@@ -342,11 +342,14 @@ class BrokerClient:
             if kept:
                 self.token = os.urandom(P.TOKEN_LEN)  # a new identity for the next connections
 
-    def _close_post(self) -> None:
+    def _close_post(self, detach: bool = False) -> None:
         if self.post is not None:
             for hook in on_close:
                 hook(self)
-            self.post.close()
+            if detach:
+                self.post.detach()  # the descriptor stays open until the process ends
+            else:
+                self.post.close()
             self.post = None
 
     def _close_request(self) -> None:
@@ -366,7 +369,18 @@ class BrokerClient:
         broker counts this process out of what it holds (else it keeps them)."""
         with self.lock:
             self.retired = True
-            self.close(keep=not exiting)
+            if not exiting:
+                self.close(keep=True)
+                return
+            # At interpreter exit the connections are left to the kernel, which closes
+            # them as the process ends: the broker counts a process out once it is dead
+            # (issue 27), and a close seen long before that (the interpreter's teardown)
+            # left it with no client and nothing draining yet: it exited under the
+            # messages this process had just sent.
+            self._close_post(detach=True)
+            if self.sock is not None:
+                self.sock.detach()
+                self.sock = None
 
     def connected(self) -> bool:
         return self.sock is not None or self.post is not None
