@@ -18,6 +18,7 @@ import mmap
 import multiprocessing as mp
 import os
 import signal
+import socket
 
 import pytest
 import torch
@@ -95,13 +96,39 @@ def _ledger(client: broker_client.BrokerClient) -> broker_client.Ledger:
 
 
 def _receivers(count: int) -> list[broker_client.BrokerClient]:
-    """*count* receiver identities (as processes are), both connections open."""
+    """*count* receiver identities, both connections open, each opened by a process
+    that exited since: closing them here is its process's end (the broker counts out a
+    live process only once it dies, issue 27)."""
     directory = program.current().directory
     clients = [broker_client.BrokerClient(directory, None, broker_client.Ledger()) for _ in range(count)]
     for c in clients:
-        c.ping()
-        c._post_socket(start=False)
+        _connect_in_a_child(c)
     return clients
+
+
+def _connect_in_a_child(client: broker_client.BrokerClient) -> None:
+    """Open *client*'s connections in a forked child, which hands them here and exits."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            client.ping()
+            client._post_socket(start=False)
+            assert client.sock is not None and client.post is not None
+            socket.send_fds(theirs, [b"c"], [client.sock.fileno(), client.post.fileno()])
+            code = 0
+        finally:
+            os._exit(code)
+    try:
+        _, status = os.waitpid(pid, 0)
+        assert status == 0, status
+        _msg, fds, _flags, _addr = socket.recv_fds(ours, 1, 2)
+        assert len(fds) == 2, fds
+        client.sock, client.post = (socket.socket(fileno=fd) for fd in fds)
+    finally:
+        ours.close()
+        theirs.close()
 
 
 # -- a receiver that goes while holding a generation --------------------------------------

@@ -9,6 +9,7 @@ import gc
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
 import sys
 import time
@@ -339,7 +340,7 @@ def _launch_while_a_janitor_lets_go(directory: str) -> bool:
 
         def flock(self, fd, op):
             if not held:
-                server.remove_program_dir(directory)  # the janitor's last acts
+                server.remove_program_dir(directory, old)  # the janitor's last acts
                 os.close(old)
                 server._make_program_dir(directory)  # another launcher, now the directory's
                 held.append(os.open(os.path.join(directory, P.LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600))
@@ -364,9 +365,7 @@ def test_a_launcher_never_serves_a_directory_whose_lock_it_took_on_a_removed_fil
     finally:
         for pid in broker_procs(directory):
             os.kill(pid, signal.SIGKILL)
-        from shmreduce.broker import server
-
-        server.remove_program_dir(directory)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _connect_after_a_kill() -> tuple[int, int]:

@@ -301,34 +301,61 @@ class BrokerClient:
         took buffered data for a sign of life let a sender pack the next message into
         files the dead broker's janitor was removing (issue 19, item 4)."""
         with self.lock:
-            post = self.post
-            if post is not None:
-                poller = select.poll()
-                poller.register(post, _HANGUP)
-                if not poller.poll(0):
-                    return  # no hang-up: the broker is there
-                self.close()  # the broker closed its end: gone
+            if self.post is not None and not self._post_hung_up():
+                return  # no hang-up: the broker is there
             self._post_socket(start=True)
 
+    def _post_hung_up(self) -> bool:
+        """Whether the broker closed its end of the post connection (then closed here:
+        the next post connects afresh). It died (a sender's new connection starts a
+        new one), or it dropped this connection alone (issue 27: the new one joins
+        this process's identity there, its ledger posted again)."""
+        post = self.post
+        if post is None:
+            return False
+        poller = select.poll()
+        poller.register(post, _HANGUP)
+        if not poller.poll(0):
+            return False
+        self._close_post()
+        return True
+
     def close(self, keep: bool = False) -> None:
-        """Close both connections; the next ones are a new identity. *keep*: this
-        process lives on, and counts itself out of the generations it holds when their
-        storages die (the broker, told so first, does not count it out at the close;
-        a broker that does not hear it is dead, and counts nobody out)."""
+        """Close both connections. *keep*: this process lives on, and counts itself out
+        of the generations it holds when their storages die (the broker, told so first,
+        does not count it out at the close; a broker that does not hear it is dead, and
+        counts nobody out); the next connections are a new identity.
+
+        Without a K posted the identity stays: the broker counts a process out once it
+        is dead (issue 27), and a live one's next connections join what it holds there
+        (a new identity would post the same ledger twice: counted out twice at death)."""
         with self.lock:
-            if self.post is not None:
-                for hook in on_close:
-                    hook(self)
+            kept = False
             if keep and self.post is not None:
                 try:
                     P.send_record(self.post, P.KEEP, P.NO_KEY)
+                    kept = True
                 except OSError:
                     pass
-            for sock in (self.sock, self.post):
-                if sock is not None:
-                    sock.close()
-            self.sock = self.post = None
-            self.token = os.urandom(P.TOKEN_LEN)  # a new identity for the next connections
+            self._close_post()
+            self._close_request()
+            if kept:
+                self.token = os.urandom(P.TOKEN_LEN)  # a new identity for the next connections
+
+    def _close_post(self, detach: bool = False) -> None:
+        if self.post is not None:
+            for hook in on_close:
+                hook(self)
+            if detach:
+                self.post.detach()  # the descriptor stays open until the process ends
+            else:
+                self.post.close()
+            self.post = None
+
+    def _close_request(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
     def retire(self, exiting: bool = False) -> None:
         """Close for good: this client is no longer this process's client of its
@@ -342,7 +369,18 @@ class BrokerClient:
         broker counts this process out of what it holds (else it keeps them)."""
         with self.lock:
             self.retired = True
-            self.close(keep=not exiting)
+            if not exiting:
+                self.close(keep=True)
+                return
+            # At interpreter exit the connections are left to the kernel, which closes
+            # them as the process ends: the broker counts a process out once it is dead
+            # (issue 27), and a close seen long before that (the interpreter's teardown)
+            # left it with no client and nothing draining yet: it exited under the
+            # messages this process had just sent.
+            self._close_post(detach=True)
+            if self.sock is not None:
+                self.sock.detach()
+                self.sock = None
 
     def connected(self) -> bool:
         return self.sock is not None or self.post is not None
@@ -357,9 +395,12 @@ class BrokerClient:
 
     # -- fire-and-forget -------------------------------------------------------
 
-    def _send(self, op: bytes, key: bytes, body: bytes, fds: list[int] | tuple = (), start: bool = False, retry: bool = True) -> None:
-        """Post one record; *start*: as a sender (see the class); *retry*: on a fresh
-        connection if the broker died since the last record."""
+    def _send(self, op: bytes, key: bytes, body: bytes, fds: list[int] | tuple = (), start: bool = False) -> None:
+        """Post one record; *start*: as a sender (see the class). A post connection the
+        broker closed since the last record is replaced, once: the broker died (a
+        fresh one serves the retry; a receiver's finds none: SharingError), or it
+        dropped that connection alone and lives (the new one joins this process's
+        identity there, its ledger posted again)."""
         with self.lock:
             for attempt in (0, 1):
                 sock = self._post_socket(start)
@@ -367,9 +408,9 @@ class BrokerClient:
                     P.send_record(sock, op, key, body, fds)
                     return
                 except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError) as exc:
-                    # The broker died since our last message: a fresh one serves the retry.
-                    self.close()
-                    if attempt or not retry:
+                    log.debug("the post connection to the shmreduce broker of %s was closed: %s", self.directory, exc)
+                    self._close_post()
+                    if attempt:
                         raise broker_gone(str(exc)) from exc
                 except OSError as exc:
                     raise self._broken(exc) from exc
@@ -383,7 +424,7 @@ class BrokerClient:
     def drop(self, inos: list[int]) -> None:
         """This process no longer sends refs to these memfds (closed: out of its pool)."""
         for i in range(0, len(inos), P.INOS_PER_RECORD):
-            self._send(P.DROP, P.NO_KEY, P.encode_inos(inos[i : i + P.INOS_PER_RECORD]), retry=False)
+            self._send(P.DROP, P.NO_KEY, P.encode_inos(inos[i : i + P.INOS_PER_RECORD]))
 
     def hold(self, names: Iterable[str]) -> None:
         """Hold segment files (this process made them): unlinked once nobody holds them
@@ -403,38 +444,14 @@ class BrokerClient:
         """The descriptor of the memfd *ino* deposited at the broker (the caller owns
         it), or None if the broker keeps no such segment (any more)."""
         with self.lock:
-            sock = self._socket(start=False)
-            fds: list[int] = []
+            _op, body, fds = self._round_trip(P.FETCH, P.encode_inos([ino]), P.FETCHED, start=False)
             try:
-                try:
-                    P.send_record(sock, P.FETCH, P.NO_KEY, P.encode_inos([ino]))
-                except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError):
-                    # Our connection is to a broker that died since our last request;
-                    # the segment may have been deposited with its successor (as in
-                    # _send): ask a fresh connection. Nothing was sent yet.
-                    self.close()
-                    sock = self._socket(start=False)
-                    P.send_record(sock, P.FETCH, P.NO_KEY, P.encode_inos([ino]))
-                self.round_trips += 1
-                record = P.recv_record(sock)
-                if record is None:
-                    raise ConnectionResetError("broker closed the connection")
-                op, _key, body, fds = record
-                if op != P.FETCHED:
-                    raise P.ProtocolError(f"unexpected reply {op!r}")
                 status, total = P.decode_fetched(body)
                 if status != P.STATUS_OK:
                     return None
                 if total != 1 or len(fds) != 1:
                     raise P.ProtocolError(f"a fetch reply with {len(fds)} descriptors")
                 return fds.pop()
-            except OSError as exc:
-                if exc.errno == errno.EMFILE:
-                    # The reply is lost with the descriptor the kernel dropped;
-                    # resynchronise by reconnecting.
-                    self.close(keep=True)
-                    raise too_many_files("receiving a segment") from exc
-                raise self._broken(exc) from exc
             except P.ProtocolError as exc:
                 raise self._broken(exc) from exc
             finally:
@@ -444,15 +461,53 @@ class BrokerClient:
     def ping(self) -> dict:
         """The broker's counters; also a barrier for this connection's earlier sends."""
         with self.lock:
-            sock = self._socket(start=True)
+            _op, body, fds = self._round_trip(P.PING, b"", P.PONG, start=True)
+            for fd in fds:
+                os.close(fd)
+            return json.loads(body)
+
+    def _round_trip(self, op: bytes, body: bytes, reply: bytes, start: bool) -> tuple[bytes, bytes, list[int]]:
+        """Send a request, return its reply (op, body, descriptors: the caller's).
+
+        A request connection the broker closed (a send refused, or no reply but the
+        end of the stream) is replaced once, and the request asked again: the broker
+        died (its successor may know what was asked; *start*: start one), or it
+        dropped that connection alone and lives (issue 27). Each receive is bounded by
+        IO_TIMEOUT: a broker that does not answer is a SharingError."""
+        retried = False
+        while True:
+            sock = self._socket(start)
             try:
-                P.send_record(sock, P.PING, P.NO_KEY)
-                record = P.recv_record(sock)
-            except (OSError, P.ProtocolError) as exc:
+                try:
+                    P.send_record(sock, op, P.NO_KEY, body)
+                    self.round_trips += 1
+                    record = P.recv_record(sock)
+                except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError) as exc:
+                    record, closed = None, exc
+                else:
+                    closed = ConnectionResetError("broker closed the connection")
+                if record is None:
+                    log.debug("the request connection to the shmreduce broker of %s was closed: %s", self.directory, closed)
+                    self._close_request()
+                    self._post_hung_up()  # the broker died: its successor must get this process's ledger
+                    if retried:
+                        raise broker_gone(f"{type(closed).__name__}: {closed}")
+                    retried = True
+                    continue
+                if record[0] != reply:
+                    for fd in record[3]:
+                        os.close(fd)
+                    raise P.ProtocolError(f"unexpected reply {record[0]!r}")
+                return record[0], record[2], record[3]
+            except OSError as exc:
+                if exc.errno == errno.EMFILE:
+                    # The reply is lost with the descriptor the kernel dropped;
+                    # resynchronise by reconnecting.
+                    self.close(keep=True)
+                    raise too_many_files("receiving a segment") from exc
                 raise self._broken(exc) from exc
-            if record is None or record[0] != P.PONG:
-                raise self._broken(ConnectionResetError("no pong"))
-            return json.loads(record[2])
+            except P.ProtocolError as exc:
+                raise self._broken(exc) from exc
 
 
 # -- one client per program directory, per process ---------------------------------
@@ -624,6 +679,7 @@ def hold(directory: str, key: int | str, gen: int) -> tuple[Ledger, int]:
     client = client_for(directory)
     try:
         with client.lock:
+            client._post_hung_up()  # the broker that knew our ledger died, or dropped the connection
             client._post_socket(start=False)
     except SharingError:
         pass

@@ -77,7 +77,15 @@ Transport
     post connection if it needs to (a barrier: what any client posted before is
     seen). Every record posted before a close counts: Linux may report ECONNRESET
     to the broker ahead of records still queued, which the broker reads on. A forked
-    child opens its own connections.
+    child opens its own connections (and its own token).
+
+    A closed connection is not a death (issue 27): the broker drops one for a bad
+    record or an I/O error, and the process lives on. A client whose post or request
+    connection the broker closed opens a new one, once per operation, with the same
+    token (its ledger posted again on a new post connection); only a broker that
+    cannot be reached then (it died: a sender starts a new one) is a SharingError.
+    The token changes only after a K: a new token with the same ledger would be
+    counted out twice.
 
 Ledger
     The generations a process holds as a receiver in one program, in a memfd of
@@ -91,7 +99,8 @@ Ledger
     all. A process freezes its ledger before its connections close at exit (what it
     holds then, the brokers count out); a forked child makes its own.
 
-Handshake (once per connection; the broker also checks SO_PEERCRED uid == its own)
+Handshake (once per connection; the broker also checks SO_PEERCRED uid == its own,
+and that every connection of a token comes from the pid of its first)
     The broker runs it inside its event loop, a step per record, never blocking: a
     connection that has not completed it within HANDSHAKE_TIMEOUT is closed.
     broker -> client   MAGIC + nonce_b (32 bytes)
@@ -126,11 +135,26 @@ at most MAX_RECORD bytes. None has a reply but F and P.
                  among them (how many of each op it has read).
 
 Lifetimes
-    A client whose connections have all closed (its process exited or was killed)
-    is counted out of the holders of every generation its ledger says it holds,
-    unless it said K, once every post connection has been read (a segment may be
-    known only from a record still queued there); and it lets go of its memfds and
-    files. A memfd or file nobody uses any more is closed
+    A client's death is learnt from the kernel, never from a socket: the broker opens
+    a pidfd per client process (its pid from SO_PEERCRED at accept) and watches it in
+    its epoll. A client is counted out once its process is dead (the pidfd readable)
+    and its connections are all closed and read: out of the holders of every
+    generation its ledger says it holds, once every post connection has been read (a
+    segment may be known only from a record still queued there); and it lets go of
+    its memfds and files. A client whose connections all closed while its process
+    lives (the broker dropped them) stays known, ledger and holds kept, until it
+    reconnects (same token: it is the same client again) or dies. One that said K is
+    done with at its last close (it counts itself out; its memfds and files are let
+    go of). Where a pidfd cannot be had (a kernel before 5.3), a client is counted out
+    at its last close, as before.
+
+    A broker killed loses the messages in flight at that moment, no others: under
+    ``file_system`` refs to files its directory took with it (unless the receiver
+    maps them already); under ``file_descriptor`` refs to a memfd the receiver does
+    not map yet, whose descriptor went with it (the receiver's fetch is refused,
+    stale). A sender sees its post connection's hang-up at its next message and
+    deposits each memfd it keeps again with the new broker, with its next ref
+    (``tests/test_broker_kills.py``). A memfd or file nobody uses any more is closed
     or unlinked at once if every ref sent in its current generation was loaded, else
     kept ("draining") until they are, or for ``$SHMREDUCE_ORPHAN_TTL`` seconds
     (default 60): a receiver can read what an exited sender put, and a program whose

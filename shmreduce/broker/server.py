@@ -20,9 +20,12 @@ caller is never left with a zombie and knows the socket is listening when it
 returns). The grandchild is the *janitor*: it forks the *server*, waits for it, and
 removes the program directory whatever way the server ended, SIGKILL included,
 before it lets go of the lock: a lock is the directory's only while its file is the
-one at the directory's path (``_lock_program_dir``), so one broker at most serves a
-program directory, however launchers and a dying janitor interleave (issue 19,
-item 4). The launcher's stdout is the starter's stderr: the server logs there (or
+one at the directory's path (``_lock_program_dir``), and the lock, not the path,
+decides who removes a directory: only a process holding the flock of the lock file
+at the directory's path (``remove_program_dir``: the server at its exit, then its
+janitor, which finds it gone or another's; a sweep, ``sweep_stale``). So one broker
+at most serves a program directory, however launchers, sweeps and a dying janitor
+interleave (issue 19, item 4; issue 27, finding B). The launcher's stdout is the starter's stderr: the server logs there (or
 to ``$SHMREDUCE_BROKER_LOG``).
 
 Also owns the one sweep of stale program directories (``sweep_stale``), used by
@@ -59,18 +62,29 @@ log = logging.getLogger("shmreduce.broker")
 
 class _Client:
     """One client process, across its connections: the segments it deposited, the
-    files it holds, its ledger (the generations it holds as a receiver)."""
+    files it holds, its ledger (the generations it holds as a receiver).
 
-    __slots__ = ("token", "pid", "holds", "segs", "ledger", "conns", "keeps")
+    Known from its first connection until it is counted out (``Broker._count_out``):
+    once its process is dead and its connections are closed and read, or at its last
+    close if it said K (or if its death cannot be watched: no pidfd). A live process
+    whose connections all closed (the broker dropped them: one bad record, an I/O
+    error) stays known, and its new connections (same token, same pid) join it."""
+
+    __slots__ = ("token", "pid", "holds", "segs", "ledger", "conns", "keeps", "watched", "dead")
 
     def __init__(self, token: bytes, pid: int) -> None:
         self.token = token
-        self.pid = pid  # its first connection's peer, for log lines
+        self.pid = pid  # its first connection's peer: every later connection's must be the same
         self.holds: set[str] = set()  # segment files it holds (their owner)
         self.segs: set[int] = set()  # memfds it deposited, by inode
         self.ledger = -1  # its ledger's memfd (protocol.py, "Ledger"), read once it is gone
         self.conns = 0
         self.keeps = False  # it said it closes and lives on: its holds are its own to let go of
+        self.watched = False  # its process's death is watched (a pidfd in Broker.pidfds)
+        self.dead = False  # its process died (its pidfd was readable)
+
+    def holds_nothing(self) -> bool:
+        return self.ledger < 0 and not self.segs and not self.holds
 
 
 class _Conn:
@@ -115,8 +129,9 @@ class _Segment:
 
 
 class Broker:
-    def __init__(self, directory: str, listener: socket.socket, authkey: bytes, root_pid: int) -> None:
+    def __init__(self, directory: str, listener: socket.socket, authkey: bytes, root_pid: int, lock_fd: int) -> None:
         self.dir = directory
+        self.lock_fd = lock_fd  # the directory's lock, flock'ed by the launcher (shared with the janitor)
         self.listener = listener
         self.authkey = authkey
         self.uid = os.getuid()
@@ -126,6 +141,11 @@ class Broker:
         self.memfds: dict[int, _Segment] = {}  # inode -> deposited memfd
         self.files: dict[str, _Segment] = {}  # name -> held file
         self.draining: set[_Segment] = set()  # no user left, refs still in flight
+        # pid -> pidfd of every client process known here, and back (issue 27: a
+        # process is counted out once the kernel says it died, never because a
+        # connection of it closed).
+        self.pidfds: dict[int, int] = {}
+        self.pids: dict[int, int] = {}
         self.departed: list[_Client] = []  # gone holding generations: counted out once every post connection is read
         self.records: dict[str, int] = {}  # records read, by op: how often clients need the broker
         self.reading = False
@@ -273,7 +293,8 @@ class Broker:
     def counters(self) -> dict:
         return {
             "pid": os.getpid(),
-            "clients": len(self.clients),
+            "clients": sum(1 for c in self.clients.values() if c.conns),
+            "clients_away": sum(1 for c in self.clients.values() if not c.conns),  # alive, no connection
             "connections": len(self.conns),
             "segments": len(self.memfds),
             "segment_files": len(self.files),
@@ -329,6 +350,11 @@ class Broker:
         del self.handshakes[fd]
         try:
             role, token, reply = P.handshake_reply(self.authkey, shake.nonce, answer)
+            known = self.clients.get(token)
+            if known is not None and known.pid != shake.pid:
+                # A token is one process's: another process presenting it would join
+                # (and one day count out) a ledger that is not its own.
+                raise P.ProtocolError(f"its token is pid {known.pid}'s")
             shake.sock.send(reply)
         except (OSError, P.ProtocolError) as exc:
             if answer:
@@ -339,6 +365,9 @@ class Broker:
         client = self.clients.get(token)
         if client is None:
             client = self.clients[token] = _Client(token, shake.pid)
+            client.watched = self._watch(shake.pid)
+        elif not client.conns:
+            log.debug("pid %d reconnected", client.pid)
         client.conns += 1
         conn = _Conn(shake.sock, client, role == P.ROLE_POST, shake.pid)
         self.conns[fd] = conn
@@ -358,18 +387,13 @@ class Broker:
         client = conn.client
         client.conns -= 1
         if not client.conns:
-            log.debug("pid %d disconnected", client.pid)
-            self.clients.pop(client.token, None)
-            if client.ledger >= 0 and not client.keeps:
-                # A segment it held may be known here only from a record still queued
-                # on its owner's post connection (the H or S the owner posted before
-                # any ref to it): counted out once every post connection is read.
-                self.departed.append(client)
-                self._read_posts()
+            if client.keeps or client.dead or not client.watched or client.holds_nothing():
+                self._count_out(client)
             else:
-                _close_ledger(client)  # it counts itself out (K), or holds nothing
-            self._drop_deposits(client, list(client.segs), died=True)
-            self._release(client, list(client.holds), died=True)
+                # Its process lives (the broker dropped its connections, or it closed
+                # them without K): what it holds stays counted until it reconnects or
+                # dies (issue 27: counted out alive, its tensors were overwritten).
+                log.debug("pid %d closed its connections and lives: known until it reconnects or dies", client.pid)
         if not self.conns:
             self.idle_since = time.monotonic()
             if self.draining and self.root_alive and log.isEnabledFor(logging.DEBUG):
@@ -377,6 +401,60 @@ class Broker:
                 # or refs nobody will load (a DataLoader stopped early). They go with
                 # the program's root, or after ORPHAN_TTL.
                 log.debug("no client left, staying for what is still in flight: %s", self.holdings())
+
+    def _count_out(self, client: _Client) -> None:
+        """*client* is gone (dead, its connections closed and read; or it said K): what
+        it held goes, what it sent stays while in flight."""
+        if self.clients.get(client.token) is not client:
+            return  # counted out already (meanwhile, by a read this one started)
+        log.debug("pid %d disconnected", client.pid)
+        del self.clients[client.token]
+        if client.ledger >= 0 and not client.keeps:
+            # A segment it held may be known here only from a record still queued
+            # on its owner's post connection (the H or S the owner posted before
+            # any ref to it): counted out once every post connection is read.
+            self.departed.append(client)
+            self._read_posts()
+        else:
+            _close_ledger(client)  # it counts itself out (K), or holds nothing
+        self._drop_deposits(client, list(client.segs), died=True)
+        self._release(client, list(client.holds), died=True)
+        if client.watched and not any(c.pid == client.pid for c in self.clients.values()):
+            self._unwatch(client.pid)
+
+    def _watch(self, pid: int) -> bool:
+        """Watch process *pid*'s death (one pidfd per process, in the epoll); False if
+        it cannot be (no pidfd_open: kernel before 5.3; or it died already): its
+        clients are then counted out at their last close, as before issue 27."""
+        if pid in self.pidfds:
+            return True
+        if pid <= 0:
+            return False
+        try:
+            pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError) as exc:
+            log.debug("cannot watch pid %d (%s): counted out at its last close", pid, exc)
+            return False
+        self.pidfds[pid] = pidfd
+        self.pids[pidfd] = pid
+        self.poller.register(pidfd, select.EPOLLIN)
+        return True
+
+    def _unwatch(self, pid: int) -> None:
+        pidfd = self.pidfds.pop(pid, -1)
+        if pidfd >= 0:
+            del self.pids[pidfd]
+            self.poller.unregister(pidfd)
+            os.close(pidfd)
+
+    def _died(self, pid: int) -> None:
+        """Process *pid* died (its pidfd is readable): each of its clients is counted
+        out once its connections are closed and read (now, or at its last close)."""
+        self._unwatch(pid)
+        for client in [c for c in self.clients.values() if c.pid == pid]:
+            client.dead = True
+            if not client.conns:
+                self._count_out(client)
 
     def holdings(self, limit: int = 20) -> str:
         """What keeps this broker alive without clients, for its log: each segment
@@ -553,6 +631,8 @@ class Broker:
                     self._answer(self.handshakes[fd])
                 elif fd == listener:
                     self._accept()
+                elif fd in self.pids:
+                    self._died(self.pids[fd])
                 elif fd == self.root_fd:
                     self.root_alive = False
                     self.poller.unregister(self.root_fd)
@@ -573,6 +653,8 @@ class Broker:
         self.files.clear()
         for client in self.clients.values():
             _close_ledger(client)
+        for pidfd in self.pids:
+            os.close(pidfd)
         for conn in list(self.conns.values()):
             conn.sock.close()
         for shake in self.handshakes.values():
@@ -581,7 +663,7 @@ class Broker:
         self.poller.close()
         os.close(self.wake_r)
         os.close(self.wake_w)
-        remove_program_dir(self.dir)
+        remove_program_dir(self.dir, self.lock_fd)
 
 
 def _ledger_holds(fd: int) -> list[tuple[int | str, int, int]]:
@@ -636,18 +718,60 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_program_dir(directory: str) -> None:
-    """Remove a program directory: segment files, socket, lock, the directory.
+def remove_program_dir(directory: str, lock_fd: int) -> bool:
+    """Remove a program directory (segment files, socket, lock, the directory) whose
+    lock the caller holds: *lock_fd*, flock'ed. Whether it did.
 
-    It is first renamed away, atomically, so that a broker starting meanwhile for the
-    same program makes a fresh directory and never loses files to this removal.
+    The lock, not the path, decides who removes a directory (issue 27, finding B):
+    only if the lock file at the directory's path is the very file *lock_fd* is open
+    on. Else the directory there is another broker's: ours was removed already (by
+    its server, before its janitor came to it; by a sweep) and made anew since. While
+    we hold that lock nobody else can take the directory, and nobody makes a new one
+    at its path: checked, then renamed away at once. Renamed away first, atomically,
+    so that a broker starting meanwhile for the same program makes a fresh directory
+    and never loses files to this removal.
     """
+    if not _is_lock_of(directory, lock_fd):
+        return False
     tomb = f"{directory}.gone-{os.getpid()}"
     try:
         os.rename(directory, tomb)
     except OSError:
-        tomb = directory
+        return False  # gone already
     shutil.rmtree(tomb, ignore_errors=True)
+    return True
+
+
+def _is_lock_of(directory: str, lock_fd: int) -> bool:
+    """Whether *lock_fd* is open on the lock file at *directory*'s path."""
+    try:
+        held = os.fstat(lock_fd)
+        here = os.stat(os.path.join(directory, P.LOCK_NAME), follow_symlinks=False)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _lock_if_free(directory: str) -> int | None:
+    """*directory*'s lock, taken, if no live broker holds it and it is still the
+    directory's: its descriptor (the caller closes it, which lets go); else None.
+
+    A directory without a lock file (a launcher between making it and locking it, or
+    one killed there) gets one: held here, the launcher's flock fails and its client
+    tries again."""
+    try:
+        fd = os.open(os.path.join(directory, P.LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    if not _is_lock_of(directory, fd):
+        os.close(fd)  # removed (and maybe made anew) between our open and our flock
+        return None
+    return fd
 
 
 def lock_is_free(directory: str) -> bool:
@@ -668,7 +792,8 @@ def lock_is_free(directory: str) -> bool:
 
 
 def stale_dirs(base: str) -> list[str]:
-    """This user's program directories under *base* whose broker is dead.
+    """This user's program directories under *base* whose broker is dead (when
+    looked at: ``sweep_stale`` looks again under the lock).
 
     Only directories shmreduce made (``protocol.is_program_dir``), at least
     STALE_MIN_AGE old (a younger one may be a launcher's between its making and its
@@ -678,25 +803,41 @@ def stale_dirs(base: str) -> list[str]:
         entries = sorted(os.listdir(base))
     except OSError:
         return []
-    stale = []
-    for entry in entries:
-        path = os.path.join(base, entry)
-        if not P.is_program_dir(path, base):
-            continue
-        try:
-            young = time.time() - os.lstat(path).st_mtime < STALE_MIN_AGE
-        except OSError:
-            continue
-        if not young and lock_is_free(path):
-            stale.append(path)
-    return stale
+    return [
+        os.path.join(base, entry)
+        for entry in entries
+        if _old_program_dir(base, os.path.join(base, entry)) and lock_is_free(os.path.join(base, entry))
+    ]
+
+
+def _old_program_dir(base: str, path: str) -> bool:
+    if not P.is_program_dir(path, base):
+        return False
+    try:
+        return time.time() - os.lstat(path).st_mtime >= STALE_MIN_AGE
+    except OSError:
+        return False
 
 
 def sweep_stale(base: str, keep: str | None = None) -> list[str]:
-    """Remove the ``stale_dirs`` of *base* (but *keep*); return those removed."""
-    removed = [path for path in stale_dirs(base) if path != keep]
-    for path in removed:
-        remove_program_dir(path)
+    """Remove the ``stale_dirs`` of *base* (but *keep*); return those removed.
+
+    Each is removed holding its lock, looked at again under it: a directory found
+    stale may have been removed and made anew by a fresh broker before the removal
+    (issue 27, finding B: a sweep that checked the lock, let go of it and removed by
+    path later deleted a fresh broker's directory, and a second broker started)."""
+    removed = []
+    for path in stale_dirs(base):
+        if path == keep:
+            continue
+        lock_fd = _lock_if_free(path)
+        if lock_fd is None:
+            continue
+        try:
+            if _old_program_dir(base, path) and remove_program_dir(path, lock_fd):
+                removed.append(path)
+        finally:
+            os.close(lock_fd)
     return removed
 
 
@@ -824,7 +965,7 @@ def _janitor(directory: str, listener: socket.socket, authkey: bytes, root_pid: 
         signal.signal(signal.SIGTERM, lambda *_: setattr(broker, "stopping", True))
         _log_to_stderr(directory)
         raise_nofile_limit()
-        broker = Broker(directory, listener, authkey, root_pid)
+        broker = Broker(directory, listener, authkey, root_pid, lock_fd)
         signal.set_wakeup_fd(broker.wake_w, warn_on_full_buffer=False)
         try:
             broker.run()
@@ -841,7 +982,9 @@ def _janitor(directory: str, listener: socket.socket, authkey: bytes, root_pid: 
             break
         except InterruptedError:
             continue
-    remove_program_dir(directory)
+    # Only if the directory is still ours (its server removed it already, at its
+    # exit: a fresh broker may serve a new one at that path now).
+    remove_program_dir(directory, lock_fd)
     os.close(lock_fd)
 
 

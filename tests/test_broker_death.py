@@ -1,0 +1,240 @@
+"""A process is counted out when it dies, never because a connection of it closed
+(issue 27, "exact lifetimes", finding A).
+
+The broker drops a connection for one bad record or one I/O error, and a client's
+process may lose a connection while it lives. Before the fix the broker counted a
+process whose connections had all closed (without K) out of every generation its
+ledger held: holders 1 -> 0 while its tensors were alive, and the owner's next message
+of the same size overwrote them. Now the broker learns a death from the kernel (a
+pidfd per client process): a live process stays known, with what it holds, and its
+new connections join it; a dead one is counted out once, promptly.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import select
+import signal
+import socket
+
+import pytest
+import torch
+
+from shmreduce import _native, program, transfer
+from shmreduce.broker import client as broker_client
+from shmreduce.broker import protocol as P
+from shmreduce.cache import cache
+from shmreduce.pool import SLAB_ITEM_MAX
+
+from helpers import let_go_now, wait_for
+
+TIMEOUT = 10.0
+CTX = mp.get_context("fork")
+NUMEL = SLAB_ITEM_MAX // 4 + 16  # a float32 tensor this long gets a segment of its own
+STREAM = 20  # messages of the same size after the cut
+
+
+def _cut(how: str) -> int:
+    """In a receiver: make the broker drop every connection of this process while it
+    lives; how many there were."""
+    client = broker_client.connected_client(program.current().directory)
+    assert client is not None
+    socks = client.sockets()
+    for sock in socks:
+        if how == "malformed":
+            P.send_record(sock, b"?", P.NO_KEY)  # an unknown op: the broker drops the connection
+        else:
+            sock.shutdown(socket.SHUT_RDWR)  # its end of the stream: the broker reads it and drops
+    if how == "malformed":
+        for sock in socks:  # the broker closed each: read and dropped
+            poller = select.poll()
+            poller.register(sock, select.POLLHUP | select.POLLRDHUP)
+            assert poller.poll(TIMEOUT * 1000), "the broker kept a connection that sent a malformed record"
+    return len(socks)
+
+
+def _receiver(conn) -> None:
+    """Keeps the first tensor it receives; answers every other with its sum and drops
+    it; on ("cut", how) loses its connections; on "check" answers whether the kept
+    tensor still has its bytes."""
+    kept = None
+    while (order := conn.recv()) is not None:
+        if isinstance(order, tuple):
+            conn.send(_cut(order[1]))
+        elif order == "check":
+            assert kept is not None
+            conn.send(bool((kept == 1.0).all()))
+        elif kept is None:
+            kept = order
+            conn.send(float(kept.sum()))
+        else:
+            total = float(order.sum())
+            del order
+            gc.collect()
+            transfer.collect()  # let go before answering: the owner then sees it
+            conn.send(total)
+
+
+def _client() -> broker_client.BrokerClient:
+    prog = program.current()
+    return broker_client.client_for(prog.directory, prog.root_pid)
+
+
+def _holders(seg) -> int:
+    return _native.hdr_read(seg.addr)[3]
+
+
+class _Receiver:
+    def __init__(self) -> None:
+        self.ours, theirs = CTX.Pipe()
+        self.proc = CTX.Process(target=_receiver, args=(theirs,))
+        self.proc.start()  # before any tensor exists: it inherits no mapping
+        theirs.close()
+
+    def ask(self, order):
+        self.ours.send(order)
+        assert self.ours.poll(30), "receiver did not answer"
+        return self.ours.recv()
+
+    def stop(self) -> int | None:
+        try:
+            self.ours.send(None)
+        except OSError:
+            pass
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.ours.close()
+        return self.proc.exitcode
+
+
+def _hold_one(receiver: _Receiver):
+    """The receiver keeps a tensor of ones; the owner lets go of its own: only the
+    receiver's hold keeps the segment from reuse. Its segment."""
+    first = torch.full((NUMEL,), 1.0)
+    assert receiver.ask(first) == float(NUMEL)
+    place = cache.place_of(first.untyped_storage())
+    assert place is not None
+    seg = place.segment
+    del first, place
+    let_go_now()
+    assert _holders(seg) == 1
+    return seg
+
+
+def _cut_and_wait(receiver: _Receiver, how: str) -> None:
+    client = _client()
+    before = client.ping()["connections"]
+    cut = receiver.ask(("cut", how))
+    assert cut >= 1
+    # Every connection of the receiver read to its end and dropped by the broker.
+    assert wait_for(lambda: client.ping()["connections"] == before - cut, TIMEOUT)
+
+
+@pytest.mark.parametrize("how", ["malformed", "shutdown"])
+def test_a_live_receiver_whose_connections_the_broker_dropped_keeps_its_bytes(strategy, how):
+    """Before the fix: counted out at the drop (holders 1 -> 0), the owner's next
+    message of the same size reused the segment and the kept tensor read 2.0."""
+    receiver = _Receiver()
+    try:
+        seg = _hold_one(receiver)
+        _cut_and_wait(receiver, how)
+        for i in range(2, 2 + STREAM):
+            t = torch.full((NUMEL,), float(i))
+            assert receiver.ask(t) == float(i) * NUMEL  # under file_descriptor: fetched on a new connection
+            del t
+            let_go_now()
+        assert receiver.ask("check") is True, "the kept tensor was overwritten"
+        assert _holders(seg) == 1, "a live receiver was counted out"
+    finally:
+        code = receiver.stop()
+    assert code == 0
+    # It exited (holding): counted out once, promptly.
+    assert wait_for(lambda: _holders(seg) == 0, TIMEOUT), _native.hdr_read(seg.addr)
+    assert _client().ping()["generations_held"] == 0
+
+
+def test_a_receiver_killed_after_its_connections_were_dropped_is_counted_out_once(strategy):
+    """A receiver that lost its connections, reconnected (same identity) and was then
+    killed is counted out exactly once: its ledger is known to one client there, not
+    to the old identity and a new one (which would count it out twice, taking another
+    receiver's hold with it)."""
+    receiver, other = _Receiver(), _Receiver()
+    try:
+        first = torch.full((NUMEL,), 1.0)
+        assert receiver.ask(first) == float(NUMEL)
+        assert other.ask(first) == float(NUMEL)
+        place = cache.place_of(first.untyped_storage())
+        assert place is not None
+        seg = place.segment
+        del first, place
+        let_go_now()
+        assert _holders(seg) == 2
+        _cut_and_wait(receiver, "malformed")
+        # A new message: a new segment (the first is held), fetched through a new
+        # connection (under file_descriptor), held in the same ledger. (Small enough for
+        # torch's sum to run on one thread: a forked child's OpenMP may hang.)
+        t = torch.full((NUMEL,), 3.0)
+        assert receiver.ask(t) == 3.0 * NUMEL
+        del t
+        let_go_now()
+        counters = _client().ping()
+        assert counters["generations_held"] == 2, f"a ledger known twice (or not at all): {counters}"
+        assert receiver.proc.pid is not None
+        os.kill(receiver.proc.pid, signal.SIGKILL)
+        receiver.proc.join(TIMEOUT)
+        assert wait_for(lambda: _holders(seg) == 1, TIMEOUT), _native.hdr_read(seg.addr)
+        assert _client().ping()["generations_held"] == 1
+        assert other.ask("check") is True
+        assert _holders(seg) == 1, "counted out twice"
+    finally:
+        codes = [receiver.stop(), other.stop()]
+    assert codes == [-signal.SIGKILL, 0]
+    assert wait_for(lambda: _holders(seg) == 0, TIMEOUT)
+
+
+def _exit_holding(conn) -> None:
+    t = conn.recv()
+    conn.send(float(t.sum()))
+    conn.recv()
+    os._exit(0)  # no atexit: its connections close with the process
+
+
+@pytest.mark.parametrize("atexit", [True, False], ids=["atexit", "os_exit"])
+def test_a_receiver_that_exits_holding_is_counted_out_promptly(strategy, atexit):
+    ours, theirs = CTX.Pipe()
+    if atexit:
+        receiver = _Receiver()
+        proc = receiver.proc
+    else:
+        proc = CTX.Process(target=_exit_holding, args=(theirs,))
+        proc.start()
+    theirs.close()
+    try:
+        first = torch.full((NUMEL,), 1.0)
+        if atexit:
+            assert receiver.ask(first) == float(NUMEL)
+        else:
+            ours.send(first)
+            assert ours.poll(30) and ours.recv() == float(NUMEL)
+        place = cache.place_of(first.untyped_storage())
+        assert place is not None
+        seg = place.segment
+        del first, place
+        let_go_now()
+        assert _holders(seg) == 1
+        if atexit:
+            assert receiver.stop() == 0
+        else:
+            ours.send("exit")
+            proc.join(TIMEOUT)
+            assert proc.exitcode == 0
+        assert wait_for(lambda: _holders(seg) == 0, 2.0), _native.hdr_read(seg.addr)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        ours.close()

@@ -1,0 +1,151 @@
+"""One broker per program, always: the lock, not the path, decides who removes a
+program directory (issue 27, finding B).
+
+Before the fix, a janitor removed its program directory by path after its server had
+removed it already, and a sweep removed a directory by path after it had checked (and
+let go of) its lock: in either window a fresh broker's directory was deleted under it,
+and the program's next process started a second broker. Each window is forced here
+deterministically: a janitor stopped (SIGSTOP) while its server exits and a new broker
+starts, a sweep interleaved (a hook in a child) with a new broker taking the directory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import shmreduce
+from shmreduce import program
+from shmreduce.broker import client as broker_client
+from shmreduce.broker import protocol as P
+
+from helpers import broker_procs, run_in_child, wait_for
+
+TIMEOUT = 10.0
+
+
+def _pairs(directory: str) -> list[tuple[int, int]]:
+    """(janitor, server) of every broker serving *directory* (a server: a broker
+    process whose parent is one too)."""
+    procs = broker_procs(directory)
+    return [(parent, pid) for pid, parent in procs.items() if parent in procs]
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def _serving_pid(directory: str) -> int:
+    """The pid of the broker a fresh connection to *directory* reaches (no start)."""
+    client = broker_client.BrokerClient(directory, None, broker_client.Ledger())
+    try:
+        return client.ping()["pid"]
+    finally:
+        client.close(keep=True)
+        assert client.ledger is not None
+        client.ledger.close()
+
+
+def test_a_janitor_never_removes_the_directory_of_the_broker_after_its_own():
+    """Before the fix the janitor, let go on (SIGCONT) after a new broker had made the
+    directory anew, removed it: the new broker served a deleted socket, and the next
+    sender started a second broker."""
+    with shmreduce.registered(strategy="file_system"):
+        prog = program.current()
+        directory = prog.directory
+        broker_client.client_for(directory, prog.root_pid).connect()
+        assert wait_for(lambda: len(_pairs(directory)) == 1, TIMEOUT)
+        ((janitor, server),) = _pairs(directory)
+        os.kill(janitor, signal.SIGSTOP)
+        try:
+            broker_client.close_all()  # no client left: the server exits, removing the directory
+            assert wait_for(lambda: _state(server) in ("Z", "gone") and not os.path.exists(directory), TIMEOUT)
+            broker_client.client_for(directory, prog.root_pid).connect()  # a new broker, a new directory
+            fresh = [pair for pair in _pairs(directory) if pair[0] != janitor]
+            assert len(fresh) == 1, _pairs(directory)
+            new_server = fresh[0][1]
+        finally:
+            os.kill(janitor, signal.SIGCONT)
+        assert wait_for(lambda: _state(janitor) in ("Z", "gone"), TIMEOUT)
+        time.sleep(0.2)  # what the old janitor did, it did: it has exited
+        assert os.path.exists(os.path.join(directory, P.SOCKET_NAME)), "the old janitor removed the new broker's directory"
+        assert run_in_child(_serving_pid, directory) == ("ok", new_server)
+        assert [pair[1] for pair in _pairs(directory)] == [new_server], "not one broker"
+
+
+def _sweep_while_a_new_broker_takes_the_directory(base: str, directory: str) -> tuple[list[str], bool]:
+    """In a child: *directory* is a dead program's (its lock free, made long ago). The
+    sweep finds it stale; then, before it removes it, the directory is removed and
+    made anew by a fresh broker, which holds its lock (also made long ago: only the
+    lock tells them apart). (what the sweep removed, whether the fresh broker's
+    directory is still there)"""
+    import fcntl
+
+    from shmreduce.broker import server
+
+    old = time.time() - 2 * server.STALE_MIN_AGE
+    server._make_program_dir(directory)
+    os.utime(directory, (old, old))
+    held: list[int] = []
+    real_lock_is_free = server.lock_is_free
+
+    def lock_is_free(path: str) -> bool:
+        free = real_lock_is_free(path)
+        if free and path == directory and not held:
+            # The window: the dead program's directory goes, a fresh broker makes it
+            # anew and locks it.
+            tomb = directory + ".test-tomb"
+            os.rename(directory, tomb)
+            server._make_program_dir(directory)
+            held.append(os.open(os.path.join(directory, P.LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600))
+            fcntl.flock(held[0], fcntl.LOCK_EX)
+            os.utime(directory, (old, old))
+            import shutil
+
+            shutil.rmtree(tomb)
+        return free
+
+    server.lock_is_free = lock_is_free  # type: ignore[assignment]
+    try:
+        removed = server.sweep_stale(base)
+        return removed, os.path.exists(os.path.join(directory, P.LOCK_NAME))
+    finally:
+        import shutil
+
+        shutil.rmtree(directory, ignore_errors=True)
+        for fd in held:
+            os.close(fd)
+
+
+def test_a_sweep_never_removes_a_directory_whose_lock_a_live_broker_took_since():
+    """Before the fix the sweep removed the fresh broker's directory (it had checked
+    the lock of the one before, and removed by path)."""
+    base = program.shm_base()
+    directory = os.path.join(base, f"{P.DIR_PREFIX}{os.urandom(8).hex()}")
+    status, value = run_in_child(_sweep_while_a_new_broker_takes_the_directory, base, directory)
+    assert status == "ok", value
+    removed, there = value
+    assert directory not in removed and there, "the sweep removed a directory a live broker holds"
+
+
+def _sweep_a_stale_directory(base: str, directory: str) -> tuple[list[str], bool]:
+    from shmreduce.broker import server
+
+    old = time.time() - 2 * server.STALE_MIN_AGE
+    server._make_program_dir(directory)
+    os.close(os.open(os.path.join(directory, P.LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600))
+    os.utime(directory, (old, old))
+    return server.sweep_stale(base), os.path.exists(directory)
+
+
+def test_a_sweep_removes_a_dead_programs_directory():
+    base = program.shm_base()
+    directory = os.path.join(base, f"{P.DIR_PREFIX}{os.urandom(8).hex()}")
+    status, value = run_in_child(_sweep_a_stale_directory, base, directory)
+    assert status == "ok", value
+    assert value == ([directory], False)
