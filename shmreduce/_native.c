@@ -1051,6 +1051,18 @@ static PyObject *hdr_retire(PyObject *Py_UNUSED(module), PyObject *const *args, 
     Py_RETURN_TRUE;
 }
 
+PyDoc_STRVAR(hdr_retire_any_doc, "hdr_retire_any(addr)\n\nRetire whatever generation the header holds now, a free segment's "
+                                 "next one included: a process killed inside a stale load's hdr_hold may have counted itself "
+                                 "there, and nobody can count it out.");
+
+static PyObject *hdr_retire_any(PyObject *Py_UNUSED(module), PyObject *addr) {
+    _Atomic uint64_t *h = header_of(addr);
+    if (h == NULL)
+        return NULL;
+    atomic_fetch_or(&h[HDR_FLAGS], RETIRED);
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(hdr_flags_doc, "hdr_flags(addr) -> int\n\nThe header's flags: RETIRED (never reused), UNCOUNTED (a ticket past "
                             "the bitmap: its loads were not told from repeats).");
 
@@ -1472,6 +1484,7 @@ static PyMethodDef native_methods[] = {
     {"hdr_issue", hdr_issue, METH_O, hdr_issue_doc},
     {"hdr_loaded", (PyCFunction)(void (*)(void))hdr_loaded, METH_FASTCALL, hdr_loaded_doc},
     {"hdr_retire", (PyCFunction)(void (*)(void))hdr_retire, METH_FASTCALL, hdr_retire_doc},
+    {"hdr_retire_any", hdr_retire_any, METH_O, hdr_retire_any_doc},
     {"hdr_flags", hdr_flags, METH_O, hdr_flags_doc},
     {"hdr_hold", (PyCFunction)(void (*)(void))hdr_hold, METH_FASTCALL, hdr_hold_doc},
     {"hdr_unhold", (PyCFunction)(void (*)(void))hdr_unhold, METH_FASTCALL, hdr_unhold_doc},

@@ -49,8 +49,10 @@ Segments and generations (``shmreduce/pool.py``, ``shmreduce/transfer.py``)
                 retired: the child keeps what it inherits without holding it, and
                 nobody can count when it lets go. A failed fork retired them too.
     death       (exit or SIGKILL at any point) the broker reads the process's ledger:
-                a HELD entry is counted out (holders - 1); a TAKING or DROPPING one is
-                retired (whether the header counted it is unknown). A message the
+                a HELD entry is counted out (holders - 1); a DROPPING one's generation
+                is retired (whether the header counted it out is unknown); for a TAKING
+                one, whatever the header holds now is retired (a stale load's hold may
+                have counted itself into the next generation, or a free segment's). A message the
                 process never loaded keeps its generation from being reused while
                 its owner lives (as torch's file_descriptor strategy keeps it through
                 its sender's resource sharer), and at most ORPHAN_TTL after.

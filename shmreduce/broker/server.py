@@ -277,7 +277,11 @@ class Broker:
             if seg is not None and self._header(seg) is not None:
                 if state == P.HELD:
                     _native.hdr_unhold(seg.addr, gen)
-                else:  # died between the header and the ledger: which came first is unknown
+                elif state == P.TAKING:
+                    # Killed around its hdr_hold: counted or not, in whatever generation
+                    # the header held then (a stale load's), found by the lifetime model.
+                    _native.hdr_retire_any(seg.addr)
+                else:  # DROPPING: counted out of its own generation, or not yet
                     _native.hdr_retire(seg.addr, gen)
         _close_ledger(client)
 
