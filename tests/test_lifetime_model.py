@@ -315,7 +315,7 @@ def take(s: State, i: int, j: int, cfg: Config) -> State | None:
 
 
 def hold(s: State, i: int, cfg: Config) -> State | None:
-    p, h = s.procs[i], s.header
+    h = s.header
     if h.freeing and cfg.variant != "hold_ignores_freeing":
         return None  # it spins
     return _proc(_header(s, _with(h, holders=h.holders + 1)), i, pc=CHECK)
