@@ -291,3 +291,47 @@ def test_small_storages_of_a_message_travel_in_one_slab(registered_fd):
     assert _memfds() - before == 1  # the thread's current slab stays for its next messages
     transfer.let_go()
     assert _memfds() == before  # and goes with its last storage once it is not current
+
+
+def _unaligned_receiver(q, out):
+    torch.set_num_threads(1)
+    try:
+        while (item := q.get(timeout=30)) is not None:
+            name, t, expected = item
+            ok = torch.equal(t, expected)
+            t.add_(1)  # seen by the sender if the memory is shared
+            out.put((name, ok, t.untyped_storage().data_ptr() % 64))
+    except Exception as exc:  # noqa: BLE001  reported: the test fails on it
+        out.put(("error", repr(exc), -1))
+
+
+def test_a_storage_at_any_offset_in_shared_memory_arrives_with_its_bytes(strategy):
+    # SPEC 2: a storage may lie anywhere a torch storage can, e.g. 4 bytes into a cache
+    # line of a shared tensor (torch.from_numpy(t.numpy()[1:])): sent from where it
+    # lies, it was refused as out of bounds (issue 28, item 1).
+    q, out = CTX.Queue(), CTX.Queue()
+    p = CTX.Process(target=_unaligned_receiver, args=(q, out))
+    p.start()
+    try:
+        cases = []
+        for dtype in (torch.float32, torch.float64, torch.int16, torch.uint8):
+            for numel in (100, 20_000):  # in a slab; in a segment of its own
+                for k in (1, 3, 17):
+                    base = torch.arange(numel, dtype=torch.int64).to(dtype)  # one each: the receiver writes
+                    base.share_memory_()
+                    view = torch.from_numpy(base.numpy()[k:])  # a storage of its own, not 64-aligned
+                    assert view.untyped_storage().data_ptr() % 64 != 0
+                    cases.append((f"{dtype}-{numel}-{k}", view, view.clone()))
+        for case in cases:
+            q.put(case)
+        q.put(None)
+        got = [out.get(timeout=30) for _ in cases]
+        assert [g[:2] for g in got] == [(name, True) for name, _, _ in cases], got
+        for (name, view, expected), g in zip(cases, got, strict=True):
+            assert g[2] == view.untyped_storage().data_ptr() % 64, name
+            assert torch.equal(view, expected + 1), f"{name}: the receiver's write was not seen (not aliased)"
+    finally:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+            p.join()
