@@ -165,7 +165,7 @@ def test_handles_are_checked_before_any_tensor_is_formed() -> None:
     m = mmap.mmap(-1, SIZE)
     gen = _gen(ctypes.addressof(ctypes.c_char.from_buffer(m)))
     try:
-        for offset, nbytes in [(0, 64), (LOW, 0), (LOW, -1), (LOW + 1, 64), (SIZE - 64, 128), (SIZE, 1), (1 << 62, 1 << 62)]:
+        for offset, nbytes in [(0, 64), (LOW - 1, 64), (LOW, 0), (LOW, -1), (SIZE - 64, 128), (SIZE, 1), (1 << 62, 1 << 62)]:
             with pytest.raises(RuntimeError, match="out of bounds"):
                 gen.storage(offset, nbytes)
         with pytest.raises(RuntimeError, match="out of range"):
