@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import mmap
 import os
 import threading
@@ -676,11 +677,14 @@ class FdPool(Pool):
 
     def create(self, size: int) -> Segment:
         try:
-            fd = os.memfd_create("shmreduce", os.MFD_CLOEXEC)
+            fd = os.memfd_create("shmreduce", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as exc:
             raise _no_memory(exc, "memfd_create", size) from exc
         try:
             os.ftruncate(fd, size)  # no memory until written
+            # Its size for good: no process (the broker, which maps every header, least)
+            # can be killed with SIGBUS by another that shrinks it (issue 29, item 1).
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             ino, _ = segments.fd_identity(fd)
             return Segment("fd", ino, "", fd, size, fd)
         except OSError as exc:

@@ -541,3 +541,28 @@ def test_draining_segments_of_an_exited_sender_expire(tmp_path):
     # The broker logs to the stderr of the process that started it, at DEBUG: an
     # exited sender's refs nobody loaded expiring is the normal life of a program (SPEC 13).
     assert "not loaded within 1 s (SHMREDUCE_ORPHAN_TTL)" in out.stderr, out.stderr
+
+
+def test_a_pooled_memfd_cannot_be_shrunk_or_grown(registered_fd):
+    # A same-user process that gets a pooled memfd (a receiver's fetch, or
+    # /proc/<broker>/fd) and truncates it would kill every process mapping it with
+    # SIGBUS, the broker first (issue 29, item 1): its size is sealed.
+    import fcntl
+
+    t = torch.arange(1000.0)
+    ref = transfer.SegmentRef(*transfer.share(t.untyped_storage()))
+    fd = _client().fetch(ref.segment)
+    assert fd is not None
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW and seals & fcntl.F_SEAL_SEAL
+        size = os.fstat(fd).st_size
+        for new_size in (0, size // 2, size * 2):
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, new_size)
+    finally:
+        os.close(fd)
+    assert _client().ping()["pid"] == _client().broker_pid  # the broker lives
+    with transfer.receiving():
+        assert transfer.receive(ref).data_ptr() == t.untyped_storage().data_ptr()  # loaded: nothing in flight
+    assert torch.equal(shmreduce.loads(shmreduce.dumps(t)), torch.arange(1000.0))
