@@ -42,6 +42,9 @@
 #include <string.h>
 #include <poll.h>
 #include <sched.h>
+#include <errno.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <time.h>
 
 /* ---- DLPack (legacy, unversioned ABI: "dltensor" capsules), from the public spec ---- */
@@ -980,22 +983,109 @@ static PyObject *hdr_hold(PyObject *Py_UNUSED(module), PyObject *const *args, Py
     Py_RETURN_TRUE;
 }
 
+/* ---- the header work the broker does, guarded ----
+ *
+ * The broker maps the header of every segment it keeps, and a file_system file can be
+ * truncated by any process of the user (a memfd is sealed): a read of its header is
+ * then a SIGBUS. Where guard_faults() was called (the broker), each of these runs
+ * with a SIGBUS handler that jumps back and raises OSError(EFAULT) instead of ending
+ * the process (issue 29, item 1). Each op touches the header and nothing else, so
+ * nothing is left half done by the jump. */
+
+static _Thread_local sigjmp_buf *fault_jump;
+static int faults_guarded;
+
+static void on_sigbus(int sig, siginfo_t *info, void *context) {
+    (void)info;
+    (void)context;
+    sigjmp_buf *jump = fault_jump;
+    if (jump != NULL) {
+        fault_jump = NULL;
+        siglongjmp(*jump, 1);
+    }
+    signal(sig, SIG_DFL); /* not ours: as if no handler were there */
+    raise(sig);
+}
+
+typedef void (*header_op)(_Atomic uint64_t *h, uint64_t arg, uint64_t *out);
+
+static int guarded(header_op op, _Atomic uint64_t *h, uint64_t arg, uint64_t *out) {
+    if (!faults_guarded) {
+        op(h, arg, out);
+        return 0;
+    }
+    sigjmp_buf jump;
+    if (sigsetjmp(jump, 0)) {
+        errno = EFAULT;
+        PyErr_SetFromErrno(PyExc_OSError); /* the segment was truncated under its header */
+        return -1;
+    }
+    fault_jump = &jump;
+    op(h, arg, out);
+    fault_jump = NULL;
+    return 0;
+}
+
+PyDoc_STRVAR(guard_faults_doc, "guard_faults()\n\nFrom now on the header functions the broker calls raise OSError(EFAULT) "
+                               "where a segment was truncated under its header, instead of a SIGBUS ending the process.");
+
+static PyObject *guard_faults(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored)) {
+    struct sigaction action;
+    memset(&action, 0, sizeof(action));
+    action.sa_sigaction = on_sigbus;
+    action.sa_flags = SA_SIGINFO | SA_NODEFER; /* not blocked in the handler: a sigsetjmp(, 0) needs no mask back */
+    sigemptyset(&action.sa_mask);
+    if (sigaction(SIGBUS, &action, NULL) < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    faults_guarded = 1;
+    Py_RETURN_NONE;
+}
+
+static void op_unhold(_Atomic uint64_t *h, uint64_t gen, uint64_t *out) {
+    out[0] = 0;
+    if (atomic_load(&h[HDR_GEN]) != gen)
+        return;
+    uint64_t n = atomic_load(&h[HDR_HOLDERS]);
+    do {
+        if ((n & ~FREEING) == 0)
+            return;
+    } while (!atomic_compare_exchange_weak(&h[HDR_HOLDERS], &n, n - 1));
+    out[0] = 1;
+}
+
+static void op_read(_Atomic uint64_t *h, uint64_t Py_UNUSED(arg), uint64_t *out) {
+    out[0] = atomic_load(&h[HDR_GEN]);
+    out[1] = atomic_load(&h[HDR_SENT]);
+    out[2] = atomic_load(&h[HDR_LOADED]);
+    out[3] = atomic_load(&h[HDR_HOLDERS]);
+}
+
+static void op_retire(_Atomic uint64_t *h, uint64_t gen, uint64_t *out) {
+    out[0] = 0;
+    if (atomic_load(&h[HDR_GEN]) != gen)
+        return;
+    atomic_fetch_or(&h[HDR_FLAGS], RETIRED);
+    out[0] = 1;
+}
+
+static void op_retire_any(_Atomic uint64_t *h, uint64_t Py_UNUSED(arg), uint64_t *out) {
+    atomic_fetch_or(&h[HDR_FLAGS], RETIRED);
+    out[0] = 1;
+}
+
+static void op_flags(_Atomic uint64_t *h, uint64_t Py_UNUSED(arg), uint64_t *out) {
+    out[0] = atomic_load(&h[HDR_FLAGS]);
+}
+
 PyDoc_STRVAR(hdr_unhold_doc, "hdr_unhold(addr, gen) -> bool\n\nCount one holder of generation gen less; False (nothing done) if the "
                              "header holds another generation or no holder.");
 
 static PyObject *hdr_unhold(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
     _Atomic uint64_t *h;
-    uint64_t gen;
-    if (parse_header_gen(args, nargs, "hdr_unhold", &h, &gen) < 0)
+    uint64_t gen, out[1];
+    if (parse_header_gen(args, nargs, "hdr_unhold", &h, &gen) < 0 || guarded(op_unhold, h, gen, out) < 0)
         return NULL;
-    if (atomic_load(&h[HDR_GEN]) != gen)
-        Py_RETURN_FALSE;
-    uint64_t n = atomic_load(&h[HDR_HOLDERS]);
-    do {
-        if ((n & ~FREEING) == 0)
-            Py_RETURN_FALSE;
-    } while (!atomic_compare_exchange_weak(&h[HDR_HOLDERS], &n, n - 1));
-    Py_RETURN_TRUE;
+    return PyBool_FromLong(out[0] != 0);
 }
 
 PyDoc_STRVAR(hdr_free_doc, "hdr_free(addr, gen) -> bool\n\nThe owner, its own storages of gen all dead: if nobody holds gen, every "
@@ -1033,10 +1123,11 @@ PyDoc_STRVAR(hdr_read_doc, "hdr_read(addr) -> (gen, sent, loaded, holders)\n\nTh
 
 static PyObject *hdr_read(PyObject *Py_UNUSED(module), PyObject *addr) {
     _Atomic uint64_t *h = header_of(addr);
-    if (h == NULL)
+    uint64_t out[4];
+    if (h == NULL || guarded(op_read, h, 0, out) < 0)
         return NULL;
-    return Py_BuildValue("KKKK", (unsigned long long)atomic_load(&h[HDR_GEN]), (unsigned long long)atomic_load(&h[HDR_SENT]),
-                         (unsigned long long)atomic_load(&h[HDR_LOADED]), (unsigned long long)atomic_load(&h[HDR_HOLDERS]));
+    return Py_BuildValue("KKKK", (unsigned long long)out[0], (unsigned long long)out[1], (unsigned long long)out[2],
+                         (unsigned long long)out[3]);
 }
 
 PyDoc_STRVAR(hdr_retire_doc, "hdr_retire(addr, gen) -> bool\n\nNever reuse generation gen (if the header still holds it): "
@@ -1044,13 +1135,10 @@ PyDoc_STRVAR(hdr_retire_doc, "hdr_retire(addr, gen) -> bool\n\nNever reuse gener
 
 static PyObject *hdr_retire(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
     _Atomic uint64_t *h;
-    uint64_t gen;
-    if (parse_header_gen(args, nargs, "hdr_retire", &h, &gen) < 0)
+    uint64_t gen, out[1];
+    if (parse_header_gen(args, nargs, "hdr_retire", &h, &gen) < 0 || guarded(op_retire, h, gen, out) < 0)
         return NULL;
-    if (atomic_load(&h[HDR_GEN]) != gen)
-        Py_RETURN_FALSE;
-    atomic_fetch_or(&h[HDR_FLAGS], RETIRED);
-    Py_RETURN_TRUE;
+    return PyBool_FromLong(out[0] != 0);
 }
 
 PyDoc_STRVAR(hdr_retire_any_doc, "hdr_retire_any(addr)\n\nRetire whatever generation the header holds now, a free segment's "
@@ -1059,9 +1147,9 @@ PyDoc_STRVAR(hdr_retire_any_doc, "hdr_retire_any(addr)\n\nRetire whatever genera
 
 static PyObject *hdr_retire_any(PyObject *Py_UNUSED(module), PyObject *addr) {
     _Atomic uint64_t *h = header_of(addr);
-    if (h == NULL)
+    uint64_t out[1];
+    if (h == NULL || guarded(op_retire_any, h, 0, out) < 0)
         return NULL;
-    atomic_fetch_or(&h[HDR_FLAGS], RETIRED);
     Py_RETURN_NONE;
 }
 
@@ -1070,7 +1158,10 @@ PyDoc_STRVAR(hdr_flags_doc, "hdr_flags(addr) -> int\n\nThe header's flags: RETIR
 
 static PyObject *hdr_flags(PyObject *Py_UNUSED(module), PyObject *addr) {
     _Atomic uint64_t *h = header_of(addr);
-    return h == NULL ? NULL : PyLong_FromUnsignedLongLong(atomic_load(&h[HDR_FLAGS]));
+    uint64_t out[1];
+    if (h == NULL || guarded(op_flags, h, 0, out) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(out[0]);
 }
 
 /* reductions.<name>, imported on first use into *slot (importing shmreduce, in a
@@ -1488,6 +1579,7 @@ static PyMethodDef native_methods[] = {
     {"hdr_retire", (PyCFunction)(void (*)(void))hdr_retire, METH_FASTCALL, hdr_retire_doc},
     {"hdr_retire_any", hdr_retire_any, METH_O, hdr_retire_any_doc},
     {"hdr_flags", hdr_flags, METH_O, hdr_flags_doc},
+    {"guard_faults", guard_faults, METH_NOARGS, guard_faults_doc},
     {"hdr_hold", (PyCFunction)(void (*)(void))hdr_hold, METH_FASTCALL, hdr_hold_doc},
     {"hdr_unhold", (PyCFunction)(void (*)(void))hdr_unhold, METH_FASTCALL, hdr_unhold_doc},
     {"hdr_free", (PyCFunction)(void (*)(void))hdr_free, METH_FASTCALL, hdr_free_doc},

@@ -566,3 +566,50 @@ def test_a_pooled_memfd_cannot_be_shrunk_or_grown(registered_fd):
     with transfer.receiving():
         assert transfer.receive(ref).data_ptr() == t.untyped_storage().data_ptr()  # loaded: nothing in flight
     assert torch.equal(shmreduce.loads(shmreduce.dumps(t)), torch.arange(1000.0))
+
+
+def _load_and_die(blob: bytes) -> None:
+    shmreduce.loads(blob)  # held: the broker counts this process out, reading the header
+    os._exit(0)
+
+
+def _share_truncate_and_die(out) -> None:
+    # A sender whose segment file another process of the user truncates, then dies with
+    # a message of it in flight: the broker reads the header to decide how long to keep
+    # the file. It mapped that header already: a receiver died holding the generation.
+    t = torch.arange(50_000.0)  # a file of its own
+    blob = shmreduce.dumps(t)
+    shmreduce.dumps(t)  # in flight: never loaded
+    r = mp.get_context("fork").Process(target=_load_and_die, args=(blob,))
+    r.start()
+    r.join(TIMEOUT)
+    prog = program.current()
+    client = broker_client.client_for(prog.directory, prog.root_pid)
+    assert wait_for(lambda: client.ping()["generations_held"] == 0, TIMEOUT)  # counted out: its header mapped
+    place = transfer.cache.place_of(t.untyped_storage())
+    assert place is not None
+    path = os.path.join(place.segment.directory, place.segment.name)
+    out.send(path)
+    os.truncate(path, 0)  # as `truncate -s 0 seg-...` would, from any process of the user
+    os._exit(0)  # touching the mapping again would be this process's SIGBUS, not the broker's
+
+
+def test_a_truncated_segment_file_costs_the_broker_nothing():
+    # issue 29, item 1: the broker read a truncated file's header and died of SIGBUS,
+    # removing the program directory under every client. It logs, and goes on.
+    with shmreduce.registered(strategy="file_system"):
+        assert torch.equal(shmreduce.loads(shmreduce.dumps(torch.ones(4))), torch.ones(4))  # the broker runs
+        pid = _client().ping()["pid"]
+        a, b = mp.get_context("fork").Pipe()
+        p = mp.get_context("fork").Process(target=_share_truncate_and_die, args=(b,))
+        p.start()
+        path = a.recv() if a.poll(TIMEOUT) else None
+        p.join(TIMEOUT)
+        assert path is not None and p.exitcode == 0
+        assert wait_for(lambda: not os.path.exists(path), TIMEOUT), "the truncated file was never let go of"
+        assert _client().ping()["pid"] == pid, "the broker died"
+        assert broker_pids() and os.path.isdir(program.current().directory)
+        t = torch.arange(10.0)
+        assert torch.equal(shmreduce.loads(shmreduce.dumps(t)), t)
+        a.close()
+        b.close()

@@ -131,6 +131,7 @@ class _Segment:
 class Broker:
     def __init__(self, directory: str, listener: socket.socket, authkey: bytes, root_pid: int, lock_fd: int) -> None:
         self.dir = directory
+        _native.guard_faults()  # a header read of a file truncated by another process: an error, not a SIGBUS
         self.lock_fd = lock_fd  # the directory's lock, flock'ed by the launcher (shared with the janitor)
         self.listener = listener
         self.authkey = authkey
@@ -220,7 +221,10 @@ class Broker:
         header = self._header(seg)
         if header is None:
             return False
-        return header[1] > header[2] or bool(_native.hdr_flags(seg.addr) & _native.UNCOUNTED)
+        try:
+            return header[1] > header[2] or bool(_native.hdr_flags(seg.addr) & _native.UNCOUNTED)
+        except OSError:
+            return self._truncated(seg)
 
     def _header(self, seg: _Segment) -> tuple[int, int, int, int] | None:
         """(generation, sent, loaded, holders) of *seg*, or None if it has none."""
@@ -240,7 +244,19 @@ class Broker:
                 seg.header = False  # gone, or too small to be a pooled segment
                 return None
             seg.addr = ctypes.addressof(ctypes.c_char.from_buffer(seg.map))
-        return _native.hdr_read(seg.addr)
+        try:
+            return _native.hdr_read(seg.addr)
+        except OSError:  # truncated under its header (_native.guard_faults)
+            return self._truncated(seg)
+
+    def _truncated(self, seg: _Segment) -> None:
+        """*seg*'s file was truncated by a process of the user: its header is gone, and
+        so are the bytes of what was sent in it (their loads fail, stale); the broker
+        goes on, and treats it as a segment without a header."""
+        log.warning("segment %s was truncated under its header by another process: what was sent in it is lost", seg.key)
+        seg.header = False
+        _unmap_header(seg)
+        return None
 
     def _close(self, seg: _Segment) -> None:
         self.draining.discard(seg)
@@ -274,7 +290,9 @@ class Broker:
         wherever it was, or went with its owner: nobody reuses it)."""
         for key, gen, state in _ledger_holds(client.ledger):
             seg = self.memfds.get(key) if isinstance(key, int) else self.files.get(key)
-            if seg is not None and self._header(seg) is not None:
+            if seg is None or self._header(seg) is None:
+                continue
+            try:
                 if state == P.HELD:
                     _native.hdr_unhold(seg.addr, gen)
                 elif state == P.TAKING:
@@ -283,6 +301,8 @@ class Broker:
                     _native.hdr_retire_any(seg.addr)
                 else:  # DROPPING: counted out of its own generation, or not yet
                     _native.hdr_retire(seg.addr, gen)
+            except OSError:
+                self._truncated(seg)
         _close_ledger(client)
 
     def _drain(self, now: float) -> None:
