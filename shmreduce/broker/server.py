@@ -224,7 +224,8 @@ class Broker:
         try:
             return header[1] > header[2] or bool(_native.hdr_flags(seg.addr) & _native.UNCOUNTED)
         except OSError:
-            return self._truncated(seg)
+            self._truncated(seg)
+            return False
 
     def _header(self, seg: _Segment) -> tuple[int, int, int, int] | None:
         """(generation, sent, loaded, holders) of *seg*, or None if it has none."""
@@ -247,7 +248,8 @@ class Broker:
         try:
             return _native.hdr_read(seg.addr)
         except OSError:  # truncated under its header (_native.guard_faults)
-            return self._truncated(seg)
+            self._truncated(seg)
+            return None
 
     def _truncated(self, seg: _Segment) -> None:
         """*seg*'s file was truncated by a process of the user: its header is gone, and
@@ -256,7 +258,6 @@ class Broker:
         log.warning("segment %s was truncated under its header by another process: what was sent in it is lost", seg.key)
         seg.header = False
         _unmap_header(seg)
-        return None
 
     def _close(self, seg: _Segment) -> None:
         self.draining.discard(seg)
