@@ -22,6 +22,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -613,3 +614,53 @@ def test_a_truncated_segment_file_costs_the_broker_nothing():
         assert torch.equal(shmreduce.loads(shmreduce.dumps(t)), t)
         a.close()
         b.close()
+
+
+_ROOT_THAT_EXITS = textwrap.dedent(
+    """
+    import sys, torch, shmreduce
+    from shmreduce import program
+    shmreduce.register()
+    assert torch.equal(shmreduce.loads(shmreduce.dumps(torch.ones(4))), torch.ones(4))
+    print(program.current().directory, flush=True)
+    sys.stdin.read()  # until the test says go
+    """
+)
+
+
+def test_an_unauthenticated_connector_keeps_no_dead_programs_broker():
+    # issue 29, item 3: a process of the user that connects every few seconds and never
+    # answers the handshake kept the broker (and its directory) of a program whose root
+    # had exited. Only authenticated clients keep a broker once the root is gone.
+    root = subprocess.Popen([sys.executable, "-c", _ROOT_THAT_EXITS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    socks: list[socket.socket] = []
+    try:
+        assert root.stdout is not None and root.stdin is not None
+        directory = root.stdout.readline().strip()
+        path = os.path.join(directory, P.SOCKET_NAME)
+        assert os.path.exists(path)
+
+        def connect() -> bool:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                sock.connect(path)
+            except OSError:
+                sock.close()
+                return False
+            socks.append(sock)  # says nothing: its handshake never completes
+            return True
+
+        assert connect()
+        root.stdin.close()  # the root exits
+        root.wait(TIMEOUT)
+        deadline = time.monotonic() + 20
+        while os.path.isdir(directory) and time.monotonic() < deadline:
+            connect()  # one pending handshake after another
+            time.sleep(0.5)
+        assert not os.path.isdir(directory), "a connector that never authenticated kept a dead program's broker"
+    finally:
+        for sock in socks:
+            sock.close()
+        if root.poll() is None:
+            root.kill()
+            root.wait()

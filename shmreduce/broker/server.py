@@ -625,7 +625,11 @@ class Broker:
     def _should_exit(self, now: float) -> bool:
         if self.stopping:
             return True
-        if self.conns or self.handshakes or self.idle_since is None:
+        # Only authenticated clients keep a broker; a connection still in its handshake
+        # does while the program's root lives (a client racing an idle exit is served),
+        # never after: a process of the user connecting every few seconds without the
+        # key no longer keeps a dead program's broker and directory (issue 29, item 3).
+        if self.conns or (self.handshakes and self.root_alive) or self.idle_since is None:
             return False
         if self.draining and self.root_alive:
             return False
