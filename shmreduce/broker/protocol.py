@@ -178,6 +178,14 @@ Failures
     program stopped early writes nothing on its user's stderr (SPEC 13). Clients log to
     ``logging.getLogger("shmreduce")``: a lost connection, a protocol error, a
     broker that restarted.
+
+    What other processes of the user can do to the program's memory costs the broker
+    nothing: a pooled memfd is sealed at its size (``F_SEAL_SHRINK | F_SEAL_GROW``),
+    and a segment file truncated under its header (any process of the user can) makes
+    the broker's header functions raise instead of a SIGBUS (``_native.guard_faults``):
+    it logs a WARNING and treats the file as headerless; what was sent in it is lost.
+    A connection that never completes its handshake keeps the broker only while the
+    program's root process lives.
 """
 
 from __future__ import annotations
