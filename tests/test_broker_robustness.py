@@ -12,6 +12,7 @@ sender left in flight have a bounded lifetime.
 from __future__ import annotations
 
 import array
+import ast
 import mmap
 import multiprocessing as mp
 import os
@@ -658,6 +659,80 @@ def test_an_unauthenticated_connector_keeps_no_dead_programs_broker():
             connect()  # one pending handshake after another
             time.sleep(0.5)
         assert not os.path.isdir(directory), "a connector that never authenticated kept a dead program's broker"
+    finally:
+        for sock in socks:
+            sock.close()
+        if root.poll() is None:
+            root.kill()
+            root.wait()
+
+
+_LIMITED_ROOT = textwrap.dedent(
+    """
+    import multiprocessing as mp, resource, sys, time, torch, shmreduce
+    from shmreduce import program
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))  # the broker it starts inherits it
+    shmreduce.register()
+    assert torch.equal(shmreduce.loads(shmreduce.dumps(torch.ones(4))), torch.ones(4))
+    client = shmreduce.broker.client.client_for(program.current().directory, program.current().root_pid)
+    print(program.current().directory, client.broker_pid, flush=True)
+    sys.stdin.readline()  # the test has filled the broker's descriptors
+
+    def new_client(out):
+        start = time.monotonic()
+        try:
+            t = torch.arange(100_000.0)  # a memfd of its own: a deposit and a fetch
+            ok = torch.equal(shmreduce.loads(shmreduce.dumps(t)), t)
+            out.put(("served", ok, time.monotonic() - start))
+        except shmreduce.SharingError as exc:
+            out.put(("refused", str(exc), time.monotonic() - start))
+
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    p = ctx.Process(target=new_client, args=(out,))
+    p.start()
+    print(repr(out.get(timeout=60)), flush=True)
+    p.join(30)
+    sys.stdin.readline()
+    """
+)
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_broker_at_its_descriptor_limit_sheds_load_and_stays_quiet():
+    # issue 29, item 2: at EMFILE the level-triggered listener kept the broker at 100%
+    # CPU writing ~28,000 WARNING lines a second, and a new client timed out.
+    log_path = os.environ["SHMREDUCE_BROKER_LOG"]
+    logged_before = open(log_path).read().count("out of file descriptors")
+    root = subprocess.Popen([sys.executable, "-c", _LIMITED_ROOT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    socks: list[socket.socket] = []
+    try:
+        assert root.stdout is not None and root.stdin is not None
+        directory, pid = root.stdout.readline().split()
+        path = os.path.join(directory, P.SOCKET_NAME)
+        for _ in range(120):  # idle, unauthenticated: each costs the broker a descriptor
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            sock.connect(path)  # the backlog takes them, whether or not the broker can
+            socks.append(sock)
+        time.sleep(0.5)
+        cpu = _cpu_seconds(int(pid))
+        time.sleep(2.0)
+        assert _cpu_seconds(int(pid)) - cpu < 0.5, "the broker spins at its descriptor limit"
+        root.stdin.write("go\n")
+        root.stdin.flush()
+        line = root.stdout.readline()
+        kind, _detail, took = ast.literal_eval(line)
+        assert kind in ("served", "refused") and took < 15, line
+        root.stdin.write("done\n")
+        root.stdin.flush()
+        root.wait(TIMEOUT)
+        lines = open(log_path).read().count("out of file descriptors") - logged_before
+        assert lines <= 3, f"{lines} log lines about the limit"
     finally:
         for sock in socks:
             sock.close()

@@ -56,6 +56,7 @@ from shmreduce.broker import protocol as P
 STALE_MIN_AGE = 10.0  # seconds; a younger directory may be a broker still starting
 GRACE = float(os.environ.get("SHMREDUCE_BROKER_GRACE", "1.0"))
 ORPHAN_TTL = float(os.environ.get("SHMREDUCE_ORPHAN_TTL", "60"))  # see Lifetimes in protocol.py
+ACCEPT_PAUSE = 1.0  # seconds the broker stops accepting at its descriptor limit
 
 log = logging.getLogger("shmreduce.broker")
 
@@ -131,6 +132,8 @@ class _Segment:
 class Broker:
     def __init__(self, directory: str, listener: socket.socket, authkey: bytes, root_pid: int, lock_fd: int) -> None:
         self.dir = directory
+        self.accept_paused_until = 0.0  # out of descriptors: the listener is out of the poll until then
+        self.limit_logged = float("-inf")
         _native.guard_faults()  # a header read of a file truncated by another process: an error, not a SIGBUS
         self.lock_fd = lock_fd  # the directory's lock, flock'ed by the launcher (shared with the janitor)
         self.listener = listener
@@ -343,7 +346,10 @@ class Broker:
         except BlockingIOError:
             return
         except OSError as exc:
-            log.warning("cannot accept a connection: %s", exc)
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                self._at_descriptor_limit()
+            else:
+                log.warning("cannot accept a connection: %s", exc)
             return
         try:
             # Non-blocking always: the loop drains whatever a client has queued, and
@@ -361,6 +367,35 @@ class Broker:
         fd = sock.fileno()
         self.handshakes[fd] = _Handshake(sock, nonce, time.monotonic() + P.HANDSHAKE_TIMEOUT, pid)
         self.poller.register(fd, select.EPOLLIN)
+
+    def _at_descriptor_limit(self) -> None:
+        """Out of descriptors: the listener stays readable (level-triggered), so it
+        leaves the poll for ACCEPT_PAUSE seconds instead of spinning, the newest
+        connection still in its handshake is shed (a descriptor for the next client),
+        and the log says so once a minute (issue 29, item 2: 100% CPU and 28,000
+        WARNING lines a second)."""
+        now = time.monotonic()
+        if self.accept_paused_until == 0.0:
+            self.poller.unregister(self.listener.fileno())
+        self.accept_paused_until = now + ACCEPT_PAUSE
+        if self.handshakes:
+            fd = max(self.handshakes, key=lambda f: self.handshakes[f].deadline)
+            shake = self.handshakes.pop(fd)
+            self.poller.unregister(fd)
+            shake.sock.close()
+        if now - self.limit_logged >= 60.0:
+            self.limit_logged = now
+            log.warning(
+                "out of file descriptors (%d open): not accepting connections for %.0f s at a time, shedding the newest "
+                "unauthenticated ones; raise the limit (ulimit -n) of the process that starts the broker",
+                len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else -1,
+                ACCEPT_PAUSE,
+            )
+
+    def _resume_accepting(self, now: float) -> None:
+        if self.accept_paused_until and now >= self.accept_paused_until:
+            self.accept_paused_until = 0.0
+            self.poller.register(self.listener.fileno(), select.EPOLLIN)
 
     def _answer(self, shake: _Handshake) -> None:
         """The client's answer to the hello: authenticate it and make it a connection."""
@@ -649,6 +684,9 @@ class Broker:
                 timeout = max(0.0, min(h.deadline for h in self.handshakes.values()) - now)
             elif self.draining or not conns:
                 timeout = 0.25
+            if self.accept_paused_until:
+                pause = max(0.0, self.accept_paused_until - now)
+                timeout = pause if timeout < 0 else min(timeout, pause)
             for fd, _events in self.poller.poll(timeout):
                 conn = conns.get(fd)
                 if conn is not None:
@@ -672,6 +710,7 @@ class Broker:
             now = time.monotonic()
             if self.handshakes or self.draining:
                 self._expire(now)
+            self._resume_accepting(now)
 
     def shutdown(self) -> None:
         for seg in list(self.memfds.values()) + list(self.files.values()):
