@@ -548,3 +548,32 @@ def test_opening_a_missing_segment_file_is_a_sharing_error() -> None:
         with pytest.raises(shmreduce.SharingError, match="not a shmreduce segment"):
             pool.open_file(directory, "../" + "seg-" + "0" * 24)
         del t
+
+
+def test_a_memfd_is_known_by_its_device_and_inode() -> None:
+    # A pooled memfd and a /dev/shm file (a storage torch shared before register(),
+    # sent as a generation-0 segment) can have the same inode number on two devices:
+    # the receiver mapped the other one (issue 27, item 7). Refs, deposits, fetches,
+    # ledgers and the mapping check name a memfd by both.
+    from shmreduce.broker import protocol as P
+
+    memfd = os.memfd_create("shmreduce-test", os.MFD_CLOEXEC)
+    path = os.path.join(program.shm_base(), "shmreduce-test-identity")
+    shm = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(memfd, 4096)
+        os.ftruncate(shm, 4096)
+        m, f = os.fstat(memfd), os.fstat(shm)
+        assert m.st_dev != f.st_dev, "a memfd and a /dev/shm file on one device: nothing to tell apart"
+        assert P.identity(m) == m.st_dev << 64 | m.st_ino
+        # The file's inode number under the memfd's device: what an inode-only check took for it.
+        confusable = m.st_dev << 64 | f.st_ino
+        with pytest.raises(shmreduce.SharingError, match="does not match its handle"):
+            pool.open_fd(os.dup(shm), confusable)
+        seg = pool.open_fd(os.dup(shm), P.identity(f))  # its own identity maps (no descriptor kept)
+        assert seg.key == P.identity(f) and seg.fd is None
+        del seg
+    finally:
+        os.close(memfd)
+        os.close(shm)
+        os.unlink(path)
