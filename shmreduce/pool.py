@@ -251,6 +251,13 @@ def _unmap_close(addr: int, size: int, fd: int | None) -> None:
         os.close(fd)
 
 
+def _mapped_now() -> list[Segment]:
+    """Every segment mapped here now: its weak references listed without allocating
+    per item (a WeakValueDictionary's own iteration fails if another thread maps a
+    segment meanwhile, which a collection's finalizer can let run mid-way)."""
+    return [seg for seg in (ref() for ref in _mapped.valuerefs()) if seg is not None]
+
+
 def segment_at(ptr: int, nbytes: int) -> Segment | None:
     """The segment whose mapping holds the *nbytes* at address *ptr*, if any: a live
     storage there is of the segment's live generation (``seg.gen``), unless the
@@ -396,7 +403,7 @@ def settle(dead: list[Any] | None = None) -> None:
 def _in_use() -> list[Segment]:
     """The segments with a storage (or a hold) alive here now."""
     in_use = []
-    for seg in list(_mapped.values()):
+    for seg in _mapped_now():
         token = seg.live_token(seg.gen)
         if token is not None and token.live:
             in_use.append(seg)
@@ -550,7 +557,11 @@ class Pool:
     def reap(self) -> None:
         """Give back the waiting segments that are free now: nobody holds their
         generation and every ref sent in it was loaded (their headers say)."""
-        for key, seg in list(self.waiting.items()):
+        # A copy made in one C call: list(items()) allocates per item, and a collection
+        # there can run a finalizer, a thread switch, and the collector's settle adding
+        # to waiting ("dictionary changed size during iteration" in a queue's feeder
+        # thread, whose message mp.Queue then drops).
+        for key, seg in self.waiting.copy().items():
             if _native.hdr_free(seg.addr, seg.gen):
                 if self.waiting.pop(key, None) is seg:
                     self.give_back(seg)
@@ -595,11 +606,11 @@ class Pool:
     def owned(self) -> list[Segment]:
         """Every segment of this pool this process still has: in use, free, or
         waiting until its generation is free."""
-        found = {id(seg): seg for seg in list(_mapped.values()) if seg.pool is self and seg.live_token(seg.gen) is not None}
+        found = {id(seg): seg for seg in _mapped_now() if seg.pool is self and seg.live_token(seg.gen) is not None}
         with self.lock:
             for segs in self.free.values():
                 found.update((id(seg), seg) for seg in segs)
-        found.update((id(seg), seg) for seg in list(self.waiting.values()))
+        found.update((id(seg), seg) for seg in self.waiting.copy().values())
         return [seg for seg in found.values() if seg.pid == os.getpid()]
 
     def retire_where(self, gone: Callable[[Segment], bool]) -> None:
@@ -608,7 +619,7 @@ class Pool:
         other (waiting until its generation is free, or its last storage dead but not
         settled yet) is closed once free instead of reused (reused, it would be
         filled under a name no receiver can open)."""
-        for seg in list(_mapped.values()):
+        for seg in _mapped_now():
             if seg.pool is self and gone(seg):
                 seg.retired = seg.sealed = True
         _native.unindex_all()
@@ -752,7 +763,7 @@ def forget_mappings() -> None:
 def seal_where(gone: Callable[[Segment], bool]) -> None:
     """Never fill or send from again the mapped segments *gone* names (their files
     went with a broker that died): a storage in one is shared anew when sent."""
-    for seg in list(_mapped.values()):
+    for seg in _mapped_now():
         if gone(seg):
             seg.sealed = True
     _native.unindex_all()  # reduce() sends from none of them (each is indexed again once sent from here)
@@ -760,13 +771,13 @@ def seal_where(gone: Callable[[Segment], bool]) -> None:
 
 def forget_deposits() -> None:
     """This process's broker is new: it keeps none of the memfds sent before."""
-    for seg in list(_mapped.values()):
+    for seg in _mapped_now():
         seg.deposited = False
     _native.unindex_all()  # reduce() sends from none until each is deposited again
 
 
 def mapped_stats() -> dict[str, int]:
-    segs = list(_mapped.values())
+    segs = _mapped_now()
     return {
         "segments_mapped": len(segs),
         "bytes_mapped": sum(s.size for s in segs),
@@ -782,7 +793,7 @@ def _after_fork_in_child() -> None:
     _gen_lock = threading.Lock()
     live.clear()  # nor theirs to load through: what this process keeps, it holds itself
     _native.unindex_all()  # nor to send from without depositing them itself
-    for seg in list(_mapped.values()):
+    for seg in _mapped_now():
         # Never revive a token of the parent's here: what this process keeps, it claims
         # itself (a new token), or its owner could reuse memory this process reads.
         seg.token = None
