@@ -274,10 +274,23 @@ def register(*, strategy: str | None = None, cloudpickle: bool | None = None) ->
         # before the parent's marker is unpickled, which then adopts the parent's.
         if not _inheriting():
             program.current()
+            _sweep_dead_programs()
         # The fd strategy holds one descriptor per received storage (#973): raise the
         # soft limit to the hard one, as servers do.
         _platform.raise_nofile_limit()
         _registered = True
+
+
+def _sweep_dead_programs() -> None:
+    """What programs killed with their broker and its janitor left in the shm base
+    goes at the next program's ``register()`` (issue 29, item 4), not only once it
+    starts a broker; ``shmreduce cleanup`` does the same by hand."""
+    from shmreduce.broker import server
+
+    try:
+        server.sweep_stale(program.shm_base(), keep=program.current().directory)
+    except OSError:
+        pass  # a base we cannot read: its owner's to clean
 
 
 def _set_strategy(name: str) -> None:

@@ -149,3 +149,76 @@ def test_a_sweep_removes_a_dead_programs_directory():
     status, value = run_in_child(_sweep_a_stale_directory, base, directory)
     assert status == "ok", value
     assert value == ([directory], False)
+
+
+def test_a_sweep_removes_what_an_interrupted_removal_or_making_left():
+    # issue 29, item 4: a process killed inside rmtree of its renamed directory leaves
+    # `shmreduce-<token>.gone-<pid>`, one killed while making one `.new-<pid>`: a sweep
+    # removes them once their process is dead, never a live process's.
+    import shutil
+    import subprocess
+    import sys
+
+    from shmreduce.broker import server
+
+    base = program.shm_base()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    dead_pid = int(dead.stdout)
+    names = [f"{P.DIR_PREFIX}{os.urandom(8).hex()}.gone-{dead_pid}", f"{P.DIR_PREFIX}{os.urandom(8).hex()}.new-{dead_pid}"]
+    live = f"{P.DIR_PREFIX}{os.urandom(8).hex()}.gone-{os.getpid()}"
+    old = time.time() - server.STALE_MIN_AGE - 5
+    for name in [*names, live]:
+        path = os.path.join(base, name)
+        os.mkdir(path, 0o700)
+        with open(os.path.join(path, "seg-" + "0" * 24), "wb") as f:
+            f.write(b"x" * 4096)
+        os.utime(path, (old, old))
+    try:
+        removed = server.sweep_stale(base)
+        assert sorted(os.path.basename(p) for p in removed if ".gone-" in p or ".new-" in p) == sorted(names)
+        assert not any(os.path.exists(os.path.join(base, n)) for n in names)
+        assert os.path.isdir(os.path.join(base, live)), "a live process's removal was swept from under it"
+    finally:
+        for name in [*names, live]:
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+
+
+_KILLED_PROGRAM = """
+import torch, shmreduce
+from shmreduce import program
+shmreduce.register(strategy="file_system")
+assert torch.equal(shmreduce.loads(shmreduce.dumps(torch.arange(300_000.0))), torch.arange(300_000.0))
+print(program.current().directory, flush=True)
+import sys; sys.stdin.read()
+"""
+
+
+def test_the_next_register_removes_what_a_program_killed_with_its_broker_left():
+    # issue 29, item 4: SIGKILL of a program's processes, its broker and janitor
+    # included, left its directory (with a 1.1 MB seg- file) until another program
+    # started a broker. The next program's register() sweeps it.
+    import subprocess
+    import sys
+
+    from shmreduce.broker import server
+
+    root = subprocess.Popen([sys.executable, "-c", _KILLED_PROGRAM], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert root.stdout is not None
+    directory = root.stdout.readline().strip()
+    try:
+        assert os.path.isdir(directory)
+        for pid in broker_procs(directory):
+            os.kill(pid, signal.SIGKILL)
+        root.kill()
+        root.wait(30)
+        assert wait_for(lambda: not broker_procs(directory), 10)
+        assert any(n.startswith(P.SEG_PREFIX) for n in os.listdir(directory)), "nothing was left to sweep"
+        old = time.time() - server.STALE_MIN_AGE - 5
+        os.utime(directory, (old, old))  # as if killed STALE_MIN_AGE ago
+        nxt = subprocess.run([sys.executable, "-c", "import shmreduce; shmreduce.register()"], capture_output=True, text=True, timeout=60)
+        assert nxt.returncode == 0, nxt.stderr
+        assert not os.path.exists(directory), "the next register() left a dead program's directory"
+    finally:
+        if root.poll() is None:
+            root.kill()
+            root.wait()

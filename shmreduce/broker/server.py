@@ -41,6 +41,7 @@ import json
 import logging
 import mmap
 import os
+import re
 import select
 import shutil
 import signal
@@ -906,7 +907,37 @@ def sweep_stale(base: str, keep: str | None = None) -> list[str]:
                 removed.append(path)
         finally:
             os.close(lock_fd)
+    for path in _leftovers(base):
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
     return removed
+
+
+_LEFTOVER = re.compile(re.escape(P.DIR_PREFIX) + r"[0-9a-f]+\.(?:gone|new)-([0-9]+)")
+
+
+def _leftovers(base: str) -> list[str]:
+    """What a process killed inside ``remove_program_dir`` (a ``.gone-<pid>`` being
+    removed) or ``_make_program_dir`` (a ``.new-<pid>`` being made) left: this user's
+    private directories of those names whose process is dead, STALE_MIN_AGE old
+    (issue 29, item 4)."""
+    try:
+        entries = sorted(os.listdir(base))
+    except OSError:
+        return []
+    found = []
+    for entry in entries:
+        match = _LEFTOVER.fullmatch(entry)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        path = os.path.join(base, entry)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077 and time.time() - st.st_mtime >= STALE_MIN_AGE:
+            found.append(path)
+    return found
 
 
 def _make_program_dir(directory: str) -> None:
