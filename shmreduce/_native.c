@@ -355,6 +355,8 @@ static PyObject *gen_place(GenObject *self, PyObject *const *args, Py_ssize_t na
         else
             memmove(dest, source, (size_t)nbytes);
         Py_END_ALLOW_THREADS
+        if (check_range(self, offset, nbytes) < 0) /* ended while the copy ran without the GIL */
+            return NULL;
     } else if (source == NULL) {
         memset(dest, 0, (size_t)nbytes);
     } else {
@@ -1212,6 +1214,11 @@ static PyObject *native_rebuild(PyObject *Py_UNUSED(module), PyObject *const *ar
         PyTuple_GET_ITEM(meta, 4) != Py_None || small_int(PyTuple_GET_ITEM(meta, 3)) != 0)
         return general(args, nargs);
     PyObject *dtype = PyDict_GetItemWithError(dtypes, PyTuple_GET_ITEM(meta, 0));
+    if (dtype == NULL && PyErr_Occurred()) { /* an unhashable dtype: no call is made with the error pending */
+        PyErr_Clear();
+        PyErr_SetString(sharing_error, "not a tensor's metadata: its dtype is not a torch dtype (forged or corrupted message)");
+        return NULL;
+    }
     PyObject *key = PyTuple_GetSlice(ref, 0, 4);
     if (key == NULL || PyErr_Occurred()) {
         Py_XDECREF(key);
@@ -1265,6 +1272,13 @@ static PyObject *native_rebuild(PyObject *Py_UNUSED(module), PyObject *const *ar
     PyObject *storage = PyObject_CallMethodNoArgs(tensor, str_untyped_storage);
     weak = storage != NULL ? PyWeakref_NewRef(storage, NULL) : NULL;
     Py_XDECREF(storage);
+    /* The importer ran torch code (a collection, finalizers): gen->info, which Python
+     * may set, is read again rather than trusted from before it (issue 28, item 6). */
+    received = PyTuple_CheckExact(gen->info) && PyTuple_GET_SIZE(gen->info) == 3 ? PyTuple_GET_ITEM(gen->info, 2) : NULL;
+    if (weak != NULL && (received == NULL || !PyDict_CheckExact(received))) {
+        Py_CLEAR(weak);
+        PyErr_SetString(PyExc_RuntimeError, "a Gen's info changed under a load");
+    }
     if (weak == NULL || PyDict_SetItem(received, PyTuple_GET_ITEM(ref, 4), weak) < 0) {
         Py_XDECREF(weak);
         Py_DECREF(tensor);
@@ -1523,7 +1537,10 @@ static PyObject *native_set_slab(PyObject *Py_UNUSED(module), PyObject *const *a
         PyErr_SetString(PyExc_TypeError, "set_slab(bool, Gen | None)");
         return NULL;
     }
-    PyObject *key = names[PyObject_IsTrue(args[0]) ? S_SLAB_FS : S_SLAB_FD];
+    int fs = PyObject_IsTrue(args[0]);
+    if (fs < 0)
+        return NULL;
+    PyObject *key = names[fs ? S_SLAB_FS : S_SLAB_FD];
     if (args[1] != Py_None)
         return PyDict_SetItem(thread, key, args[1]) < 0 ? NULL : Py_NewRef(Py_None);
     PyObject *found = PyDict_GetItemWithError(thread, key);

@@ -453,3 +453,18 @@ def test_reduce_survives_torch_code_that_unindexes_its_generation(strategy) -> N
     # reduce() read gen->ref after place() had run torch code, which could clear it:
     # a NULL dereference (issue 28, item 3).
     assert run_in_child(_reduce_while_torch_code_unindexes, timeout=60) == ("ok", 50)
+
+
+def test_an_unhashable_dtype_is_a_sharing_error(memory) -> None:
+    # rebuild() looked the dtype up and went on with the TypeError pending: a TypeError
+    # escaped instead of a SharingError (issue 28, item 6).
+    _, addr = memory
+    gen = _published(addr)
+    try:
+        with pytest.raises(shmreduce.SharingError, match="dtype"):
+            _native.rebuild((*_KEY, 128, 64, 0, 0), ([torch.float32], (16,), (1,), 0, None))
+        assert gen.live == 1
+    finally:
+        gen.release()
+        gc.collect()
+        _drain()
