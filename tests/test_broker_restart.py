@@ -8,13 +8,9 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import os
-import queue
 import shutil
 import signal
-import sys
-import time
 
-import pytest
 import torch
 
 import shmreduce
@@ -179,43 +175,8 @@ def test_a_segment_whose_file_went_with_the_broker_is_never_reused():
         assert proc.exitcode == 0
 
 
-# -- a broker killed again and again during a stream (issue 19, item 4) ------------
-
-STREAM = 900  # messages: a 1 KiB and a 400 KB tensor each, every 2 ms
-KILLS = (100, 250, 400, 550, 700)  # after this many received, the program's broker is killed
-IN_FLIGHT = 0.3  # seconds before a kill within which a message pickled may be lost with it
-
-
-class _Stamp:
-    """Unpickles as the time its message began to be pickled (CLOCK_MONOTONIC is one
-    clock for every process); the producer keeps the same times by index."""
-
-    stamps: dict[int, float] = {}
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-    def __reduce__(self):
-        now = time.monotonic()
-        _Stamp.stamps[self.index] = now
-        return (float, (now,))
-
-
-def _produce(q, report):
-    for i in range(STREAM):
-        q.put((_Stamp(i), i, torch.full((256,), float(i)), torch.full((100_000,), float(i))))
-        time.sleep(0.002)
-    q.put(None)
-    q.close()
-    q.join_thread()  # every message pickled: its stamp is in
-    report.send(_Stamp.stamps)
-
-
-def _one_pair(directory: str) -> tuple[int, int] | None:
-    """(janitor, server) if exactly one broker pair serves *directory* (no launcher)."""
-    procs = broker_procs(directory)
-    pairs = [(parent, pid) for pid, parent in procs.items() if parent in procs]
-    return pairs[0] if len(pairs) == 1 and len(procs) == 2 else None
+# A broker killed again and again during a stream (issue 19, item 4): tests/test_broker_kills.py,
+# which counts what was in flight at each kill rather than timing it.
 
 
 def _gone(pid: int) -> bool:
@@ -224,99 +185,6 @@ def _gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
-
-
-def _stream_program(strategy: str, conn) -> None:
-    """A fresh program: a spawn producer streams; its broker is killed 5 times (the
-    server alone, or janitor and server). Sends back what it saw; exits 0."""
-    os.setsid()
-    from shmreduce.broker import protocol as P
-
-    program.adopt(None)
-    shmreduce.register(strategy=strategy)
-    spawn = mp.get_context("spawn")
-    q = spawn.Queue()
-    ours, theirs = spawn.Pipe()
-    producer = spawn.Process(target=_produce, args=(q, theirs))
-    producer.start()
-    base = program.shm_base()
-    directory = program.current().directory
-    got: dict[int, float] = {}
-    errors: list[str] = []
-    kills: list[tuple[float, float]] = []  # (when the kill began, when every killed process was gone)
-    dirs_seen = 1
-    received = 0
-    while True:
-        try:
-            item = q.get(timeout=15)
-        except queue.Empty:
-            errors.append("stream stalled 15 s")
-            break
-        except shmreduce.SharingError as exc:
-            errors.append(str(exc))
-            item = ()
-        received += 1
-        if item is None:
-            break
-        if item:
-            stamp, i, small, big = item
-            assert small[0] == i and big[-1] == i
-            got[i] = stamp
-        if received % 10 == 0:
-            mine = [e for e in os.listdir(base) if e.startswith(P.DIR_PREFIX) and "." not in e]
-            dirs_seen = max(dirs_seen, len(mine))
-        if received in KILLS:
-            pair = None
-            deadline = time.monotonic() + 5
-            while pair is None and time.monotonic() < deadline:
-                pair = _one_pair(directory)
-                time.sleep(0.01)
-            assert pair is not None, f"not one broker pair: {broker_procs(directory)}"
-            begun = time.monotonic()
-            victims = pair if len(kills) % 2 else pair[1:]  # janitor and server, or the server alone
-            for pid in victims:
-                os.kill(pid, signal.SIGKILL)
-            while not all(_gone(pid) for pid in victims):
-                time.sleep(0.001)
-            kills.append((begun, time.monotonic()))
-    stamps = ours.recv() if ours.poll(15) else {}
-    producer.join(15)
-    conn.send((directory, got, stamps, kills, errors, dirs_seen, producer.exitcode))
-    shmreduce.unregister()
-    sys.exit(0)
-
-
-@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
-def test_every_message_pickled_after_a_restart_is_received(strategy):
-    """Before the fix, under file_system, a sender kept packing into pooled files the
-    new broker never counted: it unlinked them once a message using them was done,
-    and from then on every message failed ('shared-memory file ... is gone'): 200 in
-    a row after the third kill in the issue's run."""
-    ours, theirs = CTX.Pipe()
-    proc = CTX.Process(target=_stream_program, args=(strategy, theirs))
-    proc.start()
-    theirs.close()
-    try:
-        assert ours.poll(50), "the program hung"
-        directory, got, stamps, kills, errors, dirs_seen, producer_code = ours.recv()
-        proc.join(20)
-    finally:
-        if proc.exitcode is None and proc.pid is not None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.join(5)
-        ours.close()
-    assert proc.exitcode == 0 and producer_code == 0
-    assert len(kills) == len(KILLS) and len(stamps) == STREAM
-    lost = sorted(set(range(STREAM)) - set(got))
-    # A message may go with a kill only if its pickling began in the second before that
-    # kill and before every process killed was gone; after a restart, everything arrives.
-    excused = [i for i in lost if any(begun - IN_FLIGHT <= stamps[i] <= gone for begun, gone in kills)]
-    unexcused = [i for i in lost if i not in excused]
-    assert not unexcused, f"{len(unexcused)} messages pickled after a restart were lost, e.g. {unexcused[:5]}; errors: {errors[-3:]}"
-    # How many go with a kill is the backlog at that moment (load decides it): no bound
-    # on the count, only on when they were pickled (above).
-    assert dirs_seen == 1, f"{dirs_seen} program directories at once"
-    assert wait_for(lambda: not broker_procs(directory) and not os.path.exists(directory), 10), "left behind"
 
 
 def _launch_while_a_janitor_lets_go(directory: str) -> bool:
