@@ -229,3 +229,12 @@ def running(proc: Any, timeout: float = 60.0) -> Iterator[Any]:
         if proc.is_alive():
             proc.kill()
             proc.join()
+
+
+def gone(pid: int) -> bool:
+    """Whether process *pid* has exited (a zombie, or reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True

@@ -38,7 +38,7 @@ import torch
 import shmreduce
 from shmreduce import program
 
-from helpers import broker_procs, wait_for
+from helpers import broker_procs, gone, wait_for
 
 CTX = mp.get_context("fork")
 STREAM = 1000  # messages: a 1 KiB and a 400 KB tensor each, every 2 ms
@@ -78,14 +78,6 @@ def _one_pair(directory: str) -> tuple[int, int] | None:
     procs = broker_procs(directory)
     pairs = [(parent, pid) for pid, parent in procs.items() if parent in procs]
     return pairs[0] if len(pairs) == 1 and len(procs) == 2 else None
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def _stream_program(strategy: str, conn) -> None:
@@ -137,7 +129,7 @@ def _stream_program(strategy: str, conn) -> None:
             victims = pair if len(kills) % 2 else pair[1:]  # janitor and server, or the server alone
             for pid in victims:
                 os.kill(pid, signal.SIGKILL)
-            while not all(_gone(pid) for pid in victims):
+            while not all(gone(pid) for pid in victims):
                 time.sleep(0.001)
             kills.append((begun, time.monotonic(), last))
     stamps = ours.recv() if ours.poll(STALL) else {}

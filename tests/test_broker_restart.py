@@ -19,7 +19,7 @@ from shmreduce.broker import client as broker_client
 from shmreduce.cache import cache
 from shmreduce.pool import SLAB_ITEM_MAX
 
-from helpers import broker_pids, broker_procs, forget_mappings, run_in_child, wait_for
+from helpers import broker_pids, broker_procs, forget_mappings, gone, run_in_child, wait_for
 
 CTX = mp.get_context("fork")
 
@@ -179,14 +179,6 @@ def test_a_segment_whose_file_went_with_the_broker_is_never_reused():
 # which counts what was in flight at each kill rather than timing it.
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
 def _launch_while_a_janitor_lets_go(directory: str) -> bool:
     """In a child: the launcher opens the lock of a directory whose dying broker's
     janitor holds it; before its flock, the janitor removes the directory and lets go,
@@ -247,7 +239,7 @@ def _connect_after_a_kill() -> tuple[int, int]:
     client.ping()
     before = client.broker_pid
     os.kill(before, signal.SIGKILL)
-    assert wait_for(lambda: _gone(before), 10)
+    assert wait_for(lambda: gone(before), 10)
     client.connect()
     return before, client.broker_pid
 

@@ -660,11 +660,7 @@ def test_an_unauthenticated_connector_keeps_no_dead_programs_broker():
             time.sleep(0.5)
         assert not os.path.isdir(directory), "a connector that never authenticated kept a dead program's broker"
     finally:
-        for sock in socks:
-            sock.close()
-        if root.poll() is None:
-            root.kill()
-            root.wait()
+        _close_all(socks, root)
 
 
 _LIMITED_ROOT = textwrap.dedent(
@@ -734,8 +730,13 @@ def test_a_broker_at_its_descriptor_limit_sheds_load_and_stays_quiet():
         lines = open(log_path).read().count("out of file descriptors") - logged_before
         assert lines <= 3, f"{lines} log lines about the limit"
     finally:
-        for sock in socks:
-            sock.close()
-        if root.poll() is None:
-            root.kill()
-            root.wait()
+        _close_all(socks, root)
+
+
+def _close_all(socks: list[socket.socket], root: subprocess.Popen) -> None:
+    """A test's raw connections closed, and its program's root process gone."""
+    for sock in socks:
+        sock.close()
+    if root.poll() is None:
+        root.kill()
+        root.wait()
