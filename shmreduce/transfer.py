@@ -611,7 +611,7 @@ def _new_token(seg: pool.Segment, kind: str, directory: str, segkey: Any, gen: i
         entry = broker.hold(directory, segkey, gen)
         _faults.point("load.ledger")
         if not _native.hdr_hold(seg.addr, gen):
-            broker.let_go(entry, taken=False)
+            broker.let_go(entry)
             raise stale_message(f"segment {segkey!r} holds other data now (generation {gen:x} is over)")
         _faults.point("load.hold")
         broker.held(entry)

@@ -699,9 +699,9 @@ def dropping(entry: tuple[Ledger, int]) -> bool:
     return ledger.mark(index, P.DROPPING)
 
 
-def let_go(entry: tuple[Ledger, int], taken: bool = True) -> bool:
-    """Clear a ledger *entry* once the header counted this process out (or, not
-    *taken*, never counted it in); False at exit, once frozen. A ledger left empty
+def let_go(entry: tuple[Ledger, int]) -> bool:
+    """Clear a ledger *entry* once the header counted this process out (or never
+    counted it in: a stale load's); False at exit, once frozen. A ledger left empty
     with no client of its directory (after ``close_all``) is closed."""
     ledger, index = entry
     if not ledger.mark(index, P.FREE):
