@@ -42,6 +42,7 @@ import logging
 import mmap
 import os
 import re
+import resource
 import select
 import shutil
 import signal
@@ -387,9 +388,9 @@ class Broker:
         if now - self.limit_logged >= 60.0:
             self.limit_logged = now
             log.warning(
-                "out of file descriptors (%d open): not accepting connections for %.0f s at a time, shedding the newest "
-                "unauthenticated ones; raise the limit (ulimit -n) of the process that starts the broker",
-                len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else -1,
+                "out of file descriptors (its limit: %d): not accepting connections for %.0f s at a time, shedding the "
+                "newest unauthenticated ones; raise the limit (ulimit -n) of the process that starts the broker",
+                resource.getrlimit(resource.RLIMIT_NOFILE)[0],  # listing /proc/self/fd would need a descriptor
                 ACCEPT_PAUSE,
             )
 
