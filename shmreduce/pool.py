@@ -391,12 +391,7 @@ def settle(dead: list[Any] | None = None) -> None:
             continue
         if seg.retired or not pool.active:
             pool.closed(seg)  # never reused: what is in flight in it stays readable (the broker)
-        elif _native.hdr_free(seg.addr, gen):
-            pool.give_back(seg)
-        elif _native.hdr_flags(seg.addr) & _native.RETIRED:
-            seg.retired = True  # a fork, or a process dead mid-hold: never reused
-            pool.closed(seg)
-        else:
+        elif not pool.end(seg):
             pool.waiting[seg.key] = seg  # held elsewhere, or refs to it in flight
 
 
@@ -421,9 +416,7 @@ def retire_in_use() -> None:
     go back to the system once the last process maps them no more."""
     for seg in _in_use():
         if seg.gen:
-            _native.hdr_retire(seg.addr, seg.gen)
-            if seg.pool is not None:
-                seg.retired = True
+            _native.hdr_retire(seg.addr, seg.gen)  # its owner, this process or another, reads it there
 
 
 # -- generations -------------------------------------------------------------------
@@ -555,19 +548,33 @@ class Pool:
         return seg
 
     def reap(self) -> None:
-        """Give back the waiting segments that are free now: nobody holds their
-        generation and every ref sent in it was loaded (their headers say)."""
+        """Give back the waiting segments that are free now (nobody holds their
+        generation and every ref sent in it was loaded: their headers say), close
+        those retired meanwhile."""
         # A copy made in one C call: list(items()) allocates per item, and a collection
         # there can run a finalizer, a thread switch, and the collector's settle adding
         # to waiting ("dictionary changed size during iteration" in a queue's feeder
         # thread, whose message mp.Queue then drops).
-        for key, seg in self.waiting.copy().items():
-            if _native.hdr_free(seg.addr, seg.gen):
-                if self.waiting.pop(key, None) is seg:
-                    self.give_back(seg)
-            elif _native.hdr_flags(seg.addr) & _native.RETIRED and self.waiting.pop(key, None) is seg:
-                seg.retired = True
-                self.closed(seg)
+        for seg in self.waiting.copy().values():
+            self.end(seg, waited=True)
+
+    def end(self, seg: Segment, waited: bool = False) -> bool:
+        """*seg*'s generation is over in its owner: given back if free (nobody holds it,
+        every ref sent was loaded: ``hdr_free`` ends it in the header), closed if
+        retired (a fork, a process dead mid-hold: never reused); False if it must
+        wait. *waited*: it is in ``waiting``, taken out before it is given back (never
+        both there and free), by one thread only."""
+        free = _native.hdr_free(seg.addr, seg.gen)
+        if not free and not _native.hdr_flags(seg.addr) & _native.RETIRED:
+            return False
+        if waited and self.waiting.pop(seg.key, None) is not seg:
+            return True  # another thread ended it
+        if free:
+            self.give_back(seg)
+        else:
+            seg.retired = True
+            self.closed(seg)
+        return True
 
     def give_back(self, seg: Segment) -> None:
         """*seg* is free: nobody anywhere holds a storage in it."""
