@@ -263,20 +263,16 @@ static PyObject *import_tensor(GenObject *gen, Ctx *ctx, Py_ssize_t offset) {
     PyObject *tensor = PyObject_CallOneArg(from_dlpack, capsule);
     int consumed = !PyCapsule_IsValid(capsule, "dltensor"); /* torch renames what it takes */
     Py_DECREF(capsule);
-    if (tensor != NULL) {
-        atomic_store(&ctx->importing, 0); /* torch's storage owns ctx: its deleter recycles it */
-        return tensor;
-    }
-    if (atomic_load(&ctx->deleted)) {
-        atomic_store(&ctx->importing, 0);
+    int deleted = atomic_load(&ctx->deleted); /* read before importing goes: a later deleter recycles ctx itself */
+    atomic_store(&ctx->importing, 0);
+    if (tensor != NULL)
+        return tensor; /* torch's storage owns ctx: its deleter recycles it */
+    if (deleted) {
         give_back_ctx(ctx); /* the deleter ran inside the importer: the count went there */
-    } else if (consumed) {
-        atomic_store(&ctx->importing, 0); /* torch holds it still: its deleter lets go, later */
-    } else {
-        atomic_store(&ctx->importing, 0);
+    } else if (!consumed) {
         give_back_ctx(ctx); /* never taken */
         drop_count(gen);
-    }
+    } /* else torch holds it still: its deleter lets go, later */
     return NULL;
 }
 
@@ -1082,12 +1078,17 @@ static void op_flags(_Atomic uint64_t *h, uint64_t Py_UNUSED(arg), uint64_t *out
 PyDoc_STRVAR(hdr_unhold_doc, "hdr_unhold(addr, gen) -> bool\n\nCount one holder of generation gen less; False (nothing done) if the "
                              "header holds another generation or no holder.");
 
-static PyObject *hdr_unhold(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+/* name(addr, gen) -> bool: a guarded op of one generation. */
+static PyObject *generation_op(header_op op, const char *name, PyObject *const *args, Py_ssize_t nargs) {
     _Atomic uint64_t *h;
     uint64_t gen, out[1];
-    if (parse_header_gen(args, nargs, "hdr_unhold", &h, &gen) < 0 || guarded(op_unhold, h, gen, out) < 0)
+    if (parse_header_gen(args, nargs, name, &h, &gen) < 0 || guarded(op, h, gen, out) < 0)
         return NULL;
     return PyBool_FromLong(out[0] != 0);
+}
+
+static PyObject *hdr_unhold(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    return generation_op(op_unhold, "hdr_unhold", args, nargs);
 }
 
 PyDoc_STRVAR(hdr_free_doc, "hdr_free(addr, gen) -> bool\n\nThe owner, its own storages of gen all dead: if nobody holds gen, every "
@@ -1136,11 +1137,7 @@ PyDoc_STRVAR(hdr_retire_doc, "hdr_retire(addr, gen) -> bool\n\nNever reuse gener
                              "its memory goes back to the system once nothing maps it.");
 
 static PyObject *hdr_retire(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    _Atomic uint64_t *h;
-    uint64_t gen, out[1];
-    if (parse_header_gen(args, nargs, "hdr_retire", &h, &gen) < 0 || guarded(op_retire, h, gen, out) < 0)
-        return NULL;
-    return PyBool_FromLong(out[0] != 0);
+    return generation_op(op_retire, "hdr_retire", args, nargs);
 }
 
 PyDoc_STRVAR(hdr_retire_any_doc, "hdr_retire_any(addr)\n\nRetire whatever generation the header holds now, a free segment's "
