@@ -111,17 +111,18 @@ class _Receiver:
         return self.proc.exitcode
 
 
-def _hold_one(receiver: _Receiver):
-    """The receiver keeps a tensor of ones; the owner lets go of its own: only the
-    receiver's hold keeps the segment from reuse. Its segment."""
+def _hold(*receivers: _Receiver):
+    """Each receiver keeps a tensor of ones; the owner lets go of its own: only the
+    receivers' holds keep the segment from reuse. Its segment."""
     first = torch.full((NUMEL,), 1.0)
-    assert receiver.ask(first) == float(NUMEL)
+    for receiver in receivers:
+        assert receiver.ask(first) == float(NUMEL)
     place = cache.place_of(first.untyped_storage())
     assert place is not None
     seg = place.segment
     del first, place
     let_go_now()
-    assert _holders(seg) == 1
+    assert _holders(seg) == len(receivers)
     return seg
 
 
@@ -140,7 +141,7 @@ def test_a_live_receiver_whose_connections_the_broker_dropped_keeps_its_bytes(st
     message of the same size reused the segment and the kept tensor read 2.0."""
     receiver = _Receiver()
     try:
-        seg = _hold_one(receiver)
+        seg = _hold(receiver)
         _cut_and_wait(receiver, how)
         for i in range(2, 2 + STREAM):
             t = torch.full((NUMEL,), float(i))
@@ -164,15 +165,7 @@ def test_a_receiver_killed_after_its_connections_were_dropped_is_counted_out_onc
     receiver's hold with it)."""
     receiver, other = _Receiver(), _Receiver()
     try:
-        first = torch.full((NUMEL,), 1.0)
-        assert receiver.ask(first) == float(NUMEL)
-        assert other.ask(first) == float(NUMEL)
-        place = cache.place_of(first.untyped_storage())
-        assert place is not None
-        seg = place.segment
-        del first, place
-        let_go_now()
-        assert _holders(seg) == 2
+        seg = _hold(receiver, other)
         _cut_and_wait(receiver, "malformed")
         # A new message: a new segment (the first is held), fetched through a new
         # connection (under file_descriptor), held in the same ledger. (Small enough for

@@ -602,8 +602,11 @@ def test_a_truncated_segment_file_costs_the_broker_nothing():
     with shmreduce.registered(strategy="file_system"):
         assert torch.equal(shmreduce.loads(shmreduce.dumps(torch.ones(4))), torch.ones(4))  # the broker runs
         pid = _client().ping()["pid"]
-        a, b = mp.get_context("fork").Pipe()
-        p = mp.get_context("fork").Process(target=_share_truncate_and_die, args=(b,))
+        # spawn: a fork of this many-threaded test process could inherit a lock held
+        # mid-way (the child hung on a futex in some full runs)
+        spawn = mp.get_context("spawn")
+        a, b = spawn.Pipe()
+        p = spawn.Process(target=_share_truncate_and_die, args=(b,))
         p.start()
         path = a.recv() if a.poll(TIMEOUT) else None
         p.join(TIMEOUT)
