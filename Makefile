@@ -13,7 +13,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # The editable install builds the C extension in place, warnings as errors (setup.py).
-$(STAMP): $(PY) pyproject.toml constraints-dev.txt setup.py shmreduce/_native.c
+$(STAMP): $(PY) pyproject.toml constraints-dev.txt setup.py $(wildcard shmreduce/_native/*.c shmreduce/_native/*.h)
 	$(PIP) install -q -c constraints-dev.txt torch==2.13.0
 	SHMREDUCE_STRICT_BUILD=1 $(PIP) install -q -c constraints-dev.txt -e '.[test,bench]'
 	touch $(STAMP)

@@ -1,10 +1,12 @@
-"""Builds shmreduce's one C extension (``shmreduce/_native.c``); everything else is in pyproject.toml.
+"""Builds shmreduce's one C extension, ``shmreduce._native``, from ``shmreduce/_native/*.c``; everything else is in
+pyproject.toml.
 
 Plain C against the CPython API and DLPack's C ABI (no torch headers): a C compiler and
 Python's headers are all it needs. ``SHMREDUCE_STRICT_BUILD=1`` (``make``) adds -Werror;
 ``SHMREDUCE_ASAN=1`` (``make asan``) builds it with AddressSanitizer.
 """
 
+import glob
 import os
 
 from setuptools import Extension, setup
@@ -27,13 +29,21 @@ class BuildNative(build_ext):
             super().run()
         except Exception as exc:
             raise SystemExit(
-                f"shmreduce: building its C extension (shmreduce/_native.c) failed: {exc}. "
+                f"shmreduce: building its C extension (shmreduce/_native/) failed: {exc}. "
                 "shmreduce needs a C compiler (gcc or clang) and the Python development headers "
                 "(Debian/Ubuntu: apt-get install gcc python3-dev)."
             ) from exc
 
 
 setup(
-    ext_modules=[Extension("shmreduce._native", ["shmreduce/_native.c"], extra_compile_args=compile_args, extra_link_args=link_args)],
+    ext_modules=[
+        Extension(
+            "shmreduce._native",
+            sorted(glob.glob("shmreduce/_native/*.c")),
+            depends=["shmreduce/_native/native.h"],
+            extra_compile_args=compile_args,
+            extra_link_args=link_args,
+        )
+    ],
     cmdclass={"build_ext": BuildNative},
 )

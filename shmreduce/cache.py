@@ -15,7 +15,9 @@ loading its own ref gets its own storage back). Each token (a
 generation in this process) keeps its own, offset -> a weak reference to the
 storage, never the storage: it goes with the token
 when the generation's last storage here dies, so nothing is ever swept entry by
-entry. ``_native.rebuild`` reads and fills the same map. Fork-safe: the lock is
+entry. The map is the token's own (``Gen.stored`` / ``Gen.remember``, in C): the
+load paths (``Gen.load``, ``_native.rebuild``) and the senders read and fill it
+there, so the rule is written once. Fork-safe: the lock is
 replaced in the child.
 
 Weak references to a storage's Python object are weak references to its
@@ -81,12 +83,12 @@ class StorageCache:
     def storage_at(self, token: Any, offset: int) -> torch.UntypedStorage | None:
         """The storage received at *offset* through *token* (a generation's
         ``_native.Gen`` in this process), if it lives."""
-        weak = token.info[2].get(offset)
-        return None if weak is None else weak()
+        storage: torch.UntypedStorage | None = token.stored(offset)
+        return storage
 
     def remember(self, storage: torch.UntypedStorage, token: Any, offset: int) -> None:
         """*storage* lies at *offset* of *token*'s generation here (made or received)."""
-        token.info[2][offset] = weakref.ref(storage)
+        token.remember(offset, storage)
 
     def clear(self) -> None:
         """Forget everything (a test acting as a process that never saw these storages)."""

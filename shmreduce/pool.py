@@ -75,7 +75,7 @@ from shmreduce.broker import client as broker
 from shmreduce.errors import OutOfSharedMemory, SharingError, out_of_shm
 
 HEADER = _native.HEADER_BYTES  # a pooled segment's shared header (generation, counters, tickets); storages start after
-ALIGN = _native.ALIGN  # each storage starts on a cache line, as torch's CPU allocator aligns
+ALIGN = _native.ALIGN  # a slab places each storage on a cache line, as torch's CPU allocator aligns (Gen.put)
 SLAB_ITEM_MAX = _native.SLAB_ITEM_MAX  # storages up to this size share their thread's current slab
 SLAB_SIZE = 1 << 20
 POOL_BYTES = int(os.environ.get("SHMREDUCE_POOL_BYTES", str(1 << 30)))
@@ -193,9 +193,17 @@ class Segment:
         for *gen* (``hdr_hold`` counted it in the header), let go of when the token
         dies (``settle``)."""
         token = _Gen(self, self.addr, self.size, gen, HEADER if gen else 0)
-        token.info = (entry, os.getpid(), {})  # the last: storages received through it (cache.storage_at)
+        token.info = (entry, os.getpid())
         self.token, self.gen = weakref.ref(token), gen
         return token
+
+    def seal(self) -> None:
+        """Fill it no further, nor send from it: its file went with a broker that died,
+        or its memfd with the broker it was deposited at (a storage in it is shared anew)."""
+        self.sealed = True
+        token = self.live_token(self.gen)
+        if token is not None:
+            token.seal()  # a slab: nothing more is placed in it
 
     def live_token(self, gen: int) -> Any | None:
         """The token of *gen*, if it still makes storages here (alive, or dead but not
@@ -372,7 +380,7 @@ def settle(dead: list[Any] | None = None) -> None:
     pid = os.getpid()
     for token in _native.dead() if dead is None else dead:
         info: Any = token.info
-        entry, owner, _received = info
+        entry, owner = info
         if owner != pid:
             continue  # a forked child's copy of its parent's token: not ours to tell
         seg: Segment = token.owner  # type: ignore[assignment]
@@ -475,14 +483,14 @@ class Pool:
         if nbytes <= SLAB_ITEM_MAX:
             slab = self.local.__dict__.get("slab")
             if slab is not None:
+                # The slab's pages are allocated already (see _new_slab), so a plain
+                # copy into the mapping cannot fault on a full memory limit. put()
+                # claims the place first: the one placement routine, which
+                # ``_native.reduce`` uses for the same slab.
                 seg, token = slab.seg, slab.token
-                offset = token.cursor
-                if offset + nbytes <= seg.size and not seg.sealed:
-                    # The slab's pages are allocated already (see _new_slab), so a plain
-                    # copy into the mapping cannot fault on a full memory limit; one C
-                    # call per storage (``_native.reduce`` fills the same slab).
-                    token.cursor = (offset + nbytes + ALIGN - 1) & -ALIGN
-                    return seg, seg.gen, offset, token.place(offset, nbytes, 0 if source is None else source.data_ptr()), token
+                put = token.put(nbytes, 0 if source is None else source.data_ptr())
+                if put is not None:
+                    return seg, seg.gen, put[0], put[1], token
             self._new_slab()
             return self.place(nbytes, source)
         seg = self.take(class_size(nbytes))
@@ -628,14 +636,16 @@ class Pool:
         filled under a name no receiver can open)."""
         for seg in _mapped_now():
             if seg.pool is self and gone(seg):
-                seg.retired = seg.sealed = True
+                seg.retired = True
+                seg.seal()
         _native.unindex_all()
         with self.lock:
             for segs in self.free.values():
                 for seg in [s for s in segs if gone(s)]:
                     segs.remove(seg)
                     self.free_bytes -= seg.size
-                    seg.retired = seg.sealed = True
+                    seg.retired = True
+                    seg.seal()
                     self.closed(seg)
 
     def _drop_waiting(self) -> None:
@@ -772,7 +782,7 @@ def seal_where(gone: Callable[[Segment], bool]) -> None:
     went with a broker that died): a storage in one is shared anew when sent."""
     for seg in _mapped_now():
         if gone(seg):
-            seg.sealed = True
+            seg.seal()
     _native.unindex_all()  # reduce() sends from none of them (each is indexed again once sent from here)
 
 

@@ -51,8 +51,6 @@ from shmreduce.strategy import get_sharing_strategy
 
 log = logging.getLogger("shmreduce")
 
-_hdr_loaded = _native.hdr_loaded
-
 
 class SegmentRef(NamedTuple):
     """What a pickle carries for one shared storage: names the fields of the plain
@@ -101,8 +99,6 @@ _counters = {
     "storages_shared": 0,
     "bytes_shared": 0,
     "storages_reused": 0,
-    "storages_received": 0,
-    "bytes_received": 0,
     "messages_sent": 0,
     "messages_received": 0,
 }
@@ -110,9 +106,9 @@ _counters = {
 
 def counters() -> dict[str, int]:
     result = dict(_counters)
-    storages, nbytes = _native.loaded()  # what _native.rebuild loaded itself
-    result["storages_received"] += storages
-    result["bytes_received"] += nbytes
+    storages, nbytes, _again = _native.loaded()  # every load is counted in C (Gen.load, rebuild)
+    result["storages_received"] = storages
+    result["bytes_received"] = nbytes
     storages, nbytes, reused = _native.shared()  # what _native.reduce moved, and sent again
     result["storages_shared"] += storages
     result["bytes_shared"] += nbytes
@@ -291,7 +287,7 @@ def share(storage: torch.UntypedStorage) -> tuple:
         if not seg.deposited and not _deposit(seg, storage, gen):
             # A received memfd its broker let go of (its owner and every other sender
             # gone): what lies in it is shared anew, from this process's pool.
-            seg.sealed = True
+            seg.seal()
             return share(storage)
         template = ("fd", out.program, seg.key, gen, 0)
     ticket = 0
@@ -536,29 +532,20 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
             seg = _map(kind, directory, segkey, gen, tag)
         token = _new_token(seg, kind, directory, segkey, gen, tag)
     try:
-        storage = cache.storage_at(token, offset)
-        if storage is not None and storage.nbytes() == nbytes:
-            if gen:
-                _hdr_loaded(seg.addr, ticket)
-                _faults.point("load.counted")
-            _loaded_again[0] += 1
-            return storage
         if meta is not None:
-            tensor = _native.rebuild(ref, meta, None)  # counted loaded and cached there
+            # None where the storage was loaded here already (or the tensor is not
+            # one it makes): then its storage, from the identity map, below.
+            tensor = _native.rebuild(ref, meta, None)
             if tensor is not None:
                 _faults.point("load.counted")
                 return tensor
-        storage = token.storage(offset, nbytes)
+        # This process's storage at offset, else a new one (the range checked first),
+        # counted loaded once it exists: one routine for both paths (Gen.load).
+        storage: torch.UntypedStorage = token.load(offset, nbytes, ticket)
         if gen:
-            # Counted once its storage is made: a ref refused above (out of its
-            # segment's bounds) was not loaded, and its message may be in flight.
-            _hdr_loaded(seg.addr, ticket)
             _faults.point("load.counted")
     finally:
         token.release()  # the load's hold: from now on its storages hold it
-    _counters["storages_received"] += 1
-    _counters["bytes_received"] += nbytes
-    cache.remember(storage, token, offset)
     return storage
 
 
@@ -671,11 +658,10 @@ class receiving:
 
 
 def _loads() -> int:
-    """Refs loaded in this process, by ``receive_tensor`` and ``_native.rebuild``."""
-    return _counters["storages_received"] + _loaded_again[0] + _native.loaded()[0]
-
-
-_loaded_again = [0]  # refs loaded as a storage this process had already
+    """Refs loaded in this process (``Gen.load`` and ``_native.rebuild``), a storage it
+    had already included."""
+    storages, _nbytes, again = _native.loaded()
+    return storages + again
 
 
 def stats() -> dict[str, int]:

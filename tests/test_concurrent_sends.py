@@ -261,3 +261,47 @@ def test_a_64_kib_storage_pickled_by_two_threads_at_once_keeps_its_bytes(strateg
             got = ForkingPickler.loads(blob)
             assert torch.equal(got, expected), round_
             assert got.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+
+
+def test_a_send_from_a_finalizer_inside_another_send_gets_a_place_of_its_own(strategy):
+    # The C fast path moved its slab's cursor only after torch's importer had run, and
+    # a collection there can run finalizers that send: the nested send took the same
+    # place, its bytes overwrote the outer storage's, and both were sent from one
+    # offset (issue 28, "a re-entrant send from a finalizer can place two storages at
+    # one offset"). A send nested at every collection of an outer send, in turn: each
+    # storage keeps its own bytes and place.
+    import gc
+    from multiprocessing.reduction import ForkingPickler
+
+    ForkingPickler.loads(ForkingPickler.dumps(torch.zeros(16)))  # this thread's slab exists, indexed: the fast path
+    for nth in range(12):
+        outer = torch.full((256,), 1, dtype=torch.uint8)
+        inner = torch.full((256,), 2, dtype=torch.uint8)
+        seen = [0]
+        nested: list[bytes] = []
+
+        def send_inner(
+            phase: str, _info: dict, seen: list[int] = seen, nested: list[bytes] = nested, nth: int = nth, inner: torch.Tensor = inner
+        ) -> None:
+            if phase == "start" and not nested:
+                seen[0] += 1
+                if seen[0] > nth:
+                    nested.append(bytes(ForkingPickler.dumps(inner)))
+
+        threshold = gc.get_threshold()
+        gc.callbacks.append(send_inner)
+        gc.set_threshold(1)
+        try:
+            blob = bytes(ForkingPickler.dumps(outer))
+        finally:
+            gc.set_threshold(*threshold)
+            gc.callbacks.remove(send_inner)
+        assert torch.equal(ForkingPickler.loads(blob), outer), nth  # every message is loaded: none is left in flight
+        if not nested:
+            break  # fewer collections than nth in one send: every one was tried
+        assert outer.untyped_storage().data_ptr() != inner.untyped_storage().data_ptr(), nth
+        assert torch.equal(outer, torch.full((256,), 1, dtype=torch.uint8)), nth
+        assert torch.equal(inner, torch.full((256,), 2, dtype=torch.uint8)), nth
+        assert torch.equal(ForkingPickler.loads(nested[0]), inner), nth
+    else:
+        raise AssertionError("a send made more than 12 collections: raise the bound")

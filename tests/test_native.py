@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import math
 import mmap
 import pickle
 import threading
@@ -270,7 +271,6 @@ _TABLE = {torch.float32, torch.float64, torch.uint8, torch.bool, torch.int16, to
 def _published(addr: int) -> Any:
     reductions.dlpack_table()  # rebuild()'s dtypes
     gen = _gen(addr)
-    gen.info = (*_MINE, {})  # the identity map rebuild() fills
     gen.publish(_KEY)
     return gen
 
@@ -287,6 +287,8 @@ def _extent(size: tuple, stride: tuple, itemsize: int) -> int | None:
         return None
     if any(d <= 0 for d in size) or any(v < 0 for v in stride) or len(size) > 8:
         return None
+    if math.prod(size) * itemsize >= 1 << 63:
+        return None  # more elements than torch counts (issue 28, item 2): refused, whatever the strides
     return (sum((d - 1) * v for d, v in zip(size, stride, strict=True)) + 1) * itemsize  # a 0-d tensor: one element
 
 
@@ -321,7 +323,7 @@ def test_rebuild_makes_only_checked_tensors_or_raises_sharing_error(
             t = _native.rebuild(ref, (dtype, size, stride, start, extra))
             assert t.dtype == dtype and t.shape == size and t.stride() == stride and t.storage_offset() == 0
             assert t.untyped_storage().data_ptr() == addr + offset and t.untyped_storage().nbytes() == nbytes
-            assert gen.info[2][offset]() is t.untyped_storage()  # remembered: a second load is the same storage
+            assert gen.stored(offset) is t.untyped_storage()  # remembered: a second load is the same storage
             del t
         else:
             with pytest.raises(shmreduce.SharingError):
@@ -338,7 +340,7 @@ def test_rebuild_counts_its_loads_in_the_header_and_the_process(memory) -> None:
     before = _native.loaded()
     assert _native.hdr_issue(addr) == 0  # the ref's ticket, as its sender drew it
     t = _native.rebuild((*_KEY, 128, 64, 0, 0), (torch.float32, (16,), (1,), 0, None))
-    assert _native.loaded() == (before[0] + 1, before[1] + 64)
+    assert _native.loaded() == (before[0] + 1, before[1] + 64, before[2])
     assert _native.hdr_read(addr)[2] == 1  # refs loaded, in the header a pooled segment has
     assert gen.live == 2
     t.fill_(2.0)

@@ -1,0 +1,132 @@
+/* dlpack.c: storages and tensors over a mapping, made by torch's own DLPack importer.
+ *
+ * Owns: filling a DLPack context for [addr + offset, ...) of a Gen and handing it to
+ * torch (import_tensor), the untyped storage over a byte range (make_storage), the
+ * check that a pickle's sizes and strides describe elements inside their storage
+ * (parse_layout). DLPack's structs are written from the public spec (native.h): no
+ * torch headers, one binary for every torch. Calls: lifetime.c for contexts and counts.
+ * The caller checked the range (lifetime.c, check_range) before any of these runs.
+ */
+#include "native.h"
+
+/* A tensor over the mapping at offset: ctx's dtype, shape and strides set. A failed
+ * import changes no count, whether torch's importer called the deleter (then
+ * ctx->deleted says so, not the capsule's name) or never took the tensor. */
+PyObject *import_tensor(GenObject *gen, Ctx *ctx, Py_ssize_t offset) {
+    ctx->gen = gen;
+    ctx->managed.dl_tensor.data = gen->addr + offset;
+    ctx->managed.dl_tensor.device.device_type = kDLCPU;
+    ctx->managed.dl_tensor.device.device_id = 0;
+    ctx->managed.dl_tensor.shape = ctx->shape;
+    ctx->managed.dl_tensor.strides = ctx->strides;
+    ctx->managed.dl_tensor.byte_offset = 0;
+    ctx->managed.manager_ctx = ctx;
+    ctx->managed.deleter = ctx_deleter;
+    atomic_store(&ctx->deleted, 0);
+    atomic_store(&ctx->importing, 1);
+    add_count(gen);
+    PyObject *capsule = PyCapsule_New(&ctx->managed, "dltensor", NULL);
+    if (capsule == NULL) {
+        atomic_store(&ctx->importing, 0);
+        give_back_ctx(ctx);
+        drop_count(gen);
+        return NULL;
+    }
+    PyObject *tensor = PyObject_CallOneArg(from_dlpack, capsule);
+    int consumed = !PyCapsule_IsValid(capsule, "dltensor"); /* torch renames what it takes */
+    Py_DECREF(capsule);
+    int deleted = atomic_load(&ctx->deleted); /* read before importing goes: a later deleter recycles ctx itself */
+    atomic_store(&ctx->importing, 0);
+    if (tensor != NULL)
+        return tensor; /* torch's storage owns ctx: its deleter recycles it */
+    if (deleted) {
+        give_back_ctx(ctx); /* the deleter ran inside the importer: the count went there */
+    } else if (!consumed) {
+        give_back_ctx(ctx); /* never taken */
+        drop_count(gen);
+    } /* else torch holds it still: its deleter lets go, later */
+    return NULL;
+}
+
+/* The untyped storage over [offset, offset + nbytes) of the mapping; range checked. */
+PyObject *make_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes) {
+    Ctx *ctx = take_ctx();
+    if (ctx == NULL)
+        return NULL;
+    ctx->managed.dl_tensor.ndim = 1;
+    ctx->managed.dl_tensor.dtype.code = kDLUInt;
+    ctx->managed.dl_tensor.dtype.bits = 8;
+    ctx->managed.dl_tensor.dtype.lanes = 1;
+    ctx->shape[0] = nbytes;
+    ctx->strides[0] = 1;
+    PyObject *tensor = import_tensor(gen, ctx, offset);
+    if (tensor == NULL)
+        return NULL;
+    PyObject *storage = PyObject_CallMethodNoArgs(tensor, str_untyped_storage);
+    Py_DECREF(tensor);
+    return storage;
+}
+
+/* Fills ctx's shape and strides from two tuples of ints and gives the byte extent
+ * they reach: 0, or 1 for a layout DLPack cannot carry as this storage (no element,
+ * too many dimensions), or -1 (SharingError) for a malformed one. The extent is the
+ * highest element's end; a forged count (sizes whose product overflows, whatever the
+ * strides) is malformed too: torch's importer would fail on it after taking the tensor. */
+int parse_layout(PyObject *size, PyObject *stride, Py_ssize_t itemsize, Ctx *ctx, int32_t *ndim, int64_t *extent) {
+    if (!PyTuple_CheckExact(size) || !PyTuple_CheckExact(stride) || PyTuple_GET_SIZE(size) != PyTuple_GET_SIZE(stride)) {
+        PyErr_SetString(sharing_error, "tensor size and stride must be tuples of one length (forged or corrupted message)");
+        return -1;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(size);
+    if (n > MAX_DIMS)
+        return 1;
+    int64_t last = 0;  /* the highest element index */
+    int64_t count = 1; /* elements */
+    int empty = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *d = PyTuple_GET_ITEM(size, i), *st = PyTuple_GET_ITEM(stride, i);
+        if (!PyLong_CheckExact(d) || !PyLong_CheckExact(st))
+            goto bad;
+        long long dim = PyLong_AsLongLong(d), step = PyLong_AsLongLong(st);
+        if ((dim == -1 || step == -1) && PyErr_Occurred()) {
+            PyErr_Clear();
+            goto bad;
+        }
+        if (dim < 0 || step < 0)
+            goto bad;
+        if (dim == 0)
+            empty = 1;
+        else if (__builtin_mul_overflow((int64_t)(dim - 1), (int64_t)step, &ctx->shape[i]) ||
+                 __builtin_add_overflow(last, ctx->shape[i], &last) || __builtin_mul_overflow(count, (int64_t)dim, &count))
+            goto bad;
+        ctx->shape[i] = dim;
+        ctx->strides[i] = step;
+    }
+    int64_t bytes;
+    if (empty)
+        return 1;
+    if (__builtin_add_overflow(last, (int64_t)1, &last) || __builtin_mul_overflow(last, (int64_t)itemsize, &bytes) ||
+        __builtin_mul_overflow(count, (int64_t)itemsize, &count))
+        goto bad;
+    *ndim = (int32_t)n;
+    *extent = bytes;
+    return 0;
+bad:
+    PyErr_SetString(sharing_error, "tensor metadata that does not fit its storage: forged or corrupted message");
+    return -1;
+}
+
+PyDoc_STRVAR(dltype_doc, "dltype(capsule) -> (code, bits, lanes)\n\nThe dtype of a 'dltensor' capsule (torch's to_dlpack), not consumed.");
+
+static PyObject *native_dltype(PyObject *Py_UNUSED(module), PyObject *capsule) {
+    DLManagedTensor *managed = PyCapsule_GetPointer(capsule, "dltensor");
+    if (managed == NULL)
+        return NULL;
+    DLDataType t = managed->dl_tensor.dtype;
+    return Py_BuildValue("(III)", (unsigned int)t.code, (unsigned int)t.bits, (unsigned int)t.lanes);
+}
+
+PyMethodDef dlpack_methods[] = {
+    {"dltype", native_dltype, METH_O, dltype_doc},
+    {NULL, NULL, 0, NULL},
+};

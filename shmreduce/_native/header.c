@@ -1,0 +1,387 @@
+/* header.c: a pooled segment's shared header, and the broker's guard on it.
+ *
+ * Owns: every access to a header's words (atomics only: it is shared by every
+ * process that maps the segment), the tickets that tell a first load from a
+ * repeated one, and the SIGBUS guard the broker runs its header work under.
+ * Calls nothing of the others; lifetime.c and pickler.c call issue_ticket and
+ * count_loaded. The rules the words follow are written once, in broker/protocol.py
+ * ("Lifetimes"); tests/test_lifetime_model.py checks them exhaustively.
+ */
+#include "native.h"
+
+#include <errno.h>
+#include <sched.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <string.h>
+#include <time.h>
+
+/* ---- a pooled segment's header: the generation and its counters, shared ----
+ *
+ * The first HEADER_BYTES of a pooled segment are shared by every process that maps
+ * it (u64 words, every access atomic; the rules they follow are written once, in
+ * broker/protocol.py, "Lifetimes"):
+ *   [0] the generation        [1] refs sent (counted when their message is pickled whole)
+ *   [2] refs loaded (first loads only)   [3] holders (processes holding the generation,
+ *       FREEING while its owner checks it free)   [4] tickets issued   [5] flags
+ *   [8..] one bit per ticket: set by the first load of the ref that carries it.
+ * A ref carries a ticket, drawn from [4] when it is pickled: its first load sets the
+ * ticket's bit and counts it loaded, a repeated load finds the bit set and counts
+ * nothing, so sent == loaded means exactly "no message naming the generation waits
+ * for its first load". A ticket past the bitmap cannot be told from a repeat: it
+ * retires the generation (RETIRED | UNCOUNTED). A RETIRED generation is never reused
+ * (hdr_free refuses it): set where a hold cannot be counted exactly (a fork, a
+ * process dead in the middle of taking or letting go of a hold), its pages go back
+ * to the system when the last mapping and descriptor go, as torch's do.
+ */
+
+#define FREEING (1ULL << 63)
+#define FREEING_WAIT_NS 1000000000LL /* hdr_hold's wait for an owner's check (a few instructions) */
+
+static _Atomic uint64_t *header_of(PyObject *addr_obj) {
+    void *addr = PyLong_AsVoidPtr(addr_obj);
+    if (addr == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "header at a null address");
+        return NULL;
+    }
+    if ((uintptr_t)addr % 8) {
+        PyErr_SetString(PyExc_ValueError, "header at an unaligned address");
+        return NULL;
+    }
+    return (_Atomic uint64_t *)addr;
+}
+
+static int parse_header_gen(PyObject *const *args, Py_ssize_t nargs, const char *name, _Atomic uint64_t **h, uint64_t *gen) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "%s(addr, gen)", name);
+        return -1;
+    }
+    *h = header_of(args[0]);
+    if (*h == NULL)
+        return -1;
+    *gen = PyLong_AsUnsignedLongLong(args[1]); /* a header holds 64 bits: a wider one is an error, never truncated */
+    if (*gen == (uint64_t)-1 && PyErr_Occurred())
+        return -1;
+    return 0;
+}
+
+/* A ref's ticket drawn from the header h (the generation is held: by its owner's
+ * storage, or by the sender's own hold of a storage it forwards). */
+uint64_t issue_ticket(_Atomic uint64_t *h) {
+    uint64_t ticket = atomic_fetch_add(&h[HDR_ISSUED], 1);
+    if (ticket >= TICKETS)
+        atomic_fetch_or(&h[HDR_FLAGS], RETIRED | UNCOUNTED);
+    return ticket;
+}
+
+/* The ref of ticket t loaded (the generation held here): counted once, at its first
+ * load. A ticket never issued (a forged ref) counts nothing. */
+void count_loaded(_Atomic uint64_t *h, uint64_t ticket) {
+    if (ticket >= atomic_load(&h[HDR_ISSUED]))
+        return;
+    if (ticket >= TICKETS) {
+        atomic_fetch_add(&h[HDR_LOADED], 1); /* UNCOUNTED: the generation is retired */
+        return;
+    }
+    uint64_t bit = 1ULL << (ticket % 64);
+    if (!(atomic_fetch_or(&h[HDR_BITS + ticket / 64], bit) & bit))
+        atomic_fetch_add(&h[HDR_LOADED], 1);
+}
+
+static int parse_ticket(PyObject *obj, uint64_t *ticket) {
+    *ticket = PyLong_AsUnsignedLongLong(obj);
+    if (*ticket == (uint64_t)-1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError))
+            *ticket = NOT_A_TICKET;
+        else
+            return -1;
+        PyErr_Clear();
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(hdr_issue_doc, "hdr_issue(addr) -> int\n\nA ticket for one ref to the generation of the header at addr.");
+
+static PyObject *hdr_issue(PyObject *Py_UNUSED(module), PyObject *addr) {
+    _Atomic uint64_t *h = header_of(addr);
+    return h == NULL ? NULL : PyLong_FromUnsignedLongLong(issue_ticket(h));
+}
+
+PyDoc_STRVAR(hdr_loaded_doc, "hdr_loaded(addr, ticket)\n\nThe ref of ticket loaded in the generation of the header at addr: "
+                             "counted loaded at its first load only (refs sent: count_sent).");
+
+static PyObject *hdr_loaded(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "hdr_loaded(addr, ticket)");
+        return NULL;
+    }
+    _Atomic uint64_t *h = header_of(args[0]);
+    uint64_t ticket;
+    if (h == NULL || parse_ticket(args[1], &ticket) < 0)
+        return NULL;
+    count_loaded(h, ticket);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(hdr_hold_doc, "hdr_hold(addr, gen) -> bool\n\nCount this process a holder of generation gen, then check that the "
+                           "header holds gen: False (holding nothing) if it holds another, or is being freed for good.");
+
+static PyObject *hdr_hold(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    _Atomic uint64_t *h;
+    uint64_t gen;
+    if (parse_header_gen(args, nargs, "hdr_hold", &h, &gen) < 0)
+        return NULL;
+    uint64_t n = atomic_load(&h[HDR_HOLDERS]);
+    for (;;) {
+        if (n & FREEING) {
+            /* Its owner is checking it free (a few instructions): wait, without the GIL
+             * (nothing here may stall this process's other threads on another process),
+             * at most FREEING_WAIT_NS. A bit still set then was left by an owner killed
+             * mid-check: that generation was being ended (nobody held it, every ref was
+             * loaded), so this load is of a ref loaded already: refused as stale. */
+            int cleared = 0;
+            Py_BEGIN_ALLOW_THREADS
+            struct timespec start, now, pause = {0, 100000};
+            clock_gettime(CLOCK_MONOTONIC, &start);
+            for (long spins = 0;; spins++) {
+                if (spins < 1000)
+                    sched_yield();
+                else
+                    nanosleep(&pause, NULL);
+                n = atomic_load(&h[HDR_HOLDERS]);
+                if (!(n & FREEING)) {
+                    cleared = 1;
+                    break;
+                }
+                clock_gettime(CLOCK_MONOTONIC, &now);
+                if ((now.tv_sec - start.tv_sec) * 1000000000LL + (now.tv_nsec - start.tv_nsec) > FREEING_WAIT_NS)
+                    break;
+            }
+            Py_END_ALLOW_THREADS
+            if (!cleared)
+                Py_RETURN_FALSE;
+            continue;
+        }
+        if (atomic_compare_exchange_weak(&h[HDR_HOLDERS], &n, n + 1))
+            break;
+    }
+    if (atomic_load(&h[HDR_GEN]) != gen) {
+        atomic_fetch_sub(&h[HDR_HOLDERS], 1);
+        Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
+/* ---- the header work the broker does, guarded ----
+ *
+ * The broker maps the header of every segment it keeps, and a file_system file can be
+ * truncated by any process of the user (a memfd is sealed): a read of its header is
+ * then a SIGBUS. Where guard_faults() was called (the broker), each of these runs
+ * with a SIGBUS handler that jumps back and raises OSError(EFAULT) instead of ending
+ * the process (issue 29, item 1). Each op touches the header and nothing else, so
+ * nothing is left half done by the jump. */
+
+static _Thread_local sigjmp_buf *fault_jump;
+static int faults_guarded;
+
+static void on_sigbus(int sig, siginfo_t *info, void *context) {
+    (void)info;
+    (void)context;
+    sigjmp_buf *jump = fault_jump;
+    if (jump != NULL) {
+        fault_jump = NULL;
+        siglongjmp(*jump, 1);
+    }
+    signal(sig, SIG_DFL); /* not ours: as if no handler were there */
+    raise(sig);
+}
+
+typedef void (*header_op)(_Atomic uint64_t *h, uint64_t arg, uint64_t *out);
+
+static int guarded(header_op op, _Atomic uint64_t *h, uint64_t arg, uint64_t *out) {
+    if (!faults_guarded) {
+        op(h, arg, out);
+        return 0;
+    }
+    sigjmp_buf jump;
+    if (sigsetjmp(jump, 0)) {
+        errno = EFAULT;
+        PyErr_SetFromErrno(PyExc_OSError); /* the segment was truncated under its header */
+        return -1;
+    }
+    fault_jump = &jump;
+    op(h, arg, out);
+    fault_jump = NULL;
+    return 0;
+}
+
+PyDoc_STRVAR(guard_faults_doc, "guard_faults()\n\nFrom now on the header functions the broker calls raise OSError(EFAULT) "
+                               "where a segment was truncated under its header, instead of a SIGBUS ending the process.");
+
+static PyObject *guard_faults(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored)) {
+    struct sigaction action;
+    memset(&action, 0, sizeof(action));
+    action.sa_sigaction = on_sigbus;
+    action.sa_flags = SA_SIGINFO | SA_NODEFER; /* not blocked in the handler: a sigsetjmp(, 0) needs no mask back */
+    sigemptyset(&action.sa_mask);
+    if (sigaction(SIGBUS, &action, NULL) < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    faults_guarded = 1;
+    Py_RETURN_NONE;
+}
+
+static void op_unhold(_Atomic uint64_t *h, uint64_t gen, uint64_t *out) {
+    out[0] = 0;
+    if (atomic_load(&h[HDR_GEN]) != gen)
+        return;
+    uint64_t n = atomic_load(&h[HDR_HOLDERS]);
+    do {
+        if ((n & ~FREEING) == 0)
+            return;
+    } while (!atomic_compare_exchange_weak(&h[HDR_HOLDERS], &n, n - 1));
+    out[0] = 1;
+}
+
+static void op_read(_Atomic uint64_t *h, uint64_t Py_UNUSED(arg), uint64_t *out) {
+    out[0] = atomic_load(&h[HDR_GEN]);
+    out[1] = atomic_load(&h[HDR_SENT]);
+    out[2] = atomic_load(&h[HDR_LOADED]);
+    out[3] = atomic_load(&h[HDR_HOLDERS]);
+}
+
+static void op_retire(_Atomic uint64_t *h, uint64_t gen, uint64_t *out) {
+    out[0] = 0;
+    if (atomic_load(&h[HDR_GEN]) != gen)
+        return;
+    atomic_fetch_or(&h[HDR_FLAGS], RETIRED);
+    out[0] = 1;
+}
+
+static void op_retire_any(_Atomic uint64_t *h, uint64_t Py_UNUSED(arg), uint64_t *out) {
+    atomic_fetch_or(&h[HDR_FLAGS], RETIRED);
+    out[0] = 1;
+}
+
+static void op_flags(_Atomic uint64_t *h, uint64_t Py_UNUSED(arg), uint64_t *out) {
+    out[0] = atomic_load(&h[HDR_FLAGS]);
+}
+
+PyDoc_STRVAR(hdr_unhold_doc, "hdr_unhold(addr, gen) -> bool\n\nCount one holder of generation gen less; False (nothing done) if the "
+                             "header holds another generation or no holder.");
+
+/* name(addr, gen) -> bool: a guarded op of one generation. */
+static PyObject *generation_op(header_op op, const char *name, PyObject *const *args, Py_ssize_t nargs) {
+    _Atomic uint64_t *h;
+    uint64_t gen, out[1];
+    if (parse_header_gen(args, nargs, name, &h, &gen) < 0 || guarded(op, h, gen, out) < 0)
+        return NULL;
+    return PyBool_FromLong(out[0] != 0);
+}
+
+static PyObject *hdr_unhold(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    return generation_op(op_unhold, "hdr_unhold", args, nargs);
+}
+
+PyDoc_STRVAR(hdr_free_doc, "hdr_free(addr, gen) -> bool\n\nThe owner, its own storages of gen all dead: if nobody holds gen, every "
+                           "ref sent was loaded and gen is not retired, end it (generation 0, counters, tickets and flags "
+                           "zeroed: a stale ref is refused) and return True.");
+
+static PyObject *hdr_free(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    _Atomic uint64_t *h;
+    uint64_t gen;
+    if (parse_header_gen(args, nargs, "hdr_free", &h, &gen) < 0)
+        return NULL;
+    uint64_t zero = 0;
+    if (!atomic_compare_exchange_strong(&h[HDR_HOLDERS], &zero, FREEING))
+        Py_RETURN_FALSE; /* held (or being freed by another thread) */
+    /* From here no new holder until FREEING goes: sent == loaded now means every ref
+     * sent was loaded by a holder that has let go since. */
+    int free = atomic_load(&h[HDR_GEN]) == gen && !(atomic_load(&h[HDR_FLAGS]) & RETIRED) &&
+               atomic_load(&h[HDR_SENT]) == atomic_load(&h[HDR_LOADED]);
+    if (free) {
+        atomic_store(&h[HDR_GEN], 0);
+        uint64_t issued = atomic_load(&h[HDR_ISSUED]);
+        uint64_t words = (issued < TICKETS ? issued : TICKETS) / 64 + 1;
+        for (uint64_t i = 0; i < words && i < TICKETS / 64; i++)
+            atomic_store(&h[HDR_BITS + i], 0);
+        atomic_store(&h[HDR_SENT], 0);
+        atomic_store(&h[HDR_LOADED], 0);
+        atomic_store(&h[HDR_ISSUED], 0);
+        atomic_store(&h[HDR_FLAGS], 0);
+    }
+    atomic_store(&h[HDR_HOLDERS], 0);
+    return PyBool_FromLong(free);
+}
+
+PyDoc_STRVAR(hdr_read_doc, "hdr_read(addr) -> (gen, sent, loaded, holders)\n\nThe header at addr, each field read atomically.");
+
+static PyObject *hdr_read(PyObject *Py_UNUSED(module), PyObject *addr) {
+    _Atomic uint64_t *h = header_of(addr);
+    uint64_t out[4];
+    if (h == NULL || guarded(op_read, h, 0, out) < 0)
+        return NULL;
+    return Py_BuildValue("KKKK", (unsigned long long)out[0], (unsigned long long)out[1], (unsigned long long)out[2],
+                         (unsigned long long)out[3]);
+}
+
+PyDoc_STRVAR(hdr_retire_doc, "hdr_retire(addr, gen) -> bool\n\nNever reuse generation gen (if the header still holds it): "
+                             "its memory goes back to the system once nothing maps it.");
+
+static PyObject *hdr_retire(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    return generation_op(op_retire, "hdr_retire", args, nargs);
+}
+
+PyDoc_STRVAR(hdr_retire_any_doc, "hdr_retire_any(addr)\n\nRetire whatever generation the header holds now, a free segment's "
+                                 "next one included: a process killed inside a stale load's hdr_hold may have counted itself "
+                                 "there, and nobody can count it out.");
+
+static PyObject *hdr_retire_any(PyObject *Py_UNUSED(module), PyObject *addr) {
+    _Atomic uint64_t *h = header_of(addr);
+    uint64_t out[1];
+    if (h == NULL || guarded(op_retire_any, h, 0, out) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(hdr_flags_doc, "hdr_flags(addr) -> int\n\nThe header's flags: RETIRED (never reused), UNCOUNTED (a ticket past "
+                            "the bitmap: its loads were not told from repeats).");
+
+static PyObject *hdr_flags(PyObject *Py_UNUSED(module), PyObject *addr) {
+    _Atomic uint64_t *h = header_of(addr);
+    uint64_t out[1];
+    if (h == NULL || guarded(op_flags, h, 0, out) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(out[0]);
+}
+
+PyDoc_STRVAR(count_sent_doc, "count_sent(addresses)\n\nCount one ref sent in the header at each address.");
+
+static PyObject *native_count_sent(PyObject *Py_UNUSED(module), PyObject *list) {
+    if (!PyList_CheckExact(list)) {
+        PyErr_SetString(PyExc_TypeError, "count_sent(list)");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
+        _Atomic uint64_t *h = header_of(PyList_GET_ITEM(list, i));
+        if (h == NULL)
+            return NULL;
+        atomic_fetch_add(&h[HDR_SENT], 1);
+    }
+    Py_RETURN_NONE;
+}
+
+PyMethodDef header_methods[] = {
+    {"hdr_issue", hdr_issue, METH_O, hdr_issue_doc},
+    {"hdr_loaded", (PyCFunction)(void (*)(void))hdr_loaded, METH_FASTCALL, hdr_loaded_doc},
+    {"count_sent", native_count_sent, METH_O, count_sent_doc},
+    {"hdr_retire", (PyCFunction)(void (*)(void))hdr_retire, METH_FASTCALL, hdr_retire_doc},
+    {"hdr_retire_any", hdr_retire_any, METH_O, hdr_retire_any_doc},
+    {"hdr_flags", hdr_flags, METH_O, hdr_flags_doc},
+    {"guard_faults", guard_faults, METH_NOARGS, guard_faults_doc},
+    {"hdr_hold", (PyCFunction)(void (*)(void))hdr_hold, METH_FASTCALL, hdr_hold_doc},
+    {"hdr_unhold", (PyCFunction)(void (*)(void))hdr_unhold, METH_FASTCALL, hdr_unhold_doc},
+    {"hdr_free", (PyCFunction)(void (*)(void))hdr_free, METH_FASTCALL, hdr_free_doc},
+    {"hdr_read", hdr_read, METH_O, hdr_read_doc},
+    {NULL, NULL, 0, NULL},
+};

@@ -1,0 +1,580 @@
+/* lifetime.c: Gen, one generation of one mapped segment in this process, and what
+ * keeps it alive.
+ *
+ * Owns: the Gen type; its count of live storages and holds; the DLPack contexts and
+ * their deleter; the dead stack dead() empties; the one range check every handle
+ * meets before a pointer is formed (check_range); slab placement (claim: the cursor
+ * moves here and nowhere else); the identity map of what was made or loaded at each
+ * offset (stored_at, remember) and the one load routine both load paths use
+ * (load_storage: the map first, else a new storage, counted loaded in the header).
+ * Calls: dlpack.c to make storages, header.c to count loads, segments.c to unindex.
+ *
+ * The deleter, run by torch when a storage dies, on any thread and not necessarily
+ * holding the GIL, does atomic arithmetic and lock-free pushes only: its context goes
+ * back on a free list, and the Gen whose count reached zero is pushed on the dead
+ * stack. dead() (GIL held) takes the stack and returns the Gens really dead (none
+ * revived meanwhile).
+ *
+ * Reference ownership: while a Gen's count is above zero, or it sits on the dead
+ * stack, it owns one reference to itself (its storages can outlive every Python
+ * reference to it). dead() hands that reference to its caller.
+ *
+ * Consumers of both lock-free stacks hold the GIL, so there is one consumer at a time
+ * and it takes a whole stack with one exchange: no ABA problem.
+ */
+#include "native.h"
+
+#include <stddef.h>
+#include <string.h>
+#include <structmember.h>
+
+#define QUEUED (1ULL << 63) /* Gen.state: on the dead stack */
+#define COUNT (QUEUED - 1)
+/* Copies this large release the GIL: only storages reduce() never moves (it moves
+ * none above SLAB_ITEM_MAX), so no other thread can swap the source away and free it
+ * under the copy (issue 28, item 4: at exactly 64 KiB). */
+#define COPY_NOGIL (SLAB_ITEM_MAX + 1)
+
+static _Atomic(Ctx *) free_ctx;         /* pushed by deleters */
+static Ctx *spare_ctx;                  /* taken by the GIL holder */
+static _Atomic(GenObject *) dead_stack; /* pushed by deleters and release() */
+
+unsigned long long loads, loaded_bytes, loaded_again; /* GIL held */
+
+/* ---- the lock-free parts: no Python API until marked ---- */
+
+static void push_dead(GenObject *gen) {
+    GenObject *head = atomic_load_explicit(&dead_stack, memory_order_relaxed);
+    do {
+        gen->next = head;
+    } while (!atomic_compare_exchange_weak_explicit(&dead_stack, &head, gen, memory_order_release, memory_order_relaxed));
+}
+
+/* One count less; the Gen goes on the dead stack when it was the last (it keeps its
+ * self-reference there, so it stays valid until dead() takes it). */
+void drop_count(GenObject *gen) {
+    uint64_t s = atomic_load_explicit(&gen->state, memory_order_relaxed);
+    uint64_t n;
+    do {
+        n = s - 1;
+        if ((n & COUNT) == 0 && !(s & QUEUED))
+            n |= QUEUED;
+    } while (!atomic_compare_exchange_weak_explicit(&gen->state, &s, n, memory_order_acq_rel, memory_order_relaxed));
+    if (n == QUEUED && !(s & QUEUED))
+        push_dead(gen);
+}
+
+/* torch's deleter: any thread, maybe without the GIL. Atomics and pushes only. */
+void ctx_deleter(DLManagedTensor *managed) {
+    Ctx *ctx = (Ctx *)managed->manager_ctx;
+    GenObject *gen = ctx->gen;
+    if (atomic_load_explicit(&ctx->importing, memory_order_acquire)) {
+        /* torch's importer failed after taking the tensor (issue 28, item 2): the count
+         * goes now, once; import_tensor() recycles the context (no second deleter). */
+        atomic_store_explicit(&ctx->deleted, 1, memory_order_release);
+        drop_count(gen);
+        return;
+    }
+    Ctx *head = atomic_load_explicit(&free_ctx, memory_order_relaxed);
+    do {
+        ctx->next = head;
+    } while (!atomic_compare_exchange_weak_explicit(&free_ctx, &head, ctx, memory_order_release, memory_order_relaxed));
+    drop_count(gen);
+}
+
+/* ---- GIL held from here on ---- */
+
+Ctx *take_ctx(void) {
+    if (from_dlpack == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "shmreduce._native.init() was not called");
+        return NULL;
+    }
+    if (spare_ctx == NULL)
+        spare_ctx = atomic_exchange_explicit(&free_ctx, NULL, memory_order_acquire);
+    Ctx *ctx = spare_ctx;
+    if (ctx != NULL) {
+        spare_ctx = ctx->next;
+        return ctx;
+    }
+    ctx = PyMem_RawMalloc(sizeof(Ctx));
+    if (ctx == NULL)
+        PyErr_NoMemory();
+    return ctx;
+}
+
+void give_back_ctx(Ctx *ctx) {
+    ctx->next = spare_ctx;
+    spare_ctx = ctx;
+}
+
+/* One count more (a storage, or a hold); the first takes the self-reference. */
+void add_count(GenObject *gen) {
+    uint64_t s = atomic_fetch_add_explicit(&gen->state, 1, memory_order_acq_rel);
+    if (s == 0)
+        Py_INCREF(gen); /* a Gen on the dead stack (s == QUEUED) has it already */
+}
+
+/* The one check a handle meets before a pointer is formed. */
+int check_range(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes) {
+    if (gen->ended) {
+        PyErr_Format(sharing_error, "generation %S is over: stale handle", gen->number);
+        return -1;
+    }
+    /* Any offset a storage can lie at (SPEC 2: torch.from_numpy(t.numpy()[1:]) of a shared
+     * tensor lies 4 bytes into a cache line): the bounds are what a pointer needs. */
+    if (nbytes <= 0 || offset < gen->low || offset > gen->size || nbytes > gen->size - offset) {
+        PyErr_Format(sharing_error,
+                     "handle out of bounds (%zd bytes at %zd of a %zd-byte segment): it does not match its segment "
+                     "(forged or corrupted message)",
+                     nbytes, offset, gen->size);
+        return -1;
+    }
+    return 0;
+}
+
+/* The slab's next nbytes, claimed before anything else runs (a finalizer that sends
+ * from inside torch's importer gets the next place, never this one), or -1 (no error
+ * set) if they do not fit. The one place the cursor moves. */
+Py_ssize_t claim(GenObject *gen, Py_ssize_t nbytes) {
+    Py_ssize_t at = gen->cursor;
+    if (gen->ended || nbytes <= 0 || at < gen->low || at > gen->size || nbytes > gen->size - at)
+        return -1;
+    Py_ssize_t next = at + nbytes;
+    gen->cursor = next > gen->size - (ALIGN - 1) ? gen->size : (next + ALIGN - 1) & ~(Py_ssize_t)(ALIGN - 1);
+    return at;
+}
+
+/* nbytes from source (NULL: zeros) copied to offset, then the storage there. */
+PyObject *put_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes, const void *source) {
+    if (check_range(gen, offset, nbytes) < 0)
+        return NULL;
+    char *dest = gen->addr + offset;
+    if (nbytes >= COPY_NOGIL) {
+        Py_BEGIN_ALLOW_THREADS
+        if (source == NULL)
+            memset(dest, 0, (size_t)nbytes);
+        else
+            memmove(dest, source, (size_t)nbytes);
+        Py_END_ALLOW_THREADS
+        if (check_range(gen, offset, nbytes) < 0) /* ended while the copy ran without the GIL */
+            return NULL;
+    } else if (source == NULL) {
+        memset(dest, 0, (size_t)nbytes);
+    } else {
+        memmove(dest, source, (size_t)nbytes);
+    }
+    return make_storage(gen, offset, nbytes);
+}
+
+/* The live storage made or loaded at offset here (a new reference), or NULL (no error
+ * set when there is none). */
+PyObject *stored_at(GenObject *gen, Py_ssize_t offset) {
+    PyObject *key = PyLong_FromSsize_t(offset);
+    if (key == NULL)
+        return NULL;
+    PyObject *weak = PyDict_GetItemWithError(gen->stored, key);
+    Py_DECREF(key);
+    return weak != NULL ? referent(weak) : NULL;
+}
+
+/* storage lies at offset here: what a ref to offset loads from now on. */
+int remember(GenObject *gen, Py_ssize_t offset, PyObject *storage) {
+    PyObject *key = PyLong_FromSsize_t(offset);
+    PyObject *weak = key != NULL ? PyWeakref_NewRef(storage, NULL) : NULL;
+    int done = weak != NULL ? PyDict_SetItem(gen->stored, key, weak) : -1;
+    Py_XDECREF(key);
+    Py_XDECREF(weak);
+    return done;
+}
+
+/* What a ref of ticket to nbytes at offset loads (the generation held by the caller):
+ * the storage this process has there already, else a new one, remembered. Counted
+ * loaded in the header (a first load only: header.c) once the storage exists: a ref
+ * refused here was not loaded, and its message may be in flight. */
+PyObject *load_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes, uint64_t ticket) {
+    PyObject *storage = stored_at(gen, offset);
+    if (storage == NULL && PyErr_Occurred())
+        return NULL;
+    if (storage != NULL) {
+        PyObject *size = PyObject_CallMethodNoArgs(storage, str_nbytes);
+        Py_ssize_t have = size != NULL ? PyLong_AsSsize_t(size) : -1;
+        Py_XDECREF(size);
+        if (have == -1 && PyErr_Occurred()) {
+            Py_DECREF(storage);
+            return NULL;
+        }
+        if (have == nbytes) {
+            if (gen->low)
+                count_loaded((_Atomic uint64_t *)gen->addr, ticket);
+            loaded_again++;
+            return storage;
+        }
+        Py_CLEAR(storage); /* another storage at that offset (SPEC 2): this ref's is made */
+    }
+    if (check_range(gen, offset, nbytes) < 0 || (storage = make_storage(gen, offset, nbytes)) == NULL)
+        return NULL;
+    if (gen->low)
+        count_loaded((_Atomic uint64_t *)gen->addr, ticket);
+    if (remember(gen, offset, storage) < 0) {
+        Py_DECREF(storage);
+        return NULL;
+    }
+    loads++;
+    loaded_bytes += (unsigned long long)nbytes;
+    return storage;
+}
+
+/* ---- the Gen type ---- */
+
+static int parse_range(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, Py_ssize_t *offset, Py_ssize_t *nbytes) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "expected %zd arguments, got %zd", want, nargs);
+        return -1;
+    }
+    if (!PyLong_CheckExact(args[0]) || !PyLong_CheckExact(args[1])) {
+        PyErr_SetString(sharing_error, "handle offset and size must be ints (forged or corrupted message)");
+        return -1;
+    }
+    *offset = PyLong_AsSsize_t(args[0]);
+    *nbytes = PyLong_AsSsize_t(args[1]);
+    if ((*offset == -1 || *nbytes == -1) && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_SetString(sharing_error, "handle offset or size out of range (forged or corrupted message)");
+        return -1;
+    }
+    return 0;
+}
+
+/* A source address argument: a live CPU storage's data_ptr() (the caller's), or 0. */
+static int parse_source(PyObject *obj, const void **source) {
+    *source = PyLong_AsVoidPtr(obj);
+    return *source == NULL && PyErr_Occurred() ? -1 : 0;
+}
+
+PyDoc_STRVAR(gen_storage_doc, "storage(offset, nbytes) -> UntypedStorage\n\n"
+                              "The storage over nbytes at offset of the segment (checked first: SharingError).");
+
+static PyObject *gen_storage(GenObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t offset, nbytes;
+    if (parse_range(args, nargs, 2, &offset, &nbytes) < 0 || check_range(self, offset, nbytes) < 0)
+        return NULL;
+    return make_storage(self, offset, nbytes);
+}
+
+PyDoc_STRVAR(gen_place_doc, "place(offset, nbytes, source) -> UntypedStorage\n\n"
+                            "Copy nbytes from address source (0: zeros) to offset, then storage(offset, nbytes).\n"
+                            "source is the data_ptr() of a live CPU storage of at least nbytes (the caller's).");
+
+static PyObject *gen_place(GenObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t offset, nbytes;
+    const void *source;
+    if (parse_range(args, nargs, 3, &offset, &nbytes) < 0 || parse_source(args[2], &source) < 0)
+        return NULL;
+    return put_storage(self, offset, nbytes, source);
+}
+
+PyDoc_STRVAR(gen_put_doc, "put(nbytes, source) -> (offset, UntypedStorage) | None\n\n"
+                          "place() at this slab's next free offset (claimed first); None if nbytes do not fit.");
+
+static PyObject *gen_put(GenObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    const void *source;
+    if (nargs != 2 || !PyLong_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "put(nbytes, source)");
+        return NULL;
+    }
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[0]);
+    if ((nbytes == -1 && PyErr_Occurred()) || parse_source(args[1], &source) < 0)
+        return NULL;
+    Py_ssize_t offset = claim(self, nbytes);
+    if (offset < 0)
+        Py_RETURN_NONE;
+    PyObject *storage = put_storage(self, offset, nbytes, source);
+    return storage == NULL ? NULL : Py_BuildValue("(nN)", offset, storage);
+}
+
+PyDoc_STRVAR(gen_seal_doc, "seal()\n\nPlace nothing more in this slab (its segment is sealed).");
+
+static PyObject *gen_seal(GenObject *self, PyObject *Py_UNUSED(ignored)) {
+    self->cursor = self->size;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(gen_load_doc, "load(offset, nbytes, ticket) -> UntypedStorage\n\n"
+                           "What a ref of ticket to nbytes at offset loads, the generation held: the storage made or "
+                           "loaded there already, else a new one; counted loaded in the header (first loads only).");
+
+static PyObject *gen_load(GenObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t offset, nbytes;
+    if (parse_range(args, nargs, 3, &offset, &nbytes) < 0)
+        return NULL;
+    uint64_t ticket = PyLong_AsUnsignedLongLong(args[2]);
+    if (ticket == (uint64_t)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError) && !PyErr_ExceptionMatches(PyExc_TypeError))
+            return NULL;
+        PyErr_Clear();
+        ticket = NOT_A_TICKET;
+    }
+    return load_storage(self, offset, nbytes, ticket);
+}
+
+PyDoc_STRVAR(gen_stored_doc, "stored(offset) -> UntypedStorage | None\n\nThe live storage made or loaded at offset here.");
+
+static PyObject *gen_stored(GenObject *self, PyObject *offset_obj) {
+    Py_ssize_t offset = PyLong_AsSsize_t(offset_obj);
+    if (offset == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *storage = stored_at(self, offset);
+    return storage != NULL || PyErr_Occurred() ? storage : Py_NewRef(Py_None);
+}
+
+PyDoc_STRVAR(gen_remember_doc, "remember(offset, storage)\n\nstorage lies at offset here: what a ref to offset loads.");
+
+static PyObject *gen_remember(GenObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "remember(offset, storage)");
+        return NULL;
+    }
+    Py_ssize_t offset = PyLong_AsSsize_t(args[0]);
+    if ((offset == -1 && PyErr_Occurred()) || remember(self, offset, args[1]) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(gen_acquire_doc, "acquire() -> bool\n\nHold the generation as a storage would (a slab's owner, "
+                              "a load in progress); False, holding nothing, once dead() has reported it.");
+
+static PyObject *gen_acquire(GenObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (self->ended)
+        Py_RETURN_FALSE;
+    add_count(self);
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(gen_release_doc, "release()\n\nLet go of one acquire() (or of the hold a Gen is made with).");
+
+static PyObject *gen_release(GenObject *self, PyObject *Py_UNUSED(ignored)) {
+    if ((atomic_load(&self->state) & COUNT) == 0) {
+        PyErr_SetString(PyExc_RuntimeError, "release() of a generation nobody holds");
+        return NULL;
+    }
+    drop_count(self);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(gen_publish_doc, "publish(key)\n\nMake rebuild() load refs whose first four fields are key through this Gen, "
+                              "until dead() reports it (a receiver's, held: Python checked the generation).");
+
+static PyObject *gen_publish(GenObject *self, PyObject *key) {
+    if (published == NULL || self->ended || self->key != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "publish() before init(), of an ended Gen, or twice");
+        return NULL;
+    }
+    if (PyDict_SetItem(published, key, (PyObject *)self) < 0)
+        return NULL;
+    self->key = Py_NewRef(key);
+    Py_RETURN_NONE;
+}
+
+static PyObject *gen_get_live(GenObject *self, void *Py_UNUSED(closure)) {
+    return PyLong_FromUnsignedLongLong(atomic_load(&self->state) & COUNT);
+}
+
+static PyObject *gen_get_ended(GenObject *self, void *Py_UNUSED(closure)) {
+    return PyBool_FromLong(self->ended);
+}
+
+static PyObject *gen_get_info(GenObject *self, void *Py_UNUSED(closure)) {
+    return Py_NewRef(self->info);
+}
+
+static int gen_set_info(GenObject *self, PyObject *value, void *Py_UNUSED(closure)) {
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "info cannot be deleted");
+        return -1;
+    }
+    Py_SETREF(self->info, Py_NewRef(value));
+    return 0;
+}
+
+static PyObject *gen_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"owner", "addr", "size", "number", "low", NULL};
+    PyObject *owner, *addr_obj, *number;
+    Py_ssize_t size, low;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOnO!n", kwlist, &owner, &addr_obj, &size, &PyLong_Type, &number, &low))
+        return NULL;
+    void *addr = PyLong_AsVoidPtr(addr_obj);
+    if (addr == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "Gen over a null address");
+        return NULL;
+    }
+    if (size < 8 || low < 0 || low > size) {
+        PyErr_Format(PyExc_ValueError, "Gen of a %zd-byte segment from byte %zd", size, low);
+        return NULL;
+    }
+    PyObject *stored = PyDict_New();
+    if (stored == NULL)
+        return NULL;
+    GenObject *self = (GenObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        Py_DECREF(stored);
+        return NULL;
+    }
+    atomic_init(&self->state, 1); /* the maker's hold: release() it */
+    Py_INCREF(self);              /* ... which owns the self-reference */
+    self->next = NULL;
+    self->owner = Py_NewRef(owner);
+    self->info = Py_NewRef(Py_None);
+    self->stored = stored;
+    self->weakrefs = NULL;
+    self->addr = addr;
+    self->size = size;
+    self->low = low;
+    self->number = Py_NewRef(number);
+    self->key = NULL;
+    self->template = NULL;
+    self->cursor = low;
+    self->ended = 0;
+    return (PyObject *)self;
+}
+
+static void gen_dealloc(GenObject *self) {
+    /* Only reached with no count and off the dead stack: the self-reference is gone. */
+    if (self->weakrefs != NULL)
+        PyObject_ClearWeakRefs((PyObject *)self);
+    Py_XDECREF(self->owner);
+    Py_XDECREF(self->info);
+    Py_XDECREF(self->stored);
+    Py_XDECREF(self->number);
+    Py_XDECREF(self->key);
+    Py_XDECREF(self->template);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+PyDoc_STRVAR(gen_index_doc, "index(template)\n\nSend storages in this Gen from reduce(), with refs (*template[:4], offset, "
+                            "nbytes, template[4], ticket).");
+
+static PyMethodDef gen_methods[] = {
+    {"storage", (PyCFunction)(void (*)(void))gen_storage, METH_FASTCALL, gen_storage_doc},
+    {"place", (PyCFunction)(void (*)(void))gen_place, METH_FASTCALL, gen_place_doc},
+    {"put", (PyCFunction)(void (*)(void))gen_put, METH_FASTCALL, gen_put_doc},
+    {"seal", (PyCFunction)gen_seal, METH_NOARGS, gen_seal_doc},
+    {"load", (PyCFunction)(void (*)(void))gen_load, METH_FASTCALL, gen_load_doc},
+    {"stored", (PyCFunction)gen_stored, METH_O, gen_stored_doc},
+    {"remember", (PyCFunction)(void (*)(void))gen_remember, METH_FASTCALL, gen_remember_doc},
+    {"acquire", (PyCFunction)gen_acquire, METH_NOARGS, gen_acquire_doc},
+    {"release", (PyCFunction)gen_release, METH_NOARGS, gen_release_doc},
+    {"publish", (PyCFunction)gen_publish, METH_O, gen_publish_doc},
+    {"index", (PyCFunction)gen_index, METH_O, gen_index_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef gen_members[] = {
+    {"cursor", T_PYSSIZET, offsetof(GenObject, cursor), READONLY, "a slab's next free offset (put() and reduce() move it)"},
+    {"owner", T_OBJECT, offsetof(GenObject, owner), READONLY, "the segment"},
+    {"number", T_OBJECT, offsetof(GenObject, number), READONLY, "the generation"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef gen_getset[] = {
+    {"live", (getter)gen_get_live, NULL, "storages and holds alive now", NULL},
+    {"ended", (getter)gen_get_ended, NULL, "dead() reported it", NULL},
+    {"info", (getter)gen_get_info, (setter)gen_set_info, "the pool's bookkeeping", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyTypeObject GenType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "shmreduce._native.Gen",
+    .tp_basicsize = sizeof(GenObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = PyDoc_STR("Gen(owner, addr, size, number, low)\n\nA generation of a mapped segment in this process; "
+                        "made held once (release() it)."),
+    .tp_new = gen_new,
+    .tp_dealloc = (destructor)gen_dealloc,
+    .tp_weaklistoffset = offsetof(GenObject, weakrefs),
+    .tp_methods = gen_methods,
+    .tp_members = gen_members,
+    .tp_getset = gen_getset,
+};
+
+/* ---- dead() ---- */
+
+/* Out of the published dict: rebuild() loads through it no more (never fails: dead() must not). */
+static void unpublish(GenObject *gen) {
+    if (gen->key == NULL)
+        return;
+    PyObject *found = PyDict_GetItemWithError(published, gen->key);
+    if (found == (PyObject *)gen && PyDict_DelItem(published, gen->key) < 0)
+        found = NULL;
+    if (found == NULL)
+        PyErr_Clear();
+    Py_CLEAR(gen->key);
+}
+
+PyDoc_STRVAR(dead_doc, "dead() -> list[Gen]\n\nThe generations whose last storage and hold died since the last call, "
+                       "each once; each is ended.");
+
+static PyObject *native_dead(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored)) {
+    PyObject *result = PyList_New(0);
+    if (result == NULL)
+        return NULL;
+    GenObject *gen = atomic_exchange_explicit(&dead_stack, NULL, memory_order_acquire);
+    while (gen != NULL) {
+        GenObject *next = gen->next;
+        uint64_t s = atomic_load_explicit(&gen->state, memory_order_acquire);
+        int dead;
+        for (;;) {
+            /* QUEUED with no count: dead (its self-reference is ours now). Else it was
+             * revived while queued: off the stack, its storages keep the reference. */
+            uint64_t n = (s == QUEUED) ? 0 : (s & ~QUEUED);
+            if (atomic_compare_exchange_weak_explicit(&gen->state, &s, n, memory_order_acq_rel, memory_order_acquire)) {
+                dead = n == 0;
+                break;
+            }
+        }
+        if (dead) {
+            gen->ended = 1;
+            if (PyList_Append(result, (PyObject *)gen) < 0) {
+                /* Out of memory: this one and the rest go back on the stack for the
+                 * next call; what the list holds is reported now. */
+                PyErr_Clear();
+                gen->ended = 0;
+                atomic_store(&gen->state, QUEUED);
+                gen->next = next;
+                GenObject *tail = gen;
+                while (tail->next != NULL)
+                    tail = tail->next;
+                GenObject *head = atomic_load(&dead_stack);
+                do {
+                    tail->next = head;
+                } while (!atomic_compare_exchange_weak(&dead_stack, &head, gen));
+                return result;
+            }
+            Py_DECREF(gen); /* the list holds it now */
+            unpublish(gen);
+            unindex(gen);
+        }
+        gen = next;
+    }
+    return result;
+}
+
+PyDoc_STRVAR(pending_doc, "pending() -> bool\n\nWhether dead() has something to report (one atomic load).");
+
+static PyObject *native_pending(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored)) {
+    return PyBool_FromLong(atomic_load_explicit(&dead_stack, memory_order_relaxed) != NULL);
+}
+
+PyDoc_STRVAR(loaded_doc, "loaded() -> (storages, bytes, again)\n\nThe storages this process loaded (made for a ref), "
+                         "their bytes, and the refs loaded as a storage it had already.");
+
+static PyObject *native_loaded(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored)) {
+    return Py_BuildValue("KKK", loads, loaded_bytes, loaded_again);
+}
+
+PyMethodDef lifetime_methods[] = {
+    {"dead", native_dead, METH_NOARGS, dead_doc},
+    {"pending", native_pending, METH_NOARGS, pending_doc},
+    {"loaded", native_loaded, METH_NOARGS, loaded_doc},
+    {NULL, NULL, 0, NULL},
+};

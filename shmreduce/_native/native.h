@@ -1,0 +1,177 @@
+/* shmreduce._native: what its files share. One extension module, one file per job:
+ *
+ *   module.c    the module: its functions' tables gathered, constants exported, init()
+ *   lifetime.c  Gen (one generation of a mapped segment here), the DLPack contexts and
+ *               their deleter, the dead stack: native lifetimes
+ *   dlpack.c    storages and tensors over a mapping, through torch's DLPack importer
+ *   segments.c  the table of mapped segments, by address, and the Gen each sends from
+ *   header.c    a pooled segment's shared header: its atomics, and the broker's guard
+ *   pickler.c   the pickling fast path: reduce() and rebuild(), and slab placement
+ *
+ * Mechanism only: which storage goes where, what is an error, when the broker is
+ * asked, is decided in Python (pool.py, transfer.py, reductions.py), which calls in.
+ * Each file opens with what it owns and what it calls. Every symbol below is shared
+ * inside the extension only (-fvisibility=hidden): PyInit__native is its one export.
+ *
+ * Needs a GIL build of CPython: the lock-free stacks have one consumer, the GIL holder.
+ */
+#ifndef SHMREDUCE_NATIVE_H
+#define SHMREDUCE_NATIVE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+/* ---- DLPack (legacy, unversioned ABI: "dltensor" capsules), from the public spec ---- */
+
+typedef struct {
+    int32_t device_type;
+    int32_t device_id;
+} DLDevice;
+
+typedef struct {
+    uint8_t code;
+    uint8_t bits;
+    uint16_t lanes;
+} DLDataType;
+
+typedef struct {
+    void *data;
+    DLDevice device;
+    int32_t ndim;
+    DLDataType dtype;
+    int64_t *shape;
+    int64_t *strides;
+    uint64_t byte_offset;
+} DLTensor;
+
+typedef struct DLManagedTensor {
+    DLTensor dl_tensor;
+    void *manager_ctx;
+    void (*deleter)(struct DLManagedTensor *self);
+} DLManagedTensor;
+
+enum { kDLCPU = 1, kDLUInt = 1 };
+
+/* ---- constants: defined here once; module.c exports those Python reads ---- */
+
+#define ALIGN 64              /* a slab places each storage on a cache line, as torch's allocator does */
+#define SLAB_ITEM_MAX 65536   /* larger storages get a segment of their own (pool.py) */
+#define MAX_DIMS 8            /* rebuild()'s; more dimensions take the general path */
+
+/* A pooled segment's shared header (header.c says what each word means). */
+#define HEADER_BYTES 4096
+#define HDR_GEN 0
+#define HDR_SENT 1
+#define HDR_LOADED 2
+#define HDR_HOLDERS 3
+#define HDR_ISSUED 4
+#define HDR_FLAGS 5
+#define HDR_BITS 8
+#define TICKETS ((uint64_t)(HEADER_BYTES / 8 - HDR_BITS) * 64)
+#define RETIRED 1ULL
+#define UNCOUNTED 2ULL
+#define NOT_A_TICKET (UINT64_MAX - 1) /* past every ticket: a load of it counts nothing */
+
+/* ---- Gen and its DLPack context (lifetime.c) ---- */
+
+typedef struct GenObject GenObject;
+
+/* One storage's DLPack context; recycled through a lock-free free list. */
+typedef struct Ctx {
+    DLManagedTensor managed;
+    int64_t shape[MAX_DIMS];
+    int64_t strides[MAX_DIMS];
+    GenObject *gen;
+    struct Ctx *next;
+    _Atomic int importing; /* import_tensor() is inside torch's importer with it */
+    _Atomic int deleted;   /* the deleter ran while importing: import_tensor() recycles it */
+} Ctx;
+
+struct GenObject {
+    PyObject_HEAD
+    _Atomic uint64_t state; /* live storages and holds | QUEUED (lifetime.c) */
+    GenObject *next;        /* on the dead stack */
+    PyObject *owner;        /* the Segment (keeps the mapping) */
+    PyObject *info;         /* Python's bookkeeping, opaque here */
+    PyObject *stored;       /* offset -> a weak reference to the storage made or loaded there (the identity map) */
+    PyObject *weakrefs;
+    char *addr;
+    Py_ssize_t size;
+    Py_ssize_t low;       /* first byte a storage may use: past the header if pooled, else 0 */
+    PyObject *number;     /* the generation, an int (0: not pooled) */
+    PyObject *key;        /* its key in the published dict, or NULL */
+    PyObject *template;   /* indexed for reduce(): its refs' (kind, directory, segment, generation, tag), or NULL */
+    Py_ssize_t cursor;    /* a slab's next free offset (claim() alone moves it) */
+    int ended;            /* dead() reported it: no storage is made from it any more */
+};
+
+extern PyTypeObject GenType;
+
+/* ---- bound by module.c's init() and init_send(), interned at import ---- */
+
+extern PyObject *from_dlpack;   /* torch._C._from_dlpack */
+extern PyObject *sharing_error; /* shmreduce.errors.SharingError (RuntimeError until init()) */
+extern PyObject *dtypes;        /* torch dtype -> (code, bits, lanes, itemsize) */
+extern PyObject *published;     /* a receiver's Gens by their refs' (kind, directory, segment, generation) */
+extern PyObject *str_untyped_storage, *str_nbytes;
+
+/* ---- what the files call of each other ---- */
+
+/* lifetime.c */
+void add_count(GenObject *gen);
+void drop_count(GenObject *gen);
+Ctx *take_ctx(void);
+void give_back_ctx(Ctx *ctx);
+void ctx_deleter(DLManagedTensor *managed);
+int check_range(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes);
+Py_ssize_t claim(GenObject *gen, Py_ssize_t nbytes);
+PyObject *stored_at(GenObject *gen, Py_ssize_t offset);
+int remember(GenObject *gen, Py_ssize_t offset, PyObject *storage);
+PyObject *load_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes, uint64_t ticket);
+PyObject *put_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes, const void *source);
+extern unsigned long long loads, loaded_bytes, loaded_again;
+extern PyMethodDef lifetime_methods[];
+
+/* dlpack.c */
+PyObject *import_tensor(GenObject *gen, Ctx *ctx, Py_ssize_t offset);
+PyObject *make_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes);
+int parse_layout(PyObject *size, PyObject *stride, Py_ssize_t itemsize, Ctx *ctx, int32_t *ndim, int64_t *extent);
+extern PyMethodDef dlpack_methods[];
+
+/* segments.c */
+typedef struct {
+    char *addr;
+    Py_ssize_t size;
+    PyObject *segment; /* a weak reference */
+    GenObject *gen;    /* indexed, or NULL */
+} Range;
+Range *range_at(uintptr_t ptr, Py_ssize_t nbytes);
+void unindex(GenObject *gen);
+PyObject *gen_index(GenObject *self, PyObject *template);
+extern PyMethodDef segments_methods[];
+
+/* header.c */
+uint64_t issue_ticket(_Atomic uint64_t *h);
+void count_loaded(_Atomic uint64_t *h, uint64_t ticket);
+extern PyMethodDef header_methods[];
+
+/* pickler.c */
+int pickler_init(void);
+extern PyMethodDef pickler_methods[];
+
+/* A weak reference's referent (a new reference), or NULL (no error set) if it died. */
+static inline PyObject *referent(PyObject *weak) {
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *obj = NULL;
+    if (PyWeakref_GetRef(weak, &obj) < 0)
+        PyErr_Clear();
+    return obj;
+#else
+    PyObject *obj = PyWeakref_GetObject(weak);
+    return obj == Py_None || obj == NULL ? (PyErr_Clear(), NULL) : Py_NewRef(obj);
+#endif
+}
+
+#endif

@@ -1,0 +1,424 @@
+/* pickler.c: a plain CPU tensor pickled and loaded in one call each way.
+ *
+ * Owns: reduce(), the pickler's reducer for torch.Tensor (into this thread's slab, or
+ * from where its storage lies), and rebuild(), what pickles name (through a Gen this
+ * process published). Each does the common case and hands every other one, before it
+ * changed anything, to the Python it stands in for (reductions.reduce_tensor /
+ * rebuild_tensor), which decides what is indexed, published and filled. The sending
+ * scope (message()) and the broker's post connection it checks once per message.
+ * Calls: lifetime.c (claim, put_storage, stored_at, remember), dlpack.c (the typed
+ * import), segments.c (where a storage lies), header.c (tickets, loads).
+ */
+#include "native.h"
+
+#include <poll.h>
+
+/* rebuild()'s general case (reductions.rebuild_tensor), reduce()'s (reduce_tensor),
+ * imported on first use; from init_send(): what reduce() returns to rebuild with
+ * (rebuild), what it takes (torch.Tensor exactly, torch.strided), torch.multiprocessing's
+ * globals (the strategy), torch's own UntypedStorage.is_shared. */
+static PyObject *general_rebuild_fn, *general_reduce_fn;
+static PyObject *rebuild_fn, *tensor_type, *strided, *strategy_globals, *torch_is_shared;
+static int post_fd = -1;                 /* the post connection to this program's broker, or -1 */
+static _Thread_local PyObject *outgoing; /* the sending scope's header addresses, or NULL */
+static _Thread_local int broker_seen;    /* this message found its broker live */
+static unsigned long long shares, shared_bytes, reuses;
+
+enum { S_REQUIRES_GRAD, S_BACKWARD_HOOKS, S_LAYOUT, S_IS_CPU, S_IS_NESTED, S_NBYTES, S_DATA_PTR, S_SWAP, S_DTYPE,
+       S_SIZE, S_STRIDE, S_STORAGE_OFFSET, S_SHARING_STRATEGY, S_FILE_SYSTEM, S_SLAB_FD, S_SLAB_FS, N_NAMES };
+static const char *const name_text[N_NAMES] = {
+    "requires_grad", "_backward_hooks", "layout", "is_cpu", "is_nested", "nbytes", "data_ptr", "_swap_data_ptr_", "dtype",
+    "size", "stride", "storage_offset", "_sharing_strategy", "file_system", "shmreduce.slab.fd", "shmreduce.slab.fs"};
+static PyObject *names[N_NAMES];
+
+int pickler_init(void) {
+    for (int i = 0; i < N_NAMES; i++)
+        if ((names[i] = PyUnicode_InternFromString(name_text[i])) == NULL)
+            return -1;
+    return 0;
+}
+
+/* reductions.<name>, imported on first use into *slot (importing shmreduce, in a
+ * process whose first shmreduce object is a pickle's); borrowed, or NULL. */
+static PyObject *reductions_function(PyObject **slot, const char *name) {
+    if (*slot == NULL) {
+        PyObject *module = PyImport_ImportModule("shmreduce.reductions");
+        if (module == NULL)
+            return NULL;
+        *slot = PyObject_GetAttrString(module, name);
+        Py_DECREF(module);
+    }
+    return *slot;
+}
+
+/* rebuild(ref, meta): the general one; rebuild(ref, meta, None), from it: None. */
+static PyObject *rebuild_general(PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs == 3)
+        Py_RETURN_NONE;
+    PyObject *fn = reductions_function(&general_rebuild_fn, "rebuild_tensor");
+    return fn == NULL ? NULL : PyObject_Vectorcall(fn, args, (size_t)nargs, NULL);
+}
+
+/* An exact int's value, or -1 for anything else (no error set). */
+static Py_ssize_t small_int(PyObject *obj) {
+    if (!PyLong_CheckExact(obj))
+        return -1;
+    Py_ssize_t value = PyLong_AsSsize_t(obj);
+    if (value == -1)
+        PyErr_Clear();
+    return value;
+}
+
+PyDoc_STRVAR(rebuild_doc,
+             "rebuild(ref, meta) -> Tensor\n\n"
+             "A tensor pickled by reductions.reduce_tensor. Made here, in one call, where the ref's generation has a "
+             "published Gen and the tensor is plain (no subclass, no grad), starts its storage and spans it exactly, "
+             "in a dtype of the table, and its storage was not loaded here already: counted loaded in the header, "
+             "remembered in the Gen's identity map, dtype's layout checked first. Every other case, malformed ones "
+             "included, goes to the general one, shmreduce.reductions.rebuild_tensor, which calls "
+             "rebuild(ref, meta, None) once it published the Gen: None there instead of the general one.");
+
+static PyObject *native_rebuild(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 2 || nargs > 3 || published == NULL || from_dlpack == NULL)
+        return rebuild_general(args, nargs);
+    PyObject *ref = args[0], *meta = args[1];
+    if (!PyTuple_CheckExact(ref) || PyTuple_GET_SIZE(ref) != 8 || !PyTuple_CheckExact(meta) || PyTuple_GET_SIZE(meta) != 5 ||
+        PyTuple_GET_ITEM(meta, 4) != Py_None || small_int(PyTuple_GET_ITEM(meta, 3)) != 0)
+        return rebuild_general(args, nargs);
+    PyObject *dtype = PyDict_GetItemWithError(dtypes, PyTuple_GET_ITEM(meta, 0));
+    if (dtype == NULL && PyErr_Occurred()) { /* an unhashable dtype: no call is made with the error pending */
+        PyErr_Clear();
+        PyErr_SetString(sharing_error, "not a tensor's metadata: its dtype is not a torch dtype (forged or corrupted message)");
+        return NULL;
+    }
+    PyObject *key = PyTuple_GetSlice(ref, 0, 4);
+    if (key == NULL)
+        return NULL;
+    GenObject *gen = (GenObject *)PyDict_GetItemWithError(published, key);
+    Py_DECREF(key);
+    if (gen == NULL && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_SetString(sharing_error, "not a shmreduce ref: its fields are not hashable (forged or corrupted message)");
+        return NULL;
+    }
+    Py_ssize_t offset = small_int(PyTuple_GET_ITEM(ref, 4)), nbytes = small_int(PyTuple_GET_ITEM(ref, 5));
+    Py_ssize_t ticket_value = small_int(PyTuple_GET_ITEM(ref, 7));
+    uint64_t ticket = ticket_value < 0 ? NOT_A_TICKET : (uint64_t)ticket_value;
+    if (gen == NULL || dtype == NULL || gen->ended || offset < 0 || nbytes <= 0 || !PyTuple_CheckExact(dtype) ||
+        PyTuple_GET_SIZE(dtype) != 4)
+        return rebuild_general(args, nargs);
+    PyObject *loaded = stored_at(gen, offset);
+    if (loaded != NULL) {
+        Py_DECREF(loaded);
+        return rebuild_general(args, nargs); /* loaded here already: the general case makes a tensor of that storage */
+    }
+    if (PyErr_Occurred() || check_range(gen, offset, nbytes) < 0)
+        return NULL;
+    Py_ssize_t code = small_int(PyTuple_GET_ITEM(dtype, 0)), bits = small_int(PyTuple_GET_ITEM(dtype, 1));
+    Py_ssize_t lanes = small_int(PyTuple_GET_ITEM(dtype, 2)), itemsize = small_int(PyTuple_GET_ITEM(dtype, 3));
+    if (code < 0 || code > 255 || bits <= 0 || bits > 255 || lanes <= 0 || lanes > 65535 || itemsize <= 0) {
+        PyErr_SetString(PyExc_ValueError, "init(): not a DLPack dtype table");
+        return NULL;
+    }
+    Ctx *ctx = take_ctx();
+    if (ctx == NULL)
+        return NULL;
+    int32_t ndim = 0;
+    int64_t extent = 0;
+    int parsed = parse_layout(PyTuple_GET_ITEM(meta, 1), PyTuple_GET_ITEM(meta, 2), itemsize, ctx, &ndim, &extent);
+    if (parsed != 0 || extent != nbytes) {
+        give_back_ctx(ctx);
+        if (parsed < 0)
+            return NULL;
+        return rebuild_general(args, nargs); /* a storage larger than the tensor's elements, or no element */
+    }
+    ctx->managed.dl_tensor.ndim = ndim;
+    ctx->managed.dl_tensor.dtype.code = (uint8_t)code;
+    ctx->managed.dl_tensor.dtype.bits = (uint8_t)bits;
+    ctx->managed.dl_tensor.dtype.lanes = (uint16_t)lanes;
+    PyObject *tensor = import_tensor(gen, ctx, offset);
+    if (tensor == NULL)
+        return NULL;
+    if (gen->low) /* pooled: counted loaded (a first load only) once its storage exists */
+        count_loaded((_Atomic uint64_t *)gen->addr, ticket);
+    PyObject *storage = PyObject_CallMethodNoArgs(tensor, str_untyped_storage);
+    if (storage == NULL || remember(gen, offset, storage) < 0) {
+        Py_XDECREF(storage);
+        Py_DECREF(tensor);
+        return NULL;
+    }
+    Py_DECREF(storage);
+    loads++;
+    loaded_bytes += (unsigned long long)nbytes;
+    return tensor;
+}
+
+/* ---- reduce(): a plain CPU tensor shared in one call ---- */
+
+static PyObject *reduce_general(PyObject *tensor) {
+    PyObject *fn = reductions_function(&general_reduce_fn, "reduce_tensor");
+    return fn == NULL ? NULL : PyObject_CallOneArg(fn, tensor);
+}
+
+/* 1 if obj.<name> is want (a singleton), 0 if not, -1 on error. */
+static int attr_is(PyObject *obj, int name, PyObject *want) {
+    PyObject *value = PyObject_GetAttr(obj, names[name]);
+    if (value == NULL)
+        return -1;
+    Py_DECREF(value);
+    return value == want;
+}
+
+/* obj.<name>() as an address or size; -1 (error set) on failure. */
+static Py_ssize_t call_int(PyObject *obj, int name) {
+    PyObject *value = PyObject_CallMethodNoArgs(obj, names[name]);
+    if (value == NULL)
+        return -1;
+    Py_ssize_t n = PyLong_AsSsize_t(value);
+    Py_DECREF(value);
+    return n;
+}
+
+/* Swap fresh's memory into storage if storage's data is still at ptr (no other thread
+ * moved it meanwhile): 1; 0 if moved; -1 on error. No Python code runs in between. */
+static int move_into(PyObject *storage, Py_ssize_t ptr, PyObject *fresh) {
+    Py_ssize_t now = call_int(storage, S_DATA_PTR);
+    if (now == -1 && PyErr_Occurred())
+        return -1;
+    if (now != ptr)
+        return 0;
+    PyObject *done = PyObject_CallMethodOneArg(storage, names[S_SWAP], fresh);
+    Py_XDECREF(done);
+    return done == NULL ? -1 : 1;
+}
+
+PyDoc_STRVAR(move_doc, "move(storage, ptr, fresh) -> bool\n\nSwap fresh's memory into storage if its data is still at ptr.");
+
+static PyObject *native_move(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyLong_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "move(storage, ptr, fresh)");
+        return NULL;
+    }
+    Py_ssize_t ptr = PyLong_AsSsize_t(args[1]);
+    int moved = (ptr == -1 && PyErr_Occurred()) ? -1 : move_into(args[0], ptr, args[2]);
+    return moved < 0 ? NULL : PyBool_FromLong(moved);
+}
+
+/* The current slab of this thread for the current strategy, if reduce() may fill it
+ * (indexed: Python sent from it itself). */
+static GenObject *current_slab(void) {
+    PyObject *strategy = PyDict_GetItemWithError(strategy_globals, names[S_SHARING_STRATEGY]);
+    PyObject *thread = PyThreadState_GetDict();
+    if (strategy == NULL || thread == NULL)
+        return NULL;
+    int fs = PyUnicode_Check(strategy) && PyUnicode_Compare(strategy, names[S_FILE_SYSTEM]) == 0;
+    PyObject *slab = PyDict_GetItemWithError(thread, names[fs ? S_SLAB_FS : S_SLAB_FD]);
+    if (slab == NULL || Py_TYPE(slab) != &GenType || ((GenObject *)slab)->ended || ((GenObject *)slab)->template == NULL)
+        return NULL;
+    return (GenObject *)slab;
+}
+
+/* Where storage (nbytes at ptr) is sent from: a Gen reduce() sends from and the
+ * offset, moved into this thread's slab first if it lies in none; NULL (no error)
+ * for the general path. */
+static GenObject *send_from(PyObject *storage, Py_ssize_t ptr, Py_ssize_t nbytes, Py_ssize_t *offset) {
+    Range *r = range_at((uintptr_t)ptr, nbytes);
+    if (r != NULL) { /* in shared memory already: sent from where it lies, by an indexed Gen only */
+        GenObject *gen = r->gen;
+        Py_ssize_t at = ptr - (Py_ssize_t)r->addr;
+        if (gen == NULL || gen->ended || at < gen->low)
+            return NULL;
+        *offset = at;
+        reuses++;
+        return gen;
+    }
+    if (nbytes > SLAB_ITEM_MAX)
+        return NULL;
+    PyObject *shared = PyObject_CallOneArg(torch_is_shared, storage); /* torch's own: a storage it shared is adopted */
+    Py_XDECREF(shared);
+    GenObject *slab = shared == Py_False ? current_slab() : NULL;
+    Py_ssize_t at = slab != NULL ? claim(slab, nbytes) : -1;
+    if (at < 0)
+        return NULL; /* full, or none yet: the general path makes the next */
+    Py_INCREF(slab); /* torch code runs below: a finalizer may drop the thread's slab */
+    PyObject *fresh = put_storage(slab, at, nbytes, (const void *)ptr);
+    int moved = fresh != NULL ? move_into(storage, ptr, fresh) : -1;
+    Py_XDECREF(fresh);
+    if (moved > 0 && remember(slab, at, storage) < 0)
+        moved = -1;
+    Py_DECREF(slab); /* its storage holds it now */
+    if (moved <= 0)
+        return NULL; /* moved by another thread meanwhile: the general path finds where */
+    shares++;
+    shared_bytes += (unsigned long long)nbytes;
+    *offset = at;
+    return slab;
+}
+
+/* A tuple of n new references, taken over; NULL (each released) if any is NULL. */
+static PyObject *tuple_of(Py_ssize_t n, PyObject **items) {
+    PyObject *tuple = NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (items[i] == NULL)
+            goto fail;
+    tuple = PyTuple_New(n);
+    if (tuple == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyTuple_SET_ITEM(tuple, i, items[i]);
+    return tuple;
+fail:
+    for (Py_ssize_t i = 0; i < n; i++)
+        Py_XDECREF(items[i]);
+    return NULL;
+}
+
+static PyObject *share_plain(PyObject *tensor, PyObject *storage) {
+    Py_ssize_t nbytes = call_int(storage, S_NBYTES), ptr = nbytes > 0 ? call_int(storage, S_DATA_PTR) : -1;
+    if (nbytes <= 0 || ptr == -1)
+        return NULL;
+    if (!broker_seen) {
+        struct pollfd post = {.fd = post_fd, .events = POLLRDHUP};
+        if (post_fd < 0 || poll(&post, 1, 0) != 0)
+            return NULL; /* the broker may be gone: the general path connects anew */
+        broker_seen = 1;
+    }
+    Py_ssize_t offset;
+    GenObject *gen = send_from(storage, ptr, nbytes, &offset);
+    if (gen == NULL)
+        return NULL;
+    /* send_from() ran torch code (the importer, the swap): a collection there may have
+     * run finalizers that unindexed gen (unindex_all(), a broker reconnect), so its
+     * template is read only now, and held while this builds (issue 28, item 3).
+     * Without it, the general path sends the storage from where it lies now. */
+    PyObject *t = gen->template;
+    if (t == NULL || gen->ended)
+        return NULL;
+    Py_INCREF(t);
+    uint64_t ticket = gen->low ? issue_ticket((_Atomic uint64_t *)gen->addr) : 0;
+    PyObject *ref = tuple_of(8, (PyObject *[]){Py_NewRef(PyTuple_GET_ITEM(t, 0)), Py_NewRef(PyTuple_GET_ITEM(t, 1)),
+                                                Py_NewRef(PyTuple_GET_ITEM(t, 2)), Py_NewRef(PyTuple_GET_ITEM(t, 3)),
+                                                PyLong_FromSsize_t(offset), PyLong_FromSsize_t(nbytes), Py_NewRef(PyTuple_GET_ITEM(t, 4)),
+                                                PyLong_FromUnsignedLongLong(ticket)});
+    Py_DECREF(t);
+    PyObject *header = gen->low ? PyLong_FromVoidPtr(gen->addr) : NULL;
+    if (ref == NULL || (gen->low && (header == NULL || PyList_Append(outgoing, header) < 0))) {
+        Py_XDECREF(ref);
+        Py_XDECREF(header);
+        return NULL;
+    }
+    Py_XDECREF(header);
+    /* One call at a time: none is made with an error set. */
+    PyObject *meta[5] = {PyObject_GetAttr(tensor, names[S_DTYPE]), NULL, NULL, NULL, Py_NewRef(Py_None)};
+    PyObject *size = meta[0] != NULL ? PyObject_CallMethodNoArgs(tensor, names[S_SIZE]) : NULL;
+    if (size != NULL) /* a torch.Size: its items as a plain tuple, which pickles and loads in C */
+        meta[1] = PyTuple_Check(size) ? PyTuple_GetSlice(size, 0, PY_SSIZE_T_MAX) : PySequence_Tuple(size);
+    Py_XDECREF(size);
+    if (meta[1] != NULL)
+        meta[2] = PyObject_CallMethodNoArgs(tensor, names[S_STRIDE]);
+    if (meta[2] != NULL)
+        meta[3] = PyObject_CallMethodNoArgs(tensor, names[S_STORAGE_OFFSET]);
+    PyObject *args = tuple_of(2, (PyObject *[]){ref, tuple_of(5, meta)});
+    return args == NULL ? NULL : tuple_of(2, (PyObject *[]){Py_NewRef(rebuild_fn), args});
+}
+
+PyDoc_STRVAR(reduce_doc,
+             "reduce(tensor) -> (rebuild, (ref, meta))\n\n"
+             "reductions.reduce_tensor's result, made here in one call for a plain CPU tensor (torch.Tensor "
+             "exactly, no grad, no hooks, strided) inside a sending scope (message()) whose broker lives, whose "
+             "storage lies in an indexed Gen or fits this thread's slab (copied there and swapped in); counted "
+             "sent when the scope ends (its header's address appended to the scope's list). Every other case "
+             "goes to reductions.reduce_tensor.");
+
+static PyObject *native_reduce(PyObject *Py_UNUSED(module), PyObject *tensor) {
+    if (outgoing == NULL || rebuild_fn == NULL || Py_TYPE(tensor) != (PyTypeObject *)tensor_type)
+        return reduce_general(tensor);
+    int plain;
+    if ((plain = attr_is(tensor, S_REQUIRES_GRAD, Py_False)) <= 0 || (plain = attr_is(tensor, S_BACKWARD_HOOKS, Py_None)) <= 0 ||
+        (plain = attr_is(tensor, S_LAYOUT, strided)) <= 0 || (plain = attr_is(tensor, S_IS_CPU, Py_True)) <= 0 ||
+        (plain = attr_is(tensor, S_IS_NESTED, Py_False)) <= 0)
+        return plain < 0 ? NULL : reduce_general(tensor);
+    PyObject *storage = PyObject_CallMethodNoArgs(tensor, str_untyped_storage);
+    if (storage == NULL)
+        return NULL;
+    PyObject *reduced = share_plain(tensor, storage);
+    Py_DECREF(storage);
+    if (reduced == NULL && !PyErr_Occurred())
+        return reduce_general(tensor);
+    return reduced;
+}
+
+PyDoc_STRVAR(message_doc, "message(addresses)\n\nreduce()'s sending scope on this thread: the list it appends the header "
+                          "address of each ref to, or None (outside any scope). The broker is checked again.");
+
+static PyObject *native_message(PyObject *Py_UNUSED(module), PyObject *list) {
+    if (list != Py_None && !PyList_CheckExact(list)) {
+        PyErr_SetString(PyExc_TypeError, "message(list | None)");
+        return NULL;
+    }
+    Py_XSETREF(outgoing, list == Py_None ? NULL : Py_NewRef(list));
+    broker_seen = 0;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(watch_doc, "watch(fd)\n\nreduce() checks the post connection fd (-1: none) for a hang-up once per message.");
+
+static PyObject *native_watch(PyObject *Py_UNUSED(module), PyObject *fd) {
+    long value = PyLong_AsLong(fd);
+    if (value == -1 && PyErr_Occurred())
+        return NULL;
+    post_fd = value < 0 || value > INT32_MAX ? -1 : (int)value;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(set_slab_doc, "set_slab(file_system, gen)\n\nThis thread's current slab of a strategy for reduce() (None: none).");
+
+static PyObject *native_set_slab(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *thread = PyThreadState_GetDict();
+    if (nargs != 2 || thread == NULL || (args[1] != Py_None && Py_TYPE(args[1]) != &GenType)) {
+        PyErr_SetString(PyExc_TypeError, "set_slab(bool, Gen | None)");
+        return NULL;
+    }
+    int fs = PyObject_IsTrue(args[0]);
+    if (fs < 0)
+        return NULL;
+    PyObject *key = names[fs ? S_SLAB_FS : S_SLAB_FD];
+    if (args[1] != Py_None)
+        return PyDict_SetItem(thread, key, args[1]) < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *found = PyDict_GetItemWithError(thread, key);
+    if ((found == NULL && PyErr_Occurred()) || (found != NULL && PyDict_DelItem(thread, key) < 0))
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(shared_doc, "shared() -> (storages, bytes, reused)\n\nWhat reduce() moved into slabs, and sent from where it lay.");
+
+static PyObject *native_shared(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored)) {
+    return Py_BuildValue("KKK", shares, shared_bytes, reuses);
+}
+
+PyDoc_STRVAR(init_send_doc, "init_send(rebuild, tensor_type, strided, strategy_globals, is_shared)\n\nBind what reduce() needs.");
+
+static PyObject *native_init_send(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *fn, *type, *layout, *globals, *is_shared;
+    if (!PyArg_ParseTuple(args, "OO!OO!O", &fn, &PyType_Type, &type, &layout, &PyDict_Type, &globals, &is_shared))
+        return NULL;
+    Py_XSETREF(rebuild_fn, Py_NewRef(fn));
+    Py_XSETREF(tensor_type, Py_NewRef(type));
+    Py_XSETREF(strided, Py_NewRef(layout));
+    Py_XSETREF(strategy_globals, Py_NewRef(globals));
+    Py_XSETREF(torch_is_shared, Py_NewRef(is_shared));
+    Py_RETURN_NONE;
+}
+
+PyMethodDef pickler_methods[] = {
+    {"rebuild", (PyCFunction)(void (*)(void))native_rebuild, METH_FASTCALL, rebuild_doc},
+    {"reduce", native_reduce, METH_O, reduce_doc},
+    {"move", (PyCFunction)(void (*)(void))native_move, METH_FASTCALL, move_doc},
+    {"message", native_message, METH_O, message_doc},
+    {"watch", native_watch, METH_O, watch_doc},
+    {"set_slab", (PyCFunction)(void (*)(void))native_set_slab, METH_FASTCALL, set_slab_doc},
+    {"shared", native_shared, METH_NOARGS, shared_doc},
+    {"init_send", native_init_send, METH_VARARGS, init_send_doc},
+    {NULL, NULL, 0, NULL},
+};
