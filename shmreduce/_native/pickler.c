@@ -255,24 +255,6 @@ static GenObject *send_from(PyObject *storage, Py_ssize_t ptr, Py_ssize_t nbytes
     return slab;
 }
 
-/* A tuple of n new references, taken over; NULL (each released) if any is NULL. */
-static PyObject *tuple_of(Py_ssize_t n, PyObject **items) {
-    PyObject *tuple = NULL;
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (items[i] == NULL)
-            goto fail;
-    tuple = PyTuple_New(n);
-    if (tuple == NULL)
-        goto fail;
-    for (Py_ssize_t i = 0; i < n; i++)
-        PyTuple_SET_ITEM(tuple, i, items[i]);
-    return tuple;
-fail:
-    for (Py_ssize_t i = 0; i < n; i++)
-        Py_XDECREF(items[i]);
-    return NULL;
-}
-
 static PyObject *share_plain(PyObject *tensor, PyObject *storage) {
     Py_ssize_t nbytes = call_int(storage, S_NBYTES), ptr = nbytes > 0 ? call_int(storage, S_DATA_PTR) : -1;
     if (nbytes <= 0 || ptr == -1)
@@ -294,32 +276,50 @@ static PyObject *share_plain(PyObject *tensor, PyObject *storage) {
     PyObject *t = gen->template;
     if (t == NULL || gen->ended)
         return NULL;
+    PyObject *ref = NULL, *meta = NULL, *size = NULL, *item, *header = NULL, *result = NULL;
     Py_INCREF(t);
-    uint64_t ticket = gen->low ? issue_ticket((_Atomic uint64_t *)gen->addr) : 0;
-    PyObject *ref = tuple_of(8, (PyObject *[]){Py_NewRef(PyTuple_GET_ITEM(t, 0)), Py_NewRef(PyTuple_GET_ITEM(t, 1)),
-                                                Py_NewRef(PyTuple_GET_ITEM(t, 2)), Py_NewRef(PyTuple_GET_ITEM(t, 3)),
-                                                PyLong_FromSsize_t(offset), PyLong_FromSsize_t(nbytes), Py_NewRef(PyTuple_GET_ITEM(t, 4)),
-                                                PyLong_FromUnsignedLongLong(ticket)});
+    if ((ref = PyTuple_New(8)) == NULL)
+        goto error;
+    for (Py_ssize_t i = 0; i < 4; i++)
+        PyTuple_SET_ITEM(ref, i, Py_NewRef(PyTuple_GET_ITEM(t, i)));
+    PyTuple_SET_ITEM(ref, 6, Py_NewRef(PyTuple_GET_ITEM(t, 4)));
+    if ((item = PyLong_FromSsize_t(offset)) == NULL)
+        goto error;
+    PyTuple_SET_ITEM(ref, 4, item);
+    if ((item = PyLong_FromSsize_t(nbytes)) == NULL)
+        goto error;
+    PyTuple_SET_ITEM(ref, 5, item);
+    if ((item = PyLong_FromUnsignedLongLong(gen->low ? issue_ticket((_Atomic uint64_t *)gen->addr) : 0)) == NULL)
+        goto error;
+    PyTuple_SET_ITEM(ref, 7, item);
+    if (gen->low && ((header = PyLong_FromVoidPtr(gen->addr)) == NULL || PyList_Append(outgoing, header) < 0))
+        goto error;
+    /* meta: (dtype, size as a plain tuple, which pickles and loads in C, stride, storage offset, None) */
+    if ((meta = PyTuple_New(5)) == NULL)
+        goto error;
+    PyTuple_SET_ITEM(meta, 4, Py_NewRef(Py_None));
+    if ((item = PyObject_GetAttr(tensor, names[S_DTYPE])) == NULL)
+        goto error;
+    PyTuple_SET_ITEM(meta, 0, item);
+    if ((size = PyObject_CallMethodNoArgs(tensor, names[S_SIZE])) == NULL)
+        goto error;
+    if ((item = PyTuple_Check(size) ? PyTuple_GetSlice(size, 0, PY_SSIZE_T_MAX) : PySequence_Tuple(size)) == NULL)
+        goto error;
+    PyTuple_SET_ITEM(meta, 1, item);
+    if ((item = PyObject_CallMethodNoArgs(tensor, names[S_STRIDE])) == NULL)
+        goto error;
+    PyTuple_SET_ITEM(meta, 2, item);
+    if ((item = PyObject_CallMethodNoArgs(tensor, names[S_STORAGE_OFFSET])) == NULL)
+        goto error;
+    PyTuple_SET_ITEM(meta, 3, item);
+    result = Py_BuildValue("(O(OO))", rebuild_fn, ref, meta);
+error:
     Py_DECREF(t);
-    PyObject *header = gen->low ? PyLong_FromVoidPtr(gen->addr) : NULL;
-    if (ref == NULL || (gen->low && (header == NULL || PyList_Append(outgoing, header) < 0))) {
-        Py_XDECREF(ref);
-        Py_XDECREF(header);
-        return NULL;
-    }
-    Py_XDECREF(header);
-    /* One call at a time: none is made with an error set. */
-    PyObject *meta[5] = {PyObject_GetAttr(tensor, names[S_DTYPE]), NULL, NULL, NULL, Py_NewRef(Py_None)};
-    PyObject *size = meta[0] != NULL ? PyObject_CallMethodNoArgs(tensor, names[S_SIZE]) : NULL;
-    if (size != NULL) /* a torch.Size: its items as a plain tuple, which pickles and loads in C */
-        meta[1] = PyTuple_Check(size) ? PyTuple_GetSlice(size, 0, PY_SSIZE_T_MAX) : PySequence_Tuple(size);
+    Py_XDECREF(ref);
+    Py_XDECREF(meta);
     Py_XDECREF(size);
-    if (meta[1] != NULL)
-        meta[2] = PyObject_CallMethodNoArgs(tensor, names[S_STRIDE]);
-    if (meta[2] != NULL)
-        meta[3] = PyObject_CallMethodNoArgs(tensor, names[S_STORAGE_OFFSET]);
-    PyObject *args = tuple_of(2, (PyObject *[]){ref, tuple_of(5, meta)});
-    return args == NULL ? NULL : tuple_of(2, (PyObject *[]){Py_NewRef(rebuild_fn), args});
+    Py_XDECREF(header);
+    return result;
 }
 
 PyDoc_STRVAR(reduce_doc,
