@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from shmreduce import _native
 from shmreduce.broker.protocol import DIR_PREFIX, SEG_PREFIX, identity, is_segment_name
 from shmreduce.errors import SharingError, out_of_shm, too_many_files
 
@@ -92,7 +93,7 @@ def create_file(directory: str, name: str, size: int) -> int:
         raise os_error(exc, f"creating {path}") from exc
     try:
         os.ftruncate(fd, size)
-        os.posix_fallocate(fd, 0, min(size, 4096))
+        os.posix_fallocate(fd, 0, min(size, _native.HEADER_BYTES))  # the header's page
     except OSError as exc:
         os.close(fd)
         os.unlink(path)

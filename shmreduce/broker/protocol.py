@@ -230,7 +230,6 @@ KEEP = b"K"
 PING = b"P"
 PONG = b"p"
 
-HEADER_BYTES = 64  # what the broker maps of a pooled segment's header: its counters (the ticket bits after them are the clients')
 INOS_PER_RECORD = 4000
 
 STATUS_OK = 0

@@ -239,11 +239,11 @@ class Broker:
         if seg.map is None:
             try:
                 if seg.fd >= 0:
-                    seg.map = mmap.mmap(seg.fd, P.HEADER_BYTES)
+                    seg.map = mmap.mmap(seg.fd, _native.HEADER_BYTES)
                 else:
                     fd = os.open(os.path.join(self.dir, str(seg.key)), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
                     try:
-                        seg.map = mmap.mmap(fd, P.HEADER_BYTES)
+                        seg.map = mmap.mmap(fd, _native.HEADER_BYTES)
                     finally:
                         os.close(fd)
             except (OSError, ValueError):
