@@ -189,6 +189,77 @@ def test_any_range_is_a_checked_storage_or_a_sharing_error(memory, offset: int, 
         _drain()
 
 
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    offset=_ANY | st.integers(-128, SIZE + 128),
+    nbytes=_ANY | st.integers(-8, SIZE + 8),
+    ticket=_ANY | st.integers(0, 3) | st.sampled_from([None, "0", 1.0]),
+)
+def test_a_load_is_a_checked_storage_counted_once_or_a_sharing_error_that_counts_nothing(
+    memory, offset: int, nbytes: int, ticket: Any
+) -> None:
+    # Gen.load, the one load routine (issue 28): any ref's range and ticket give the
+    # storage over exactly that range, the same one when loaded again, each ticket
+    # counted loaded at its first load only; or a SharingError, every count as it was.
+    m, addr = memory
+    m[: _native.HEADER_BYTES] = bytes(_native.HEADER_BYTES)  # a fresh header for each example
+    gen = _gen(addr)
+    first = _native.hdr_issue(addr)  # tickets 0 and 1 issued, as their sender drew them
+    _native.hdr_issue(addr)
+    before = (_native.hdr_read(addr), gen.live, _native.loaded())
+    try:
+        valid = LOW <= offset and 0 < nbytes and offset + nbytes <= SIZE
+        if valid:
+            s = gen.load(offset, nbytes, ticket)
+            assert s.data_ptr() == addr + offset and s.nbytes() == nbytes
+            assert gen.stored(offset) is s and gen.load(offset, nbytes, ticket) is s  # loaded again: the same storage
+            counted = type(ticket) is int and first <= ticket < first + 2
+            assert _native.hdr_read(addr)[2] == before[0][2] + counted  # a ticket issued counts once, any other nothing
+            assert _native.loaded()[0] == before[2][0] + 1 and _native.loaded()[2] == before[2][2] + 1
+            del s
+        else:
+            with pytest.raises(shmreduce.SharingError):
+                gen.load(offset, nbytes, ticket)
+            assert (_native.hdr_read(addr), gen.live, _native.loaded()) == before
+    finally:
+        gen.release()
+        _drain()
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(-4, SIZE) | _ANY, min_size=1, max_size=40))
+def test_a_slab_places_each_storage_once_on_its_own_cache_lines(memory, sizes: list[int]) -> None:
+    # Gen.put, the one placement routine (C's reduce() claims through it too): each
+    # storage that fits gets bytes no other one has, from a cache line past the
+    # header; one that does not fit is None (a new slab), anything malformed an error.
+    _, addr = memory
+    gen = _gen(addr)
+    placed: list[tuple[int, int, Any]] = []
+    try:
+        for nbytes in sizes:
+            if not -(1 << 63) <= nbytes < 1 << 63:
+                with pytest.raises(OverflowError):
+                    gen.put(nbytes, 0)
+                continue
+            cursor = gen.cursor
+            put = gen.put(nbytes, 0)
+            if put is None:
+                assert nbytes <= 0 or cursor + nbytes > SIZE  # nothing to place, or full
+                continue
+            offset, storage = put
+            assert offset == cursor and offset % _native.ALIGN == 0 and LOW <= offset and offset + nbytes <= SIZE
+            assert storage.data_ptr() == addr + offset and storage.nbytes() == nbytes
+            placed.append((offset, nbytes, storage))
+        spans = sorted((o, o + n) for o, n, _ in placed)
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
+        gen.seal()
+        assert gen.put(1, 0) is None  # sealed: nothing more is placed
+    finally:
+        placed.clear()
+        gen.release()
+        _drain()
+
+
 def test_handles_of_the_wrong_type_are_sharing_errors(memory) -> None:
     _, addr = memory
     gen = _gen(addr)
