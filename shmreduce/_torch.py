@@ -91,6 +91,19 @@ def make_subclass(cls: type, tensor: torch.Tensor, requires_grad: bool) -> torch
     return torch.Tensor._make_subclass(cls, tensor, requires_grad)
 
 
+def quantized_reduce(tensor: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tuple]:
+    """torch's own pickling of a quantized CPU tensor (``Tensor._reduce_ex_internal``).
+
+    It is ``(torch._utils._rebuild_qtensor, (TypedStorage, offset, size, stride,
+    quantizer params, requires_grad, hooks))``: the storage inside is then pickled by
+    whatever reducer the pickler has for storages (ours, so it is shared), and the
+    quantizer (scale, zero point, per-channel tensors) travels with it. Quantized
+    tensors carry no DLPack dtype, so this is their only way through. torch deprecates
+    creating them (2.13 and later warn once per process; pytorch/pytorch#184982).
+    """
+    return cast("tuple[Callable[..., torch.Tensor], tuple]", tensor._reduce_ex_internal(2))
+
+
 def has_backward_hooks(tensor: torch.Tensor) -> bool:
     """Whether ``register_hook`` put hooks on *tensor* (``Tensor._backward_hooks``: None or a dict).
 
