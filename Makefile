@@ -52,7 +52,7 @@ pythons: $(STAMP)
 
 # The whole of `make test` on another Python, in its own venv .venv-3.X (not part of
 # `make test`). torch 2.13.0 comes from PyPI there: on Linux x86_64 the CUDA build, about
-# 2.6 GB to download and 4.7 GB installed (README, "Torch and Python versions").
+# 2.6 GB to download and 4.7 GB installed (docs/compatibility.md).
 SUITE_PYTHON ?= 3.12
 suite-python:
 	$(MAKE) test PYTHON="$$(.ci/pythons --which $(SUITE_PYTHON))" VENV=.venv-$(SUITE_PYTHON)
@@ -71,9 +71,9 @@ suite-torch:
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py --update-readme $(BENCH_ARGS)
 
-# Re-renders README's benchmark table and the chart from the stored results
-# (benchmarks/results/results.json) without measuring anything: after a change to how
-# they are drawn, or to carry them onto a rewritten README.
+# Re-renders the benchmark tables (README's summary, docs/benchmarks.md's whole table) and
+# the chart from the stored results (benchmarks/results/results.json), measuring nothing:
+# after a change to how they are drawn, or to carry them onto rewritten pages.
 bench-chart: $(STAMP)
 	$(PY) benchmarks/bench.py --from-results benchmarks/results/results.json --update-readme
 

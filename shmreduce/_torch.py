@@ -1,7 +1,7 @@
 """The private torch storage API shmreduce relies on, wrapped in one place.
 
 The newest of them, ``UntypedStorage._swap_data_ptr_`` (``swap_memory``), came in torch
-2.12, hence ``torch>=2.12`` (README, "Torch and Python versions", has each wrapper's
+2.12, hence ``torch>=2.12`` (docs/compatibility.md, "The private torch API", has each wrapper's
 history); ``tests/test_torch_api.py`` fails loudly if a release changes any of them.
 """
 
