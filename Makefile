@@ -6,16 +6,20 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+# The torch the venv gets, and the pins it is installed under. `make suite-torch` sets both
+# for its own venv; everything else runs on the pinned 2.13.0 CPU wheel.
+TORCH ?= 2.13.0
+CONSTRAINTS ?= constraints-dev.txt
 
-.PHONY: install test lint format typecheck pythons suite-python bench asan clean
+.PHONY: install test lint format typecheck pythons suite-python suite-torch bench bench-chart asan clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # The editable install builds the C extension in place, warnings as errors (setup.py).
 $(STAMP): $(PY) pyproject.toml constraints-dev.txt setup.py $(wildcard shmreduce/_native/*.c shmreduce/_native/*.h)
-	$(PIP) install -q -c constraints-dev.txt torch==2.13.0
-	SHMREDUCE_STRICT_BUILD=1 $(PIP) install -q -c constraints-dev.txt -e '.[test,bench]'
+	$(PIP) install -q -c $(CONSTRAINTS) torch==$(TORCH)
+	SHMREDUCE_STRICT_BUILD=1 $(PIP) install -q -c $(CONSTRAINTS) -e '.[test,bench]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -48,13 +52,30 @@ pythons: $(STAMP)
 
 # The whole of `make test` on another Python, in its own venv .venv-3.X (not part of
 # `make test`). torch 2.13.0 comes from PyPI there: on Linux x86_64 the CUDA build, about
-# 2.6 GB to download and 4.7 GB installed (README, "Torch and Python versions").
+# 2.6 GB to download and 4.7 GB installed (docs/compatibility.md).
 SUITE_PYTHON ?= 3.12
 suite-python:
 	$(MAKE) test PYTHON="$$(.ci/pythons --which $(SUITE_PYTHON))" VENV=.venv-$(SUITE_PYTHON)
 
+# The whole of `make test` against another torch release, in its own venv .venv-torch-X
+# (not part of `make test`): TORCH=2.14.1 picks it, pip finds it as it finds 2.13.0 (a
+# wheel on local disk or the registry; on Linux x86_64 PyPI's build is the CUDA one, which
+# runs on the CPU: 2.14.1 is about 5.4 GB installed). The other pins of constraints-dev.txt
+# stay. tests/test_torch_api.py fails first, naming the wrapper, if a private API changed
+# (docs/compatibility.md).
+suite-torch:
+	test -x .venv-torch-$(TORCH)/bin/python || $(PYTHON) -m venv .venv-torch-$(TORCH)
+	grep -v '^torch==' constraints-dev.txt > .venv-torch-$(TORCH)/constraints.txt
+	$(MAKE) test VENV=.venv-torch-$(TORCH) TORCH=$(TORCH) CONSTRAINTS=.venv-torch-$(TORCH)/constraints.txt
+
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py --update-readme $(BENCH_ARGS)
+
+# Re-renders the benchmark tables (README's summary, docs/benchmarks.md's whole table) and
+# the chart from the stored results (benchmarks/results/results.json), measuring nothing:
+# after a change to how they are drawn, or to carry them onto rewritten pages.
+bench-chart: $(STAMP)
+	$(PY) benchmarks/bench.py --from-results benchmarks/results/results.json --update-readme
 
 # The whole suite once with the extension built under AddressSanitizer (not part of
 # `make test`: about twice as slow), then the normal build again. Children and the

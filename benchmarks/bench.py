@@ -59,7 +59,10 @@ Method
   a ratio of at least 1. Each goal prints PASS/FAIL with its number.
 
 Run: ``python benchmarks/bench.py [--quick] [--rounds N] [--update-readme]``.
-Writes ``benchmarks/results/results.json`` and ``benchmarks/results/chart.png``.
+Writes ``benchmarks/results/results.json`` and ``benchmarks/results/chart.png``; with
+``--update-readme``, README.md's summary table (one row per scenario) and the full table in
+docs/benchmarks.md, each between the bench markers. ``--from-results results.json`` measures
+nothing: it draws the chart and the tables again from stored results (``make bench-chart``).
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ CTX = mp.get_context("fork")
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 README = HERE.parent / "README.md"
+BENCH_DOC = HERE.parent / "docs" / "benchmarks.md"  # the full table; README has the summary
 MARK_START, MARK_END = "<!-- bench:start -->", "<!-- bench:end -->"
 JOIN_TIMEOUT = 10.0  # joining a trial's processes
 GET_TIMEOUT = 5.0  # one message; a row that stalls this long fails, and is skipped in later rounds
@@ -904,39 +908,123 @@ def holding_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def draw_chart(summary: dict, path: Path) -> None:
+COLORS = {
+    "shmreduce-fd": "#1f77b4",
+    "shmreduce-fs": "#6baed6",
+    "torch-fd": "#d62728",
+    "torch-fs": "#ff9896",
+    "by-value": "#7f7f7f",
+    "floor": "#c7c7c7",
+    "shm-recipe": "#2ca02c",
+    "tensordict-torch": "#ff7f0e",
+    "tensordict-shmreduce": "#9467bd",
+    "memcpy": "#000000",
+    "make-only": "#8c564b",
+}
+
+
+def bar_label(row: dict, impl: str, unit: str) -> str:
+    """What is written on a bar: the median, and its ratio to torch with the same strategy."""
+    value = f"{fmt(row['median'])} {unit}"
+    base = BASELINE.get(impl, "torch-fd")
+    if impl == base or row["ratio"] != row["ratio"]:
+        return value
+    return f"{value}   {fmt(row['ratio'])}x {base}"
+
+
+def draw_chart(summary: dict, path: Path, meta: dict | None = None, date: str = "") -> None:
+    """One panel per scenario in a grid two wide (readable at README width), horizontal bars
+    named on the left, each with its median and its ratio to torch written on it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     shown = [s for s in SCENARIOS if s.key in summary]
-    fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 4))
-    colors = {
-        "shmreduce-fd": "#1f77b4",
-        "shmreduce-fs": "#6baed6",
-        "torch-fd": "#d62728",
-        "torch-fs": "#ff9896",
-        "by-value": "#7f7f7f",
-        "floor": "#c7c7c7",
-        "shm-recipe": "#2ca02c",
-        "tensordict-torch": "#ff7f0e",
-        "tensordict-shmreduce": "#9467bd",
-        "memcpy": "#000000",
-        "make-only": "#8c564b",
-    }
-    for ax, scenario in zip(axes, shown, strict=False):
+    cols = 2
+    rows_n = (len(shown) + 1 + cols - 1) // cols  # one more cell: the key
+    heights = [
+        max(len(summary[s.key]) for s in shown[i * cols : (i + 1) * cols]) if shown[i * cols : (i + 1) * cols] else 4 for i in range(rows_n)
+    ]
+    fig, axes = plt.subplots(
+        rows_n, cols, figsize=(12, sum(0.4 * h + 1.2 for h in heights)), gridspec_kw={"height_ratios": [max(h, 4) for h in heights]}
+    )
+    cells = list(axes.flat)
+    for ax, scenario in zip(cells, shown, strict=False):
         rows = summary[scenario.key]
         names = list(rows)
-        ax.bar(range(len(names)), [rows[n]["median"] for n in names], color=[colors[n] for n in names])
-        ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
-        ax.set_title(f"{scenario.key}: {scenario.title}", fontsize=8, wrap=True)
-        ax.set_ylabel(scenario.unit + ("" if scenario.higher_is_better else " (lower is better)"), fontsize=8)
-        if scenario.key in ("1", "2", "3", "6"):  # 3: memcpy is an order of magnitude above
-            ax.set_yscale("log")
+        values = [rows[n]["median"] for n in names]
+        finite = [v for v in values if v == v and v > 0]
+        spread = max(finite) / min(finite) if finite else 1.0
+        ys = range(len(names))
+        ax.barh(ys, [v if v == v else 0 for v in values], color=[COLORS.get(n, "#999999") for n in names], height=0.7)
+        ax.set_yticks(list(ys), names, fontsize=11)
+        for label in ax.get_yticklabels():
+            if label.get_text() in REGISTERED:
+                label.set_fontweight("bold")
+        ax.invert_yaxis()
+        if spread > 30:
+            ax.set_xscale("log")
+            low = min(finite) / 2
+            ax.set_xlim(low, max(finite) * (max(finite) / low) ** 1.5)  # the longest bar 2/5 wide: its text fits right of it
+        elif finite:
+            ax.set_xlim(0, max(finite) * 2.6)
+        for y, name, v in zip(ys, names, values, strict=True):
+            if v == v:
+                ax.text(v, y, "  " + bar_label(rows[name], name, scenario.unit), va="center", fontsize=10)
+        better = "higher is better" if scenario.higher_is_better else "lower is better"
+        ax.set_title(f"{scenario.key}: {scenario.title}\n{scenario.unit}, {better}", fontsize=12, loc="left")
+        ax.tick_params(axis="x", labelsize=8)
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_axisbelow(True)
+    key = cells[len(shown)]
+    key.axis("off")
+    lines = [
+        "Each bar: the median over rounds.",
+        "Written on it: the median, then how many times",
+        "better than torch with the same strategy",
+        "(torch-fd / torch-fs; > 1 is better, either direction).",
+        "Bold: shmreduce registered. Log scale where",
+        "a panel spans more than 30x.",
+    ]
+    if meta:
+        lines += [
+            "",
+            f"{date}: {meta['nproc']} cores, Python {meta['python']},",
+            f"torch {meta['torch']}, start method {meta['start_method']}",
+        ]
+    key.text(0.0, 1.0, "\n".join(lines), va="top", fontsize=11, transform=key.transAxes)
+    for ax in cells[len(shown) + 1 :]:
+        ax.axis("off")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def summary_table(summary: dict) -> str:
+    """README's table: one row per scenario, shmreduce against torch and pickling by value."""
+    lines = [
+        "| scenario | shmreduce fd | torch fd | shmreduce fs | torch fs | by value | unit |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for scenario in SCENARIOS:
+        rows = summary.get(scenario.key)
+        if not rows:
+            continue
+
+        def cell(impl: str, rows: dict = rows) -> str:
+            row = rows.get(impl)
+            if row is None:
+                return ""
+            shared = impl.startswith("shmreduce") and row["ratio"] == row["ratio"]
+            return f"{fmt(row['median'])}" + (f" (**{fmt(row['ratio'])}x**)" if shared else "")
+
+        better = "" if scenario.higher_is_better else ", lower is better"
+        lines.append(
+            f"| {scenario.key} {scenario.title} | {cell('shmreduce-fd')} | {cell('torch-fd')} | "
+            f"{cell('shmreduce-fs')} | {cell('torch-fs')} | {cell('by-value')} | {scenario.unit}{better} |"
+        )
+    return "\n".join(lines)
 
 
 def machine() -> dict:
@@ -949,19 +1037,34 @@ def machine() -> dict:
     }
 
 
-def update_readme(table: str, holding: str, command: str, meta: dict, date: str) -> None:
-    text = README.read_text() if README.exists() else ""
+def replace_marked(path: Path, body: str) -> None:
+    """Rewrite *path* between the bench markers; a file without them is left as it is."""
+    text = path.read_text() if path.exists() else ""
     if MARK_START not in text or MARK_END not in text:
-        print(f"warning: {README} has no {MARK_START} / {MARK_END} markers; README left unchanged", file=sys.stderr)
+        print(f"warning: {path} has no {MARK_START} / {MARK_END} markers; left unchanged", file=sys.stderr)
         return
-    body = (
-        f"\n{table}\n\n{holding}\n\n![benchmark chart](benchmarks/results/chart.png)\n\n"
+    pattern = re.compile(re.escape(MARK_START) + ".*?" + re.escape(MARK_END), re.S)
+    path.write_text(pattern.sub(lambda _: MARK_START + body + MARK_END, text, count=1))
+    print(f"updated {path}")
+
+
+def update_readme(summary: str, table: str, holding: str, command: str, meta: dict, date: str) -> None:
+    """README.md gets the summary table and the chart; docs/benchmarks.md the full tables."""
+    where = (
         f"`{command}` on {date}; {meta['nproc']} cores, Python {meta['python']}, torch {meta['torch']}, "
         f"start method {meta['start_method']}.\n"
     )
-    pattern = re.compile(re.escape(MARK_START) + ".*?" + re.escape(MARK_END), re.S)
-    README.write_text(pattern.sub(lambda _: MARK_START + body + MARK_END, text, count=1))
-    print(f"updated {README}")
+    replace_marked(README, f"\n{summary}\n\n![benchmark chart](benchmarks/results/chart.png)\n\n{where}")
+    replace_marked(BENCH_DOC, f"\n{table}\n\n{holding}\n\n![benchmark chart](../benchmarks/results/chart.png)\n\n{where}")
+
+
+def render(stored: dict, out: Path, update: bool) -> None:
+    """The chart and the tables from results as main() stores them (results.json)."""
+    summary, goals, meta, date = stored["summary"], stored["goals"], stored["machine"], stored["date"]
+    draw_chart(summary, out / "chart.png", meta, date)
+    print(f"wrote {out / 'chart.png'}")
+    if update:
+        update_readme(summary_table(summary), markdown_table(summary, goals), holding_table(summary), stored["command"], meta, date)
 
 
 # -- main ----------------------------------------------------------------------------------
@@ -972,13 +1075,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smoke run (a few minutes)")
     parser.add_argument("--rounds", type=int, help="alternating rounds (default 3, quick 1)")
     parser.add_argument("--only", help="comma-separated scenario keys, e.g. 1,2,5a")
-    parser.add_argument("--update-readme", action="store_true", help="rewrite README.md between the bench markers")
+    parser.add_argument("--update-readme", action="store_true", help="rewrite README.md and docs/benchmarks.md between the bench markers")
+    parser.add_argument(
+        "--from-results", type=Path, metavar="JSON", help="measure nothing: draw the chart and tables again from stored results"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_results:
+        render(json.loads(args.from_results.read_text()), args.out, args.update_readme)
+        return 0
     rounds = args.rounds or (1 if args.quick else 3)
     budget = Budget(0.25, 60, 200) if args.quick else Budget(1.0, 250, 1000)
     only = set(args.only.split(",")) if args.only else None
@@ -1001,27 +1110,20 @@ def main(argv: list[str] | None = None) -> int:
     for g in goals:
         print(goal_line(g))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(
-        json.dumps(
-            {
-                "command": command,
-                "date": date,
-                "machine": meta,
-                "rounds": rounds,
-                "budget": budget.__dict__,
-                "seconds": time.perf_counter() - started,
-                "summary": summary,
-                "goals": goals,
-                "raw": raw,
-            },
-            indent=1,
-            default=str,
-        )
-    )
-    draw_chart(summary, args.out / "chart.png")
-    print(f"wrote {args.out / 'results.json'} and {args.out / 'chart.png'} in {time.perf_counter() - started:.0f}s")
-    if args.update_readme:
-        update_readme(table, holding, command, meta, date)
+    stored = {
+        "command": command,
+        "date": date,
+        "machine": meta,
+        "rounds": rounds,
+        "budget": budget.__dict__,
+        "seconds": time.perf_counter() - started,
+        "summary": summary,
+        "goals": goals,
+        "raw": raw,
+    }
+    (args.out / "results.json").write_text(json.dumps(stored, indent=1, default=str))
+    print(f"wrote {args.out / 'results.json'} in {time.perf_counter() - started:.0f}s")
+    render(stored, args.out, args.update_readme)
     return 0
 
 

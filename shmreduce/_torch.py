@@ -1,7 +1,7 @@
 """The private torch storage API shmreduce relies on, wrapped in one place.
 
 The newest of them, ``UntypedStorage._swap_data_ptr_`` (``swap_memory``), came in torch
-2.12, hence ``torch>=2.12`` (README, "Torch and Python versions", has each wrapper's
+2.12, hence ``torch>=2.12`` (docs/compatibility.md, "The private torch API", has each wrapper's
 history); ``tests/test_torch_api.py`` fails loudly if a release changes any of them.
 """
 
@@ -89,6 +89,19 @@ def make_subclass(cls: type, tensor: torch.Tensor, requires_grad: bool) -> torch
     ``torch.nn.Parameter.__new__`` makes a Parameter.
     """
     return torch.Tensor._make_subclass(cls, tensor, requires_grad)
+
+
+def quantized_reduce(tensor: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tuple]:
+    """torch's own pickling of a quantized CPU tensor (``Tensor._reduce_ex_internal``).
+
+    It is ``(torch._utils._rebuild_qtensor, (TypedStorage, offset, size, stride,
+    quantizer params, requires_grad, hooks))``: the storage inside is then pickled by
+    whatever reducer the pickler has for storages (ours, so it is shared), and the
+    quantizer (scale, zero point, per-channel tensors) travels with it. Quantized
+    tensors carry no DLPack dtype, so this is their only way through. torch deprecates
+    creating them (2.13 and later warn once per process; pytorch/pytorch#184982).
+    """
+    return cast("tuple[Callable[..., torch.Tensor], tuple]", tensor._reduce_ex_internal(2))
 
 
 def has_backward_hooks(tensor: torch.Tensor) -> bool:

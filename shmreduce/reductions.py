@@ -90,6 +90,8 @@ def reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple]:
             return reduce_sparse_compressed(tensor)
     if tensor.is_nested:
         return reduce_nested(tensor)
+    if tensor.is_quantized:  # torch's own rebuild and quantizer, over a storage shared by reduce_storage
+        return _torch.quantized_reduce(tensor)
     if tensor.is_cpu:
         storage = tensor.untyped_storage()
         # An empty storage travels as itself (reduce_storage): pickle's memo then

@@ -191,7 +191,7 @@ def test_stress_threads_and_queues_with_overlapping_tensors(strategy):
 
     # At most 9,000 messages: the small tensors share one slab generation, whose header
     # counts the first loads of 32,256 refs exactly; past that it is retired and its
-    # memfd kept SHMREDUCE_ORPHAN_TTL seconds (README, Limits), longer than the module's
+    # memfd kept SHMREDUCE_ORPHAN_TTL seconds (docs/limits.md), longer than the module's
     # leak check waits.
     messages = [0]
 

@@ -139,7 +139,7 @@ class Config:
 
 
 class Header(NamedTuple):
-    """The shared header (``_native.c``: HDR_GEN .. HDR_BITS)."""
+    """The shared header (``shmreduce/_native/header.c``: HDR_GEN .. HDR_BITS)."""
 
     gen: int = 0
     sent: int = 0
@@ -214,7 +214,7 @@ def _header(s: State, h: Header) -> State:
     return _with(s, header=h)
 
 
-# -- the header's atomics (shmreduce/_native.c) ------------------------------------
+# -- the header's atomics (shmreduce/_native/header.c) -----------------------------
 
 
 def hdr_unhold(h: Header, gen: int) -> Header:

@@ -1,4 +1,4 @@
-"""shmreduce._native: checked storages over a mapping, native lifetimes (shmreduce/_native.c).
+"""shmreduce._native: checked storages over a mapping, native lifetimes (shmreduce/_native/).
 
 Against memory of the test's own (an anonymous mapping), so every address a storage
 may cover is known; then fuzzed handles and pickles through the whole loader.

@@ -33,9 +33,13 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing.reductions as torch_reductions
-from tensordict import LazyStackedTensorDict, TensorDict, tensorclass
 
 import shmreduce
+
+# tensordict is an optional peer (the `bench` extra; `make test` installs it): without it,
+# `pip install -e '.[test]'` then `pytest` skips this module instead of failing collection.
+pytest.importorskip("tensordict", reason="tensordict is not installed (pip install -e '.[bench]')")
+from tensordict import LazyStackedTensorDict, TensorDict, tensorclass  # noqa: E402
 
 TIMEOUT = 60.0  # a spawn child imports torch and tensordict on a loaded 2-core machine
 

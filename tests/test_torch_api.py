@@ -233,3 +233,24 @@ def test_tensor_attributes_native_reduce_reads():
     assert t.requires_grad is False and t._backward_hooks is None and t.layout is torch.strided
     assert t.is_cpu is True and t.is_nested is False
     _require(torch.UntypedStorage, "_swap_data_ptr_", "swap_memory")
+
+
+def test_quantized_reduce_is_torchs_rebuild_over_a_typed_storage():
+    # reductions.reduce_tensor hands a quantized tensor to torch's own pickling, whose
+    # TypedStorage our storage reducer then shares. torch deprecates making quantized
+    # tensors (a warning, kept out of the output here); once it cannot, this skips.
+    if not hasattr(torch, "quantize_per_tensor"):
+        pytest.skip("this torch has no quantized tensors")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"(?s).*quantiz.*deprecated", UserWarning)
+        q = torch.quantize_per_tensor(torch.linspace(-1, 1, 8), 0.01, 3, torch.quint8)
+    _require(torch.Tensor, "_reduce_ex_internal", "quantized_reduce")
+    rebuild, args = _torch.quantized_reduce(q)
+    assert rebuild is torch._utils._rebuild_qtensor, (
+        "Tensor._reduce_ex_internal no longer rebuilds with _rebuild_qtensor: fix quantized_reduce"
+    )
+    assert isinstance(args[0], torch.TypedStorage) and args[0]._untyped_storage.data_ptr() == q.untyped_storage().data_ptr(), (
+        "_rebuild_qtensor's first argument is no longer the tensor's own TypedStorage: fix quantized_reduce"
+    )
+    back = rebuild(*args)
+    assert back.is_quantized and torch.equal(back.int_repr(), q.int_repr()) and back.q_scale() == q.q_scale()
