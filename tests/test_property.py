@@ -227,15 +227,11 @@ def test_quantized_tensors_round_trip_through_a_dispatch_table_pickler(strategy)
         _same_quantized(pickle.loads(buf.getvalue()), q)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=shmreduce.SharingError,
-    reason="the native core's reduce takes a quantized tensor for a plain one (strided, CPU) and "
-    "drops its quantizer; rebuild then refuses it. Fix: hand tensors with is_quantized to "
-    "reductions.reduce_tensor, as for subclasses (torch.multiprocessing fails on them too)",
-)
 @pytest.mark.timeout(60)
 def test_quantized_tensors_round_trip_through_forking_pickler_and_dumps(strategy):
+    # The native reduce took a quantized tensor for a plain one (strided, CPU) and
+    # dropped its quantizer: its load was refused (torch.multiprocessing fails on them
+    # too). It hands them to reductions.reduce_tensor now, as it does subclasses.
     def round_trips() -> str | None:
         try:
             for q in _quantized():
