@@ -1048,14 +1048,15 @@ def replace_marked(path: Path, body: str) -> None:
     print(f"updated {path}")
 
 
-def update_readme(summary: str, table: str, holding: str, command: str, meta: dict, date: str) -> None:
+def update_readme(summary: str, table: str, holding: str, command: str, meta: dict, date: str, mechanism: str = "") -> None:
     """README.md gets the summary table and the chart; docs/benchmarks.md the full tables."""
     where = (
         f"`{command}` on {date}; {meta['nproc']} cores, Python {meta['python']}, torch {meta['torch']}, "
         f"start method {meta['start_method']}.\n"
     )
-    replace_marked(README, f"\n{summary}\n\n![benchmark chart](benchmarks/results/chart.png)\n\n{where}")
-    replace_marked(BENCH_DOC, f"\n{table}\n\n{holding}\n\n![benchmark chart](../benchmarks/results/chart.png)\n\n{where}")
+    cost = f"\nThe mechanism's own cost, CPU per message (`benchmarks/mechanism.py`):\n\n{mechanism}\n" if mechanism else ""
+    replace_marked(README, f"\n{summary}\n{cost}\n![benchmark chart](benchmarks/results/chart.png)\n\n{where}")
+    replace_marked(BENCH_DOC, f"\n{table}\n\n{holding}\n{cost}\n![benchmark chart](../benchmarks/results/chart.png)\n\n{where}")
 
 
 def render(stored: dict, out: Path, update: bool) -> None:
@@ -1064,7 +1065,10 @@ def render(stored: dict, out: Path, update: bool) -> None:
     draw_chart(summary, out / "chart.png", meta, date)
     print(f"wrote {out / 'chart.png'}")
     if update:
-        update_readme(summary_table(summary), markdown_table(summary, goals), holding_table(summary), stored["command"], meta, date)
+        import mechanism  # the mechanism's rows; it imports this module
+
+        cost = "\n".join(mechanism.table(stored["mechanism"])) if stored.get("mechanism") else ""
+        update_readme(summary_table(summary), markdown_table(summary, goals), holding_table(summary), stored["command"], meta, date, cost)
 
 
 # -- main ----------------------------------------------------------------------------------
@@ -1074,7 +1078,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run (a few minutes)")
     parser.add_argument("--rounds", type=int, help="alternating rounds (default 3, quick 1)")
-    parser.add_argument("--only", help="comma-separated scenario keys, e.g. 1,2,5a")
+    parser.add_argument("--only", help="comma-separated scenario keys, e.g. 1,2,5a; m: the mechanism's CPU per message")
     parser.add_argument("--update-readme", action="store_true", help="rewrite README.md and docs/benchmarks.md between the bench markers")
     parser.add_argument(
         "--from-results", type=Path, metavar="JSON", help="measure nothing: draw the chart and tables again from stored results"
@@ -1103,6 +1107,12 @@ def main(argv: list[str] | None = None) -> int:
             absent = frozenset(TENSORDICT_ROWS)
             print(f"tensordict rows left out: tensordict does not import ({why})", flush=True)
     raw = run_rounds(rounds, budget, only, absent)
+    # The mechanism's own cost (issue 30): dumps + loads CPU per message, lock step.
+    import mechanism  # it imports this module
+
+    cost = mechanism.measure(1 if args.quick else 5, list(mechanism.SCENARIOS)) if only is None or "m" in only else None
+    if cost:
+        print("\n".join(mechanism.table(cost)), flush=True)
     summary = summarize(raw)
     goals = evaluate_goals(summary, only, absent)
     table, holding = markdown_table(summary, goals), holding_table(summary)
@@ -1120,6 +1130,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary,
         "goals": goals,
         "raw": raw,
+        "mechanism": cost,
     }
     (args.out / "results.json").write_text(json.dumps(stored, indent=1, default=str))
     print(f"wrote {args.out / 'results.json'} in {time.perf_counter() - started:.0f}s")
