@@ -260,7 +260,7 @@ def test_a_process_that_does_not_map_the_slab_fetches_it(registered_fd):
         seg = first_place.segment  # keeps the slab mapped here
         del first
         let_go_now()
-        assert wait_for(lambda: _client().ping()["generations_held"] == 0, 10), _client().ping()
+        assert wait_for(lambda: _client().ping(full=True)["generations_held"] == 0, 10), _client().ping(full=True)
         assert _native.hdr_read(seg.addr)[3] == 0, _native.hdr_read(seg.addr)
     finally:
         conn.send("done")

@@ -458,10 +458,12 @@ class BrokerClient:
                 for fd in fds:
                     os.close(fd)
 
-    def ping(self) -> dict:
-        """The broker's counters; also a barrier for this connection's earlier sends."""
+    def ping(self, full: bool = False) -> dict:
+        """The broker's counters; also a barrier for this connection's earlier sends.
+        *full*: with those that cost the broker a read of every ledger and of its own
+        ``/proc/self`` (``generations_held``, ``descriptors``: a diagnostic)."""
         with self.lock:
-            _op, body, fds = self._round_trip(P.PING, b"", P.PONG, start=True)
+            _op, body, fds = self._round_trip(P.PING, P.PING_FULL if full else b"", P.PONG, start=True)
             for fd in fds:
                 os.close(fd)
             return json.loads(body)

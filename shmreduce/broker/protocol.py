@@ -133,8 +133,15 @@ at most MAX_RECORD bytes. None has a reply but F and P.
     K  keep      no body: this client closes its connections and lives on (e.g.
                  ``unregister()``); it counts itself out of what it holds when its
                  storages die, so the broker must not count it out at the close.
-    P  ping      reply ``p`` with body = JSON of the broker's counters, ``records``
-                 among them (how many of each op it has read).
+    P  ping      body empty, or ``full``. Reply ``p`` with body = JSON of the broker's
+                 counters, ``records`` among them (how many of each op it has read).
+                 A plain ping reads no ledger: its cost does not grow with what
+                 clients hold (``ledger_bytes_read`` counts what the broker read of
+                 ledgers). ``full`` (a diagnostic) adds ``generations_held`` (every
+                 ledger read), the broker's ``descriptors`` and
+                 ``lowest_free_descriptor`` (from ``/proc/self``: the broker is not
+                 dumpable, so no other process of the user can list them) and
+                 ``libtorch_mapped``.
 
 Lifetimes
     A client's death is learnt from the kernel, never from a socket: the broker opens
@@ -228,6 +235,7 @@ RELEASE = b"R"
 LEDGER = b"L"
 KEEP = b"K"
 PING = b"P"
+PING_FULL = b"full"  # a ping's body: the costly counters too
 PONG = b"p"
 
 HEADER_BYTES = 64  # what the broker maps of a pooled segment's header: its counters (the ticket bits after them are the clients')

@@ -154,6 +154,7 @@ class Broker:
         self.pids: dict[int, int] = {}
         self.departed: list[_Client] = []  # gone holding generations: counted out once every post connection is read
         self.records: dict[str, int] = {}  # records read, by op: how often clients need the broker
+        self.ledger_bytes_read = 0  # what it read of ledgers (at deaths; a full ping): a plain ping reads none
         self.reading = False
         self.poller = select.epoll()
         listener.setblocking(False)
@@ -294,7 +295,7 @@ class Broker:
         """A receiver died: count it out of the holders of every generation its
         ledger says it holds (a segment the broker no longer keeps is unmapped
         wherever it was, or went with its owner: nobody reuses it)."""
-        for key, gen, state in _ledger_holds(client.ledger):
+        for key, gen, state in self._ledger_holds(client.ledger):
             seg = self.memfds.get(key) if isinstance(key, int) else self.files.get(key)
             if seg is None or self._header(seg) is None:
                 continue
@@ -311,6 +312,18 @@ class Broker:
                 self._truncated(seg)
         _close_ledger(client)
 
+    def _ledger_holds(self, fd: int) -> list[tuple[int | str, int, int]]:
+        """(segment, generation, state) of what the ledger *fd* says its client holds;
+        the bytes read are counted (``ledger_bytes_read``)."""
+        if fd < 0:
+            return []
+        try:
+            blob = os.pread(fd, min(os.fstat(fd).st_size, P.LEDGER_MAX), 0)
+        except OSError:
+            return []
+        self.ledger_bytes_read += len(blob)
+        return P.ledger_holds(blob)
+
     def _drain(self, now: float) -> None:
         """Close the segments nobody uses whose refs are all loaded, or whose time is up."""
         for seg in list(self.draining):
@@ -320,8 +333,14 @@ class Broker:
                     log.debug("let go of segment %s: refs sent in it not loaded within %.0f s (SHMREDUCE_ORPHAN_TTL)", seg.key, ORPHAN_TTL)
                 self._close(seg)
 
-    def counters(self) -> dict:
-        return {
+    def counters(self, full: bool = False) -> dict:
+        """What a ping answers: counts the broker keeps as it goes, whatever the size of
+        what it holds (issue 29, item 6: a ping that parsed every ledger took 668 ms
+        with one 64 MiB ledger). *full* (a diagnostic, ``ping(full=True)``) adds what
+        costs a read of every ledger or of ``/proc/self``: the generations held, the
+        broker's descriptors (others of the user cannot list them: it is not dumpable)
+        and whether libtorch is mapped in it."""
+        counters = {
             "pid": os.getpid(),
             "clients": sum(1 for c in self.clients.values() if c.conns),
             "clients_away": sum(1 for c in self.clients.values() if not c.conns),  # alive, no connection
@@ -329,11 +348,16 @@ class Broker:
             "segments": len(self.memfds),
             "segment_files": len(self.files),
             "draining": len(self.draining),
-            "generations_held": sum(len(_ledger_holds(c.ledger)) for c in self.clients.values()),
             "handshakes": len(self.handshakes),
             "root_alive": self.root_alive,
             "records": dict(self.records),
         }
+        if full:
+            counters["generations_held"] = sum(len(self._ledger_holds(c.ledger)) for c in self.clients.values())
+            counters.update(_own_descriptors())
+            counters["libtorch_mapped"] = _maps_libtorch()
+        counters["ledger_bytes_read"] = self.ledger_bytes_read
+        return counters
 
     # -- connections -----------------------------------------------------------
 
@@ -632,8 +656,10 @@ class Broker:
                     raise P.ProtocolError("a keep record has no body")
                 client.keeps = True  # it closes and lives on: it counts itself out
             elif op == P.PING:
+                if body not in (b"", P.PING_FULL):
+                    raise P.ProtocolError(f"a ping's body is empty or {P.PING_FULL!r}")
                 self._read_posts()
-                P.send_record(conn.sock, P.PONG, P.NO_KEY, json.dumps(self.counters()).encode())
+                P.send_record(conn.sock, P.PONG, P.NO_KEY, json.dumps(self.counters(full=body == P.PING_FULL)).encode())
             else:
                 raise P.ProtocolError(f"unknown op {op!r}")
             return True
@@ -736,14 +762,27 @@ class Broker:
         remove_program_dir(self.dir, self.lock_fd)
 
 
-def _ledger_holds(fd: int) -> list[tuple[int | str, int, int]]:
-    """(segment, generation, state) of what the ledger *fd* says its client holds."""
-    if fd < 0:
-        return []
+def _own_descriptors() -> dict[str, int]:
+    """This process's open descriptors and the lowest free one (the number a new
+    descriptor would get); -1 each at its descriptor limit."""
     try:
-        return P.ledger_holds(os.pread(fd, min(os.fstat(fd).st_size, P.LEDGER_MAX), 0))
+        fd = os.dup(0)
     except OSError:
-        return []
+        return {"descriptors": -1, "lowest_free_descriptor": -1}
+    try:
+        return {"descriptors": len(os.listdir("/proc/self/fd")) - 2, "lowest_free_descriptor": fd}  # less the dup and the listing's
+    except OSError:
+        return {"descriptors": -1, "lowest_free_descriptor": fd}
+    finally:
+        os.close(fd)
+
+
+def _maps_libtorch() -> bool:
+    try:
+        with open("/proc/self/maps") as f:
+            return "libtorch" in f.read()
+    except OSError:
+        return False
 
 
 def _close_ledger(client: _Client) -> None:
