@@ -203,14 +203,15 @@ def _raw(role=P.ROLE_POST):
     return sock
 
 
-def _broker_fds(pid):
-    return len(os.listdir(f"/proc/{pid}/fd"))
+def _broker_fds():
+    """The broker's open descriptors, as it counts them (its /proc/<pid>/fd is closed
+    to other processes of the user: it is not dumpable)."""
+    return _client().ping(full=True)["descriptors"]
 
 
-def _lowest_free_fd_of(pid):
-    """The descriptor number *pid* gets next: as its limit, it can open none more."""
-    used = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
-    return next(fd for fd in range(len(used) + 1) if fd not in used)
+def _lowest_free_fd_of_broker():
+    """The descriptor number the broker gets next: as its limit, it can open none more."""
+    return _client().ping(full=True)["lowest_free_descriptor"]
 
 
 def test_bad_records_drop_only_their_client_and_are_logged(registered_fd, broker_log):
@@ -218,7 +219,7 @@ def test_bad_records_drop_only_their_client_and_are_logged(registered_fd, broker
     client = _client()
     pid = client.broker_pid
     client.ping()  # both connections open, every record read: the baseline
-    baseline = _broker_fds(pid)
+    baseline = _broker_fds()
     bad_name = b"seg-../../etc/passwd"
     garbage = [
         (P.ROLE_POST, P.SEGMENT + P.NO_KEY + b"h", 0),  # a segment record without its memfd
@@ -270,7 +271,7 @@ def test_bad_records_drop_only_their_client_and_are_logged(registered_fd, broker
         os.close(w)
         sock.close()
     assert wait_for(lambda: client.ping()["clients"] == 1, 5)
-    assert wait_for(lambda: _broker_fds(pid) <= baseline, 5), (_broker_fds(pid), baseline)
+    assert wait_for(lambda: _broker_fds() <= baseline, 5), (_broker_fds(), baseline)
     assert shmreduce.loads(shmreduce.dumps(torch.arange(3.0))).tolist() == [0.0, 1.0, 2.0]
     log = _log_text(broker_log)
     assert log.count("dropped the connection") >= len(garbage), log
@@ -413,7 +414,7 @@ def test_a_memfd_the_broker_had_no_descriptor_for_is_refused_as_stale(registered
     soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
     try:
         assert ours.poll(TIMEOUT) and ours.recv() == "connected"
-        resource.prlimit(pid, resource.RLIMIT_NOFILE, (_lowest_free_fd_of(pid), hard))  # no descriptor more
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (_lowest_free_fd_of_broker(), hard))  # no descriptor more
         tensors = [torch.full((SLAB_ITEM_MAX // 4 + 16,), float(i)) for i in range(3)]  # a segment each
         data = shmreduce.dumps(tensors)
         assert _client().ping()["pid"] == pid  # the sender's connection survived
@@ -454,7 +455,7 @@ def test_a_backlog_of_messages_in_one_slab_holds_one_descriptor_at_the_broker(re
     pid = _client().broker_pid
     before = _client().ping()["segments"]
     soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
-    resource.prlimit(pid, resource.RLIMIT_NOFILE, (_broker_fds(pid) + 16, hard))
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (_broker_fds() + 16, hard))
     try:
         datas = [shmreduce.dumps(torch.full((4,), float(i))) for i in range(1000)]
         counters = _client().ping()

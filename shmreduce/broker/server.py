@@ -52,7 +52,7 @@ import sys
 import time
 
 from shmreduce import _native
-from shmreduce._platform import peer_pid, peer_uid, raise_nofile_limit
+from shmreduce._platform import make_undumpable, peer_pid, peer_uid, raise_nofile_limit
 from shmreduce.broker import protocol as P
 
 STALE_MIN_AGE = 10.0  # seconds; a younger directory may be a broker still starting
@@ -1103,6 +1103,11 @@ def _janitor(directory: str, listener: socket.socket, authkey: bytes, root_pid: 
     if server == 0:
         signal.signal(signal.SIGTERM, lambda *_: setattr(broker, "stopping", True))
         _log_to_stderr(directory)
+        # Before it holds any descriptor of the program's: other processes of the user
+        # could open the memfds it keeps, read-write, through /proc/<broker>/fd (issue
+        # 29, item 5). It reads its own counts for them (ping(full=True)).
+        if not make_undumpable():
+            log.debug("cannot make the broker not dumpable: its /proc/<pid>/fd stays open to the user's processes")
         raise_nofile_limit()
         broker = Broker(directory, listener, authkey, root_pid, lock_fd)
         signal.set_wakeup_fd(broker.wake_w, warn_on_full_buffer=False)
