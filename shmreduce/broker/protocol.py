@@ -74,10 +74,11 @@ Transport
     AF_UNIX, SOCK_SEQPACKET: every ``sendmsg`` is one record, delivered whole and in
     order, with its descriptors (SCM_RIGHTS) attached to it. Each client process has
     two connections, one identity (a random token sent in the handshake): *post*
-    (role ``o``) for the fire-and-forget records S, X, H, R, L, K, and *request*
-    (role ``q``) for F and P, which get replies. A fetch or ping first reads every
-    post connection if it needs to (a barrier: what any client posted before is
-    seen). Every record posted before a close counts: Linux may report ECONNRESET
+    (role ``o``) for the fire-and-forget records X, H, R, L, K, and *request*
+    (role ``q``) for S, F and P, which get replies. A ping first reads every post
+    connection (a barrier: what any client posted before is seen). A deposit (S)
+    is answered: a sender knows the broker keeps a memfd before any ref to it is
+    sent, so a fetch never waits for a deposit still queued. Every record posted before a close counts: Linux may report ECONNRESET
     to the broker ahead of records still queued, which the broker reads on. A forked
     child opens its own connections (and its own token).
 
@@ -117,9 +118,12 @@ at most MAX_RECORD bytes. None has a reply but F and P.
     S  segment   one memfd descriptor attached; body ``h`` (a pooled segment: it has
                  a header) or ``-`` (a storage torch shared itself). This client sends
                  refs to it: the broker keeps one descriptor per memfd (by inode),
-                 used by every client that deposited it. A record whose descriptor
-                 the kernel dropped (the broker at its descriptor limit) is lost: a
-                 receiver's fetch of that memfd is refused, a stale-message error.
+                 used by every client that deposited it. Reply ``s``: body = status
+                 (u8): 0 = kept; 2 = lost: the kernel dropped the descriptor, the
+                 broker being at its descriptor limit (MSG_CTRUNC). The sender then
+                 fails with a SharingError before any ref to it is sent (issue 29,
+                 item 2: a deposit lost on a fire-and-forget record made every later
+                 fetch of it look stale, and the message was lost silently).
     X  drop      body = inodes (ASCII decimal, "\n"-joined): this client no longer
                  uses these memfds (out of its pool).
     F  fetch     body = one inode. Reply ``f``: body = status (u8) + descriptors
@@ -227,6 +231,7 @@ ROLE_REQUEST = b"q"
 ROLE_POST = b"o"
 
 SEGMENT = b"S"
+DEPOSITED = b"s"
 DROP = b"X"
 FETCH = b"F"
 FETCHED = b"f"
@@ -243,6 +248,7 @@ INOS_PER_RECORD = 4000
 
 STATUS_OK = 0
 STATUS_UNKNOWN = 1
+STATUS_LOST = 2
 _FETCH_HEAD = struct.Struct("!BI")
 _PID = struct.Struct("!I")
 NO_KEY = bytes(KEY_LEN)

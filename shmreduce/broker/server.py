@@ -497,7 +497,7 @@ class Broker:
         del self.clients[client.token]
         if client.ledger >= 0 and not client.keeps:
             # A segment it held may be known here only from a record still queued
-            # on its owner's post connection (the H or S the owner posted before
+            # on its owner's post connection (the H the owner posted before
             # any ref to it): counted out once every post connection is read.
             self.departed.append(client)
             self._read_posts()
@@ -619,22 +619,23 @@ class Broker:
         self.records[name] = self.records.get(name, 0) + 1
         try:
             if op == P.SEGMENT:
+                if conn.post:
+                    raise P.ProtocolError("a segment record comes on the request connection: it is answered")
                 if lost:
-                    pass  # the deposit is lost: a receiver's fetch of it is refused (stale)
+                    status = P.STATUS_LOST  # its sender fails, before any ref to it is sent
                 elif len(fds) != 1 or body not in (b"h", b"-"):
                     raise P.ProtocolError("a segment record carries one descriptor and its kind")
                 else:
                     self._deposit(client, fds.pop(), body == b"h")
+                    status = P.STATUS_OK
+                P.send_record(conn.sock, P.DEPOSITED, P.NO_KEY, bytes([status]))
             elif op == P.DROP:
                 self._drop_deposits(client, P.decode_inos(body), died=False)
             elif op == P.FETCH:
                 inos = P.decode_inos(body)
                 if len(inos) != 1:
                     raise P.ProtocolError(f"a fetch names one memfd, not {len(inos)}")
-                ino = inos[0]
-                if ino not in self.memfds:
-                    self._read_posts()  # its deposit may still be queued on a post connection
-                seg = self.memfds.get(ino)
+                seg = self.memfds.get(inos[0])  # deposits are answered: none is still queued
                 if seg is None:
                     P.send_record(conn.sock, P.FETCHED, P.NO_KEY, P.encode_fetched(P.STATUS_UNKNOWN, 0))
                 else:
