@@ -335,8 +335,12 @@ class BrokerClient:
                 try:
                     P.send_record(self.post, P.KEEP, P.NO_KEY)
                     kept = True
-                except OSError:
-                    pass
+                except OSError as exc:
+                    # Not posted within IO_TIMEOUT (the broker stopped, its buffer full;
+                    # or gone). The broker keeps this identity while the process lives,
+                    # and lets go of its ledger when the next identity posts it (issue
+                    # 29, item 6): a process is never counted out twice, or early.
+                    log.debug("could not tell the shmreduce broker of %s that this process lives on: %s", self.directory, exc)
             self._close_post()
             self._close_request()
             if kept:

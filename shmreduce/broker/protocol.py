@@ -133,10 +133,16 @@ at most MAX_RECORD bytes. None has a reply but F and P.
     R  release   body = file names it no longer holds.
     L  ledger    one memfd descriptor attached, no body: this process's *ledger*
                  (see below), posted on every new post connection; it replaces the
-                 one the broker kept for this client.
+                 one the broker kept for this client. A ledger is known to one
+                 identity of its process at a time: another identity of the same pid
+                 that has it lets go of it (its K was lost, below).
     K  keep      no body: this client closes its connections and lives on (e.g.
-                 ``unregister()``); it counts itself out of what it holds when its
-                 storages die, so the broker must not count it out at the close.
+                 ``close_all()``); it counts itself out of what it holds when its
+                 storages die, so the broker must not count it out at the close. A K
+                 not posted within IO_TIMEOUT (the broker stopped, the buffer full)
+                 leaves the identity known while its process lives; its ledger goes
+                 to the next identity that posts it, so nothing is counted out twice
+                 (issue 29, item 6); its memfds and files are let go of at its death.
     P  ping      body empty, or ``full``. Reply ``p`` with body = JSON of the broker's
                  counters, ``records`` among them (how many of each op it has read).
                  A plain ping reads no ledger: its cost does not grow with what

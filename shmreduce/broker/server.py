@@ -73,7 +73,7 @@ class _Client:
     whose connections all closed (the broker dropped them: one bad record, an I/O
     error) stays known, and its new connections (same token, same pid) join it."""
 
-    __slots__ = ("token", "pid", "holds", "segs", "ledger", "conns", "keeps", "watched", "dead")
+    __slots__ = ("token", "pid", "holds", "segs", "ledger", "ledger_key", "conns", "keeps", "watched", "dead")
 
     def __init__(self, token: bytes, pid: int) -> None:
         self.token = token
@@ -81,6 +81,7 @@ class _Client:
         self.holds: set[str] = set()  # segment files it holds (their owner)
         self.segs: set[int] = set()  # memfds it deposited, by inode
         self.ledger = -1  # its ledger's memfd (protocol.py, "Ledger"), read once it is gone
+        self.ledger_key = 0  # that memfd's identity (protocol.identity)
         self.conns = 0
         self.keeps = False  # it said it closes and lives on: its holds are its own to let go of
         self.watched = False  # its process's death is watched (a pidfd in Broker.pidfds)
@@ -508,6 +509,22 @@ class Broker:
         if client.watched and not any(c.pid == client.pid for c in self.clients.values()):
             self._unwatch(client.pid)
 
+    def _adopt_ledger(self, client: _Client, fd: int) -> None:
+        """*client* posted its ledger *fd*: it replaces the one kept for it. A ledger
+        is one process's record of what it holds here: known to one identity of that
+        process at a time. Another identity of the same process that has it lets go of
+        it (one whose K was lost: its process closed its connections while the broker
+        was stopped and its buffer full, and went on with a new identity); else the
+        process's death would count its holds out twice (issue 29, item 6)."""
+        _close_ledger(client)
+        client.ledger, client.ledger_key = fd, P.identity(os.fstat(fd))
+        for other in [c for c in self.clients.values() if c.pid == client.pid and c is not client]:
+            if other.ledger >= 0 and other.ledger_key == client.ledger_key:
+                log.debug("pid %d posted its ledger again under a new identity: the old one lets go of it", client.pid)
+                _close_ledger(other)
+                if not other.conns and other.holds_nothing():
+                    self._count_out(other)  # away, and nothing left to count out at its death
+
     def _watch(self, pid: int) -> bool:
         """Watch process *pid*'s death (one pidfd per process, in the epoll); False if
         it cannot be (no pidfd_open: kernel before 5.3; or it died already): its
@@ -650,8 +667,7 @@ class Broker:
                 elif len(fds) != 1 or body or not stat.S_ISREG(os.fstat(fds[0]).st_mode):
                     raise P.ProtocolError("a ledger record carries one memfd and no body")
                 else:
-                    _close_ledger(client)
-                    client.ledger = fds.pop()
+                    self._adopt_ledger(client, fds.pop())
             elif op == P.KEEP:
                 if body:
                     raise P.ProtocolError("a keep record has no body")
@@ -789,7 +805,7 @@ def _maps_libtorch() -> bool:
 def _close_ledger(client: _Client) -> None:
     if client.ledger >= 0:
         os.close(client.ledger)
-        client.ledger = -1
+        client.ledger, client.ledger_key = -1, 0
 
 
 def _drain_pipe(fd: int) -> bool:
