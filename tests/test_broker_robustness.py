@@ -780,3 +780,32 @@ def test_a_ping_reads_no_ledger_whatever_their_size(registered_fd):
     finally:
         client.close(keep=True)
         big.close()
+
+
+def _join_with_token(path: str, token: bytes) -> str:
+    """In a fork child: connect as the identity *token* (another process's)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(TIMEOUT)
+    try:
+        sock.connect(path)
+        P.client_handshake(sock, bytes(mp.current_process().authkey), P.ROLE_POST, token)
+        return "joined"
+    except (OSError, P.ProtocolError) as exc:
+        return f"refused: {exc}"
+    finally:
+        sock.close()
+
+
+def test_a_connection_with_another_processs_token_is_refused(registered_fd, broker_log):
+    # issue 29, item 6: connections with the same token were merged without checking
+    # their pid. A token is one process's identity: another process presenting it (a
+    # forked child reusing its parent's, or a forger with the authkey) would join its
+    # ledger and holds, and its close or K would count that process out, or keep it.
+    assert shmreduce.loads(shmreduce.dumps(torch.ones(2))).sum().item() == 2  # the broker runs
+    client = _client()
+    before = client.ping()
+    status, answer = run_in_child(_join_with_token, os.path.join(program.current().directory, P.SOCKET_NAME), client.token)
+    assert status == "ok" and answer.startswith("refused"), (status, answer)
+    after = client.ping()
+    assert (after["clients"], after["connections"]) == (before["clients"], before["connections"]), after
+    assert f"its token is pid {os.getpid()}'s" in _log_text(broker_log)
