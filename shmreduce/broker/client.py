@@ -429,6 +429,7 @@ class BrokerClient:
         a SharingError here, before any ref to it is sent, not a message whose
         receiver finds it stale (issue 29, item 2)."""
         with self.lock:
+            self._post_socket(start=True)  # this identity's ledger at the broker first, as for any record
             _op, body, fds = self._round_trip(P.SEGMENT, b"h" if header else b"-", P.DEPOSITED, start=True, fds=[fd])
             for extra in fds:
                 os.close(extra)
