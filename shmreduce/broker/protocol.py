@@ -78,9 +78,10 @@ Transport
     (role ``q``) for S, F and P, which get replies. A ping first reads every post
     connection (a barrier: what any client posted before is seen). A deposit (S)
     is answered: a sender knows the broker keeps a memfd before any ref to it is
-    sent, so a fetch never waits for a deposit still queued. Every record posted before a close counts: Linux may report ECONNRESET
-    to the broker ahead of records still queued, which the broker reads on. A forked
-    child opens its own connections (and its own token).
+    sent, so a fetch never waits for a deposit still queued. Every record posted
+    before a close counts: Linux may report ECONNRESET to the broker ahead of
+    records still queued, which the broker reads on. A forked child opens its own
+    connections (and its own token).
 
     A closed connection is not a death (issue 27): the broker drops one for a bad
     record or an I/O error, and the process lives on. A client whose post or request
@@ -114,7 +115,7 @@ and that every connection of a token comes from the pid of its first)
     connection on a wrong digest.
 
 Records after the handshake: ``op (1 byte) + key (16 bytes, unused: zeros) + body``,
-at most MAX_RECORD bytes. None has a reply but F and P.
+at most MAX_RECORD bytes. None has a reply but S, F and P.
     S  segment   one memfd descriptor attached; body ``h`` (a pooled segment: it has
                  a header) or ``-`` (a storage torch shared itself). This client sends
                  refs to it: the broker keeps one descriptor per memfd (by inode),

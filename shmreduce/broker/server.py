@@ -516,8 +516,13 @@ class Broker:
         it (one whose K was lost: its process closed its connections while the broker
         was stopped and its buffer full, and went on with a new identity); else the
         process's death would count its holds out twice (issue 29, item 6)."""
+        try:
+            key = P.identity(os.fstat(fd))
+        except OSError:
+            os.close(fd)
+            raise
         _close_ledger(client)
-        client.ledger, client.ledger_key = fd, P.identity(os.fstat(fd))
+        client.ledger, client.ledger_key = fd, key
         for other in [c for c in self.clients.values() if c.pid == client.pid and c is not client]:
             if other.ledger >= 0 and other.ledger_key == client.ledger_key:
                 log.debug("pid %d posted its ledger again under a new identity: the old one lets go of it", client.pid)
@@ -795,6 +800,7 @@ def _own_descriptors() -> dict[str, int]:
 
 
 def _maps_libtorch() -> bool:
+    """Whether libtorch is mapped in this process (the broker must never import torch)."""
     try:
         with open("/proc/self/maps") as f:
             return "libtorch" in f.read()
