@@ -6,6 +6,7 @@ the descriptor limit. Nothing here imports torch.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import socket
@@ -47,6 +48,22 @@ def raise_nofile_limit() -> tuple[int, int]:
     except (ValueError, OSError):
         return soft, soft
     return soft, target
+
+
+PR_SET_DUMPABLE = 4  # <linux/prctl.h>
+
+
+def make_undumpable() -> bool:
+    """``prctl(PR_SET_DUMPABLE, 0)``: this process's ``/proc/<pid>`` files (``fd``,
+    ``maps``, ``mem``, ``environ``, ``io``) become root's, closed to every other
+    non-root process of the user, and it is not ptraced or core-dumped by them, as
+    ssh-agent and gpg-agent do. Whether it could (ctypes and prctl are Linux's; its
+    own ``/proc/self`` stays open to it)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return False
+    return prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0
 
 
 def open_fd_count() -> int:

@@ -164,7 +164,7 @@ def report() -> dict:
     live = client.connected_client(program.current().directory)
     if live is not None:
         try:
-            result["broker"] = live.ping()
+            result["broker"] = live.ping(full=True)
         except Exception as exc:  # noqa: BLE001  reported, not raised: a diagnostic
             result["broker"] = {"error": str(exc)}
     return result

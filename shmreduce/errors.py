@@ -37,6 +37,17 @@ def too_many_files(detail: str) -> SharingError:
     )
 
 
+def deposit_lost() -> SharingError:
+    return SharingError(
+        "the shmreduce broker could not keep the shared memory of this message: it is at "
+        "its limit of open file descriptors (it keeps one per segment a process sends "
+        "from). Nothing was sent and the tensors keep their data: send again once "
+        "processes have let go of segments, start the program with a higher limit "
+        "(ulimit -n / resource.RLIMIT_NOFILE; the broker inherits it from the process "
+        "that shares first), or call shmreduce.set_sharing_strategy('file_system')"
+    )
+
+
 class OutOfSharedMemory(SharingError):
     """The shared-memory mount of the program directory has no room for a new file."""
 

@@ -16,7 +16,8 @@ def stats() -> dict[str, Any]:
     storages_received / bytes_received: storages received here;
     messages_sent / messages_received: pickled messages that shared storages / loaded ones;
     round_trips: request-reply exchanges with a broker (a file_descriptor message
-    costs one only if it uses a segment this process does not map yet);
+    costs one per segment this process does not map yet, as a receiver, or has not
+    sent from yet, as a sender: its deposit);
     live_segments: segments with a storage (or a hold) alive here;
     fds_held: descriptors open in this process;
     segments_mapped / bytes_mapped / descriptors / segments_kept: the shared

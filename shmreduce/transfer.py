@@ -8,9 +8,10 @@ storages of (``_native.hdr_hold``, before it trusts the generation) and lets go 
 its last storage of it dies; an owner reuses a segment once its own storages of
 the generation died, nobody holds it and every ref sent was loaded (``pool``).
 
-The broker hears, fire-and-forget, only what it needs when a process dies: a memfd
-the first time this process sends a ref to it (a receiver fetches it once, by inode,
-to map it), the files a sender made, and once per connection this process's ledger
+The broker hears only what it needs when a process dies: a memfd the first time
+this process sends a ref to it (a round trip: a deposit the broker cannot keep fails
+here, before the ref exists; a receiver fetches it once, by inode, to map it), and,
+fire-and-forget, the files a sender made, and once per connection this process's ledger
 of the generations it holds as a receiver (written in shared memory: counted out of
 their headers if it dies; ``broker.client.Ledger``). In a steady stream, where
 receivers map the segments already, a message costs no record to the broker from

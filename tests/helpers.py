@@ -115,7 +115,7 @@ def what_brokers_hold() -> str:
             continue
         client = broker_client.BrokerClient(directory, None)
         try:
-            parts.append(f"{entry}: {client.ping()}")
+            parts.append(f"{entry}: {client.ping(full=True)}")
         except Exception as exc:  # noqa: BLE001  a diagnostic: whatever it says
             parts.append(f"{entry}: no answer ({exc})")
         finally:

@@ -55,13 +55,35 @@ def _cut(how: str) -> int:
     return len(socks)
 
 
+def _close_unkept() -> bool:
+    """In a receiver, while the test holds the broker stopped: fill its post connection
+    and close its connections as ``close_all`` does (a K first: it lives on), the K
+    timing out on the full buffer; whether its connections are closed."""
+    client = broker_client.connected_client(program.current().directory)
+    assert client is not None and client.post is not None
+    broker_client.IO_TIMEOUT = 0.5  # the K's wait, not the default 10 s
+    for sock in client.sockets():
+        broker_client._kernel_timeouts(sock)
+    record = P.DROP + P.NO_KEY + P.encode_inos([1])  # of no memfd the broker knows: nothing done
+    try:
+        while True:
+            client.post.send(record, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        pass
+    broker_client.close_all()
+    return client.post is None and client.sock is None
+
+
 def _receiver(conn) -> None:
     """Keeps the first tensor it receives; answers every other with its sum and drops
-    it; on ("cut", how) loses its connections; on "check" answers whether the kept
-    tensor still has its bytes."""
+    it; on ("cut", how) loses its connections; on ("unkept",) closes them with its K
+    lost (``_close_unkept``); on "check" answers whether the kept tensor still has its
+    bytes."""
     kept = None
     while (order := conn.recv()) is not None:
-        if isinstance(order, tuple):
+        if order == ("unkept",):
+            conn.send(_close_unkept())
+        elif isinstance(order, tuple):
             conn.send(_cut(order[1]))
         elif order == "check":
             assert kept is not None
@@ -155,7 +177,7 @@ def test_a_live_receiver_whose_connections_the_broker_dropped_keeps_its_bytes(st
     assert code == 0
     # It exited (holding): counted out once, promptly.
     assert wait_for(lambda: _holders(seg) == 0, TIMEOUT), _native.hdr_read(seg.addr)
-    assert _client().ping()["generations_held"] == 0
+    assert _client().ping(full=True)["generations_held"] == 0
 
 
 def test_a_receiver_killed_after_its_connections_were_dropped_is_counted_out_once(strategy):
@@ -174,13 +196,50 @@ def test_a_receiver_killed_after_its_connections_were_dropped_is_counted_out_onc
         assert receiver.ask(t) == 3.0 * NUMEL
         del t
         let_go_now()
-        counters = _client().ping()
+        counters = _client().ping(full=True)
         assert counters["generations_held"] == 2, f"a ledger known twice (or not at all): {counters}"
         assert receiver.proc.pid is not None
         os.kill(receiver.proc.pid, signal.SIGKILL)
         receiver.proc.join(TIMEOUT)
         assert wait_for(lambda: _holders(seg) == 1, TIMEOUT), _native.hdr_read(seg.addr)
-        assert _client().ping()["generations_held"] == 1
+        assert _client().ping(full=True)["generations_held"] == 1
+        assert other.ask("check") is True
+        assert _holders(seg) == 1, "counted out twice"
+    finally:
+        codes = [receiver.stop(), other.stop()]
+    assert codes == [-signal.SIGKILL, 0]
+    assert wait_for(lambda: _holders(seg) == 0, TIMEOUT)
+
+
+def test_a_receiver_whose_keep_record_was_lost_is_counted_out_once(strategy):
+    """issue 29, item 6: ``close(keep=True)`` swallowed the timeout of a K that could
+    not be posted (the broker stopped, the post buffer full). The broker kept that
+    identity, alive and away, with the process's ledger; the process's next client, a
+    new identity, posted the same ledger: the receiver's holds were known twice, and
+    its death counted them out twice, taking another receiver's hold with it."""
+    receiver, other = _Receiver(), _Receiver()
+    try:
+        seg = _hold(receiver, other)
+        broker = _client().ping()["pid"]
+        assert broker > 1
+        os.kill(broker, signal.SIGSTOP)
+        try:
+            assert receiver.ask(("unkept",)) is True
+        finally:
+            os.kill(broker, signal.SIGCONT)
+        # A new message: the receiver's next client connects (posting its ledger) and
+        # fetches through it.
+        t = torch.full((NUMEL,), 3.0)
+        assert receiver.ask(t) == 3.0 * NUMEL
+        del t
+        let_go_now()
+        counters = _client().ping(full=True)
+        assert counters["generations_held"] == 2, f"a ledger known twice: {counters}"
+        assert receiver.proc.pid is not None
+        os.kill(receiver.proc.pid, signal.SIGKILL)
+        receiver.proc.join(TIMEOUT)
+        assert wait_for(lambda: _holders(seg) <= 1, TIMEOUT), _native.hdr_read(seg.addr)
+        assert _client().ping(full=True)["generations_held"] == 1
         assert other.ask("check") is True
         assert _holders(seg) == 1, "counted out twice"
     finally:

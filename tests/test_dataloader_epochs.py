@@ -26,7 +26,6 @@ checks the warning, and checks ``is_pinned()`` where an accelerator exists.
 from __future__ import annotations
 
 import gc
-import os
 import time
 import warnings
 from collections.abc import Callable
@@ -35,6 +34,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import shmreduce
+from shmreduce import program
+from shmreduce.broker.client import connected_client
 
 from helpers import broker_pids, open_fds, shm_entries, wait_for
 
@@ -77,13 +78,10 @@ class Records(Dataset):
 
 
 def _broker_fds() -> int:
-    total = 0
-    for pid in broker_pids():
-        try:
-            total += len(os.listdir(f"/proc/{pid}/fd"))
-        except OSError:
-            pass
-    return total
+    """The broker's descriptors, as it counts them (it is not dumpable: its
+    /proc/<pid>/fd is closed to other processes of the user); 0 if not connected."""
+    client = connected_client(program.current().directory)
+    return client.ping(full=True)["descriptors"] if client is not None else 0
 
 
 def _measure() -> dict[str, int]:

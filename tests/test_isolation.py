@@ -7,22 +7,27 @@ files; the program directory is 0700, segment files and the socket 0600.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import stat
+import tempfile
 
 import pytest
 import torch
 
 import shmreduce
-from shmreduce import program
+from shmreduce import doctor, program
 from shmreduce.broker import client as broker_client
 from shmreduce.broker import protocol as P
+from shmreduce.broker import server
 
-from helpers import forget_mappings, run_in_child
+from helpers import forget_mappings, gone, run_in_child, wait_for
 
 TIMEOUT = 20.0
+PR_SET_DUMPABLE = 4
 
 
 def _share_fs():
@@ -137,3 +142,80 @@ def test_other_user_cannot_connect_or_open(strategy):
     assert out["loads"] == "SharingError", out
     # the message is still there for the real receiver
     assert run_in_child(lambda: float(shmreduce.loads(data).sum())) == ("ok", 64.0)
+
+
+def _broker_seen_by_its_user(base: str) -> dict:
+    """In a fork child: become uid 65534, start a broker (its launcher, as a sender's
+    client would, without an exec: the interpreter may be where uid 65534 cannot run
+    it), deposit a memfd, and look at the broker from outside as any other process of
+    that user would, reading what ``shmreduce doctor``, death detection and the tests
+    read of it."""
+    os.environ.pop("SHMREDUCE_BROKER_LOG", None)  # the session's log file is root's: the broker logs to stderr
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+    # Dumpable again, as a program the user starts is (the change of uid made it not):
+    # else the broker forked below would inherit that, whatever the broker does.
+    assert ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) == 0
+    directory = os.path.join(base, P.DIR_PREFIX + os.urandom(8).hex())
+    assert server.launch(directory, os.getpid(), bytes(mp.current_process().authkey)) == 0
+    c = broker_client.BrokerClient(directory, None)
+    c.ping()
+    broker = c.broker_pid
+    fd = os.memfd_create("shmreduce-test", os.MFD_CLOEXEC)
+    os.ftruncate(fd, 4096)
+    c.segment(fd, header=False)  # the broker keeps a descriptor of it
+    ino = P.identity(os.fstat(fd))
+    os.close(fd)
+    full = c.ping(full=True)
+    out: dict = {"uid": os.getuid(), "broker": broker, "descriptors": full["descriptors"]}
+    try:
+        out["listed"] = len(os.listdir(f"/proc/{broker}/fd"))
+    except OSError as exc:
+        out["listed"] = type(exc).__name__
+    opened, refused = 0, set()
+    for n in range(full["lowest_free_descriptor"] + 8):
+        try:
+            os.close(os.open(f"/proc/{broker}/fd/{n}", os.O_RDWR))
+            opened += 1
+        except OSError as exc:
+            refused.add(type(exc).__name__)
+    out["opened"], out["refused"] = opened, sorted(refused)
+    # What doctor reads: /proc/<pid> owned by the user, its cmdline, its stat (the
+    # parent, the state), /proc/net/unix. What death detection uses: a pidfd, signal 0.
+    out["owner"] = os.stat(f"/proc/{broker}").st_uid
+    with open(f"/proc/{broker}/cmdline", "rb") as f:
+        out["cmdline"] = bool(f.read())
+    with open(f"/proc/{broker}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    out["state"], out["janitor"] = fields[0], int(fields[1])
+    out["connections"] = doctor._connected(os.path.join(directory, P.SOCKET_NAME))
+    os.close(os.pidfd_open(broker))
+    os.kill(broker, 0)
+    c.drop([ino])
+    c.close(keep=True)  # the broker exits after its grace
+    return out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a program as another, unprivileged user (uid 65534)")
+def test_the_brokers_descriptors_are_closed_to_other_processes_of_its_user():
+    """issue 29, item 5: a same-user process without the authkey opened the broker's
+    memfds read-write through /proc/<broker>/fd. The broker is not dumpable: its
+    /proc/<pid>/fd is closed to every other non-root process of the user, while what
+    death detection, the tests and ``shmreduce doctor`` read of it still works, and a
+    full ping gives its own count of descriptors."""
+    base = tempfile.mkdtemp(prefix="shmrt-nobody-", dir="/dev/shm")
+    os.chown(base, 65534, 65534)
+    out: dict = {}
+    try:
+        status, out = run_in_child(_broker_seen_by_its_user, base)
+        assert status == "ok", out
+        assert out["uid"] == 65534
+        assert out["listed"] == "PermissionError", out
+        assert out["opened"] == 0 and out["refused"] == ["PermissionError"], out
+        assert out["owner"] == 65534 and out["cmdline"] and out["state"] in ("S", "R"), out
+        assert out["connections"] == 2 and out["descriptors"] > 0, out
+    finally:
+        pids = [pid for pid in (out.get("broker"), out.get("janitor")) if pid]
+        assert wait_for(lambda: all(gone(pid) for pid in pids), 10), f"broker processes still run: {pids}"
+        shutil.rmtree(base, ignore_errors=True)

@@ -204,7 +204,7 @@ def test_what_a_receiver_keeps_is_loaded_in_the_segments_books(strategy, tmp_pat
         _gen, sent, loaded, holders = _native.hdr_read(place.segment.addr)
         assert sent == loaded and holders >= 1, (sent, loaded, holders)
     client = broker_client.client_for(program.current().directory)
-    counters = client.ping()  # a barrier: the broker has read our records
+    counters = client.ping(full=True)  # a barrier: the broker has read our records
     assert counters["draining"] == 0, (counters, log.read_text())
     assert counters["clients"] == 1 and counters["generations_held"] >= 1, counters
     del got

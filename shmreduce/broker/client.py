@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from shmreduce.broker import protocol as P
-from shmreduce.errors import SharingError, broker_gone, stale_message, too_many_files
+from shmreduce.errors import SharingError, broker_gone, deposit_lost, stale_message, too_many_files
 
 IO_TIMEOUT = float(os.environ.get("SHMREDUCE_IO_TIMEOUT", "10"))
 START_TIMEOUT = 30.0
@@ -185,9 +185,9 @@ class BrokerClient:
     """This process's connections to one broker; reconnects (and restarts it) on demand.
 
     Two connections, one identity: *post* carries the fire-and-forget records
-    (segment, drop, hold, release, this process's ledger), a few per segment, never
-    one per message; *request* carries fetch and ping, which the broker answers at
-    once.
+    (drop, hold, release, this process's ledger), a few per segment, never one per
+    message; *request* carries deposit (segment), fetch and ping, which the broker
+    answers at once.
 
     *root_pid* is the root of the program that owns the directory, known only to the
     processes of that program (see ``client_for``): only then may a sending
@@ -335,8 +335,12 @@ class BrokerClient:
                 try:
                     P.send_record(self.post, P.KEEP, P.NO_KEY)
                     kept = True
-                except OSError:
-                    pass
+                except OSError as exc:
+                    # Not posted within IO_TIMEOUT (the broker stopped, its buffer full;
+                    # or gone). The broker keeps this identity while the process lives,
+                    # and lets go of its ledger when the next identity posts it (issue
+                    # 29, item 6): a process is never counted out twice, or early.
+                    log.debug("could not tell the shmreduce broker of %s that this process lives on: %s", self.directory, exc)
             self._close_post()
             self._close_request()
             if kept:
@@ -418,8 +422,21 @@ class BrokerClient:
     def segment(self, fd: int, header: bool) -> None:
         """This process sends refs to the memfd *fd* (*header*: a pooled segment): the
         broker keeps its descriptor, by inode, for the receivers to fetch, while this
-        process lives and then while refs sent in it are not all loaded."""
-        self._send(P.SEGMENT, P.NO_KEY, b"h" if header else b"-", [fd], start=True)
+        process lives and then while refs sent in it are not all loaded.
+
+        A round trip, once per segment this process sends from: a deposit the broker
+        could not keep (at its descriptor limit, the kernel dropped the descriptor) is
+        a SharingError here, before any ref to it is sent, not a message whose
+        receiver finds it stale (issue 29, item 2)."""
+        with self.lock:
+            self._post_socket(start=True)  # this identity's ledger at the broker first, as for any record
+            _op, body, fds = self._round_trip(P.SEGMENT, b"h" if header else b"-", P.DEPOSITED, start=True, fds=[fd])
+            for extra in fds:
+                os.close(extra)
+            if body == bytes([P.STATUS_LOST]):
+                raise deposit_lost()
+            if body != bytes([P.STATUS_OK]):
+                raise self._broken(P.ProtocolError(f"bad deposit reply {body[:16]!r}"))
 
     def drop(self, inos: list[int]) -> None:
         """This process no longer sends refs to these memfds (closed: out of its pool)."""
@@ -458,16 +475,19 @@ class BrokerClient:
                 for fd in fds:
                     os.close(fd)
 
-    def ping(self) -> dict:
-        """The broker's counters; also a barrier for this connection's earlier sends."""
+    def ping(self, full: bool = False) -> dict:
+        """The broker's counters; also a barrier for this connection's earlier sends.
+        *full*: with those that cost the broker a read of every ledger and of its own
+        ``/proc/self`` (``generations_held``, ``descriptors``: a diagnostic)."""
         with self.lock:
-            _op, body, fds = self._round_trip(P.PING, b"", P.PONG, start=True)
+            _op, body, fds = self._round_trip(P.PING, P.PING_FULL if full else b"", P.PONG, start=True)
             for fd in fds:
                 os.close(fd)
             return json.loads(body)
 
-    def _round_trip(self, op: bytes, body: bytes, reply: bytes, start: bool) -> tuple[bytes, bytes, list[int]]:
-        """Send a request, return its reply (op, body, descriptors: the caller's).
+    def _round_trip(self, op: bytes, body: bytes, reply: bytes, start: bool, fds: list[int] | tuple = ()) -> tuple[bytes, bytes, list[int]]:
+        """Send a request (with *fds* attached, still the caller's), return its reply
+        (op, body, descriptors: the caller's).
 
         A request connection the broker closed (a send refused, or no reply but the
         end of the stream) is replaced once, and the request asked again: the broker
@@ -479,7 +499,7 @@ class BrokerClient:
             sock = self._socket(start)
             try:
                 try:
-                    P.send_record(sock, op, P.NO_KEY, body)
+                    P.send_record(sock, op, P.NO_KEY, body, fds)
                     self.round_trips += 1
                     record = P.recv_record(sock)
                 except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError) as exc:

@@ -74,12 +74,14 @@ Transport
     AF_UNIX, SOCK_SEQPACKET: every ``sendmsg`` is one record, delivered whole and in
     order, with its descriptors (SCM_RIGHTS) attached to it. Each client process has
     two connections, one identity (a random token sent in the handshake): *post*
-    (role ``o``) for the fire-and-forget records S, X, H, R, L, K, and *request*
-    (role ``q``) for F and P, which get replies. A fetch or ping first reads every
-    post connection if it needs to (a barrier: what any client posted before is
-    seen). Every record posted before a close counts: Linux may report ECONNRESET
-    to the broker ahead of records still queued, which the broker reads on. A forked
-    child opens its own connections (and its own token).
+    (role ``o``) for the fire-and-forget records X, H, R, L, K, and *request*
+    (role ``q``) for S, F and P, which get replies. A ping first reads every post
+    connection (a barrier: what any client posted before is seen). A deposit (S)
+    is answered: a sender knows the broker keeps a memfd before any ref to it is
+    sent, so a fetch never waits for a deposit still queued. Every record posted
+    before a close counts: Linux may report ECONNRESET to the broker ahead of
+    records still queued, which the broker reads on. A forked child opens its own
+    connections (and its own token).
 
     A closed connection is not a death (issue 27): the broker drops one for a bad
     record or an I/O error, and the process lives on. A client whose post or request
@@ -113,13 +115,16 @@ and that every connection of a token comes from the pid of its first)
     connection on a wrong digest.
 
 Records after the handshake: ``op (1 byte) + key (16 bytes, unused: zeros) + body``,
-at most MAX_RECORD bytes. None has a reply but F and P.
+at most MAX_RECORD bytes. None has a reply but S, F and P.
     S  segment   one memfd descriptor attached; body ``h`` (a pooled segment: it has
                  a header) or ``-`` (a storage torch shared itself). This client sends
                  refs to it: the broker keeps one descriptor per memfd (by inode),
-                 used by every client that deposited it. A record whose descriptor
-                 the kernel dropped (the broker at its descriptor limit) is lost: a
-                 receiver's fetch of that memfd is refused, a stale-message error.
+                 used by every client that deposited it. Reply ``s``: body = status
+                 (u8): 0 = kept; 2 = lost: the kernel dropped the descriptor, the
+                 broker being at its descriptor limit (MSG_CTRUNC). The sender then
+                 fails with a SharingError before any ref to it is sent (issue 29,
+                 item 2: a deposit lost on a fire-and-forget record made every later
+                 fetch of it look stale, and the message was lost silently).
     X  drop      body = inodes (ASCII decimal, "\n"-joined): this client no longer
                  uses these memfds (out of its pool).
     F  fetch     body = one inode. Reply ``f``: body = status (u8) + descriptors
@@ -129,12 +134,25 @@ at most MAX_RECORD bytes. None has a reply but F and P.
     R  release   body = file names it no longer holds.
     L  ledger    one memfd descriptor attached, no body: this process's *ledger*
                  (see below), posted on every new post connection; it replaces the
-                 one the broker kept for this client.
+                 one the broker kept for this client. A ledger is known to one
+                 identity of its process at a time: another identity of the same pid
+                 that has it lets go of it (its K was lost, below).
     K  keep      no body: this client closes its connections and lives on (e.g.
-                 ``unregister()``); it counts itself out of what it holds when its
-                 storages die, so the broker must not count it out at the close.
-    P  ping      reply ``p`` with body = JSON of the broker's counters, ``records``
-                 among them (how many of each op it has read).
+                 ``close_all()``); it counts itself out of what it holds when its
+                 storages die, so the broker must not count it out at the close. A K
+                 not posted within IO_TIMEOUT (the broker stopped, the buffer full)
+                 leaves the identity known while its process lives; its ledger goes
+                 to the next identity that posts it, so nothing is counted out twice
+                 (issue 29, item 6); its memfds and files are let go of at its death.
+    P  ping      body empty, or ``full``. Reply ``p`` with body = JSON of the broker's
+                 counters, ``records`` among them (how many of each op it has read).
+                 A plain ping reads no ledger: its cost does not grow with what
+                 clients hold (``ledger_bytes_read`` counts what the broker read of
+                 ledgers). ``full`` (a diagnostic) adds ``generations_held`` (every
+                 ledger read), the broker's ``descriptors`` and
+                 ``lowest_free_descriptor`` (from ``/proc/self``: the broker is not
+                 dumpable, so no other process of the user can list them) and
+                 ``libtorch_mapped``.
 
 Lifetimes
     A client's death is learnt from the kernel, never from a socket: the broker opens
@@ -220,6 +238,7 @@ ROLE_REQUEST = b"q"
 ROLE_POST = b"o"
 
 SEGMENT = b"S"
+DEPOSITED = b"s"
 DROP = b"X"
 FETCH = b"F"
 FETCHED = b"f"
@@ -228,12 +247,14 @@ RELEASE = b"R"
 LEDGER = b"L"
 KEEP = b"K"
 PING = b"P"
+PING_FULL = b"full"  # a ping's body: the costly counters too
 PONG = b"p"
 
 INOS_PER_RECORD = 4000
 
 STATUS_OK = 0
 STATUS_UNKNOWN = 1
+STATUS_LOST = 2
 _FETCH_HEAD = struct.Struct("!BI")
 _PID = struct.Struct("!I")
 NO_KEY = bytes(KEY_LEN)

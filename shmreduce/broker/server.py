@@ -52,7 +52,7 @@ import sys
 import time
 
 from shmreduce import _native
-from shmreduce._platform import peer_pid, peer_uid, raise_nofile_limit
+from shmreduce._platform import make_undumpable, peer_pid, peer_uid, raise_nofile_limit
 from shmreduce.broker import protocol as P
 
 STALE_MIN_AGE = 10.0  # seconds; a younger directory may be a broker still starting
@@ -73,7 +73,7 @@ class _Client:
     whose connections all closed (the broker dropped them: one bad record, an I/O
     error) stays known, and its new connections (same token, same pid) join it."""
 
-    __slots__ = ("token", "pid", "holds", "segs", "ledger", "conns", "keeps", "watched", "dead")
+    __slots__ = ("token", "pid", "holds", "segs", "ledger", "ledger_key", "conns", "keeps", "watched", "dead")
 
     def __init__(self, token: bytes, pid: int) -> None:
         self.token = token
@@ -81,6 +81,7 @@ class _Client:
         self.holds: set[str] = set()  # segment files it holds (their owner)
         self.segs: set[int] = set()  # memfds it deposited, by inode
         self.ledger = -1  # its ledger's memfd (protocol.py, "Ledger"), read once it is gone
+        self.ledger_key = 0  # that memfd's identity (protocol.identity)
         self.conns = 0
         self.keeps = False  # it said it closes and lives on: its holds are its own to let go of
         self.watched = False  # its process's death is watched (a pidfd in Broker.pidfds)
@@ -154,6 +155,7 @@ class Broker:
         self.pids: dict[int, int] = {}
         self.departed: list[_Client] = []  # gone holding generations: counted out once every post connection is read
         self.records: dict[str, int] = {}  # records read, by op: how often clients need the broker
+        self.ledger_bytes_read = 0  # what it read of ledgers (at deaths; a full ping): a plain ping reads none
         self.reading = False
         self.poller = select.epoll()
         listener.setblocking(False)
@@ -294,7 +296,7 @@ class Broker:
         """A receiver died: count it out of the holders of every generation its
         ledger says it holds (a segment the broker no longer keeps is unmapped
         wherever it was, or went with its owner: nobody reuses it)."""
-        for key, gen, state in _ledger_holds(client.ledger):
+        for key, gen, state in self._ledger_holds(client.ledger):
             seg = self.memfds.get(key) if isinstance(key, int) else self.files.get(key)
             if seg is None or self._header(seg) is None:
                 continue
@@ -311,6 +313,18 @@ class Broker:
                 self._truncated(seg)
         _close_ledger(client)
 
+    def _ledger_holds(self, fd: int) -> list[tuple[int | str, int, int]]:
+        """(segment, generation, state) of what the ledger *fd* says its client holds;
+        the bytes read are counted (``ledger_bytes_read``)."""
+        if fd < 0:
+            return []
+        try:
+            blob = os.pread(fd, min(os.fstat(fd).st_size, P.LEDGER_MAX), 0)
+        except OSError:
+            return []
+        self.ledger_bytes_read += len(blob)
+        return P.ledger_holds(blob)
+
     def _drain(self, now: float) -> None:
         """Close the segments nobody uses whose refs are all loaded, or whose time is up."""
         for seg in list(self.draining):
@@ -320,8 +334,14 @@ class Broker:
                     log.debug("let go of segment %s: refs sent in it not loaded within %.0f s (SHMREDUCE_ORPHAN_TTL)", seg.key, ORPHAN_TTL)
                 self._close(seg)
 
-    def counters(self) -> dict:
-        return {
+    def counters(self, full: bool = False) -> dict:
+        """What a ping answers: counts the broker keeps as it goes, whatever the size of
+        what it holds (issue 29, item 6: a ping that parsed every ledger took 668 ms
+        with one 64 MiB ledger). *full* (a diagnostic, ``ping(full=True)``) adds what
+        costs a read of every ledger or of ``/proc/self``: the generations held, the
+        broker's descriptors (others of the user cannot list them: it is not dumpable)
+        and whether libtorch is mapped in it."""
+        counters = {
             "pid": os.getpid(),
             "clients": sum(1 for c in self.clients.values() if c.conns),
             "clients_away": sum(1 for c in self.clients.values() if not c.conns),  # alive, no connection
@@ -329,11 +349,16 @@ class Broker:
             "segments": len(self.memfds),
             "segment_files": len(self.files),
             "draining": len(self.draining),
-            "generations_held": sum(len(_ledger_holds(c.ledger)) for c in self.clients.values()),
             "handshakes": len(self.handshakes),
             "root_alive": self.root_alive,
             "records": dict(self.records),
         }
+        if full:
+            counters["generations_held"] = sum(len(self._ledger_holds(c.ledger)) for c in self.clients.values())
+            counters.update(_own_descriptors())
+            counters["libtorch_mapped"] = _maps_libtorch()
+        counters["ledger_bytes_read"] = self.ledger_bytes_read
+        return counters
 
     # -- connections -----------------------------------------------------------
 
@@ -473,7 +498,7 @@ class Broker:
         del self.clients[client.token]
         if client.ledger >= 0 and not client.keeps:
             # A segment it held may be known here only from a record still queued
-            # on its owner's post connection (the H or S the owner posted before
+            # on its owner's post connection (the H the owner posted before
             # any ref to it): counted out once every post connection is read.
             self.departed.append(client)
             self._read_posts()
@@ -483,6 +508,27 @@ class Broker:
         self._release(client, list(client.holds), died=True)
         if client.watched and not any(c.pid == client.pid for c in self.clients.values()):
             self._unwatch(client.pid)
+
+    def _adopt_ledger(self, client: _Client, fd: int) -> None:
+        """*client* posted its ledger *fd*: it replaces the one kept for it. A ledger
+        is one process's record of what it holds here: known to one identity of that
+        process at a time. Another identity of the same process that has it lets go of
+        it (one whose K was lost: its process closed its connections while the broker
+        was stopped and its buffer full, and went on with a new identity); else the
+        process's death would count its holds out twice (issue 29, item 6)."""
+        try:
+            key = P.identity(os.fstat(fd))
+        except OSError:
+            os.close(fd)
+            raise
+        _close_ledger(client)
+        client.ledger, client.ledger_key = fd, key
+        for other in [c for c in self.clients.values() if c.pid == client.pid and c is not client]:
+            if other.ledger >= 0 and other.ledger_key == client.ledger_key:
+                log.debug("pid %d posted its ledger again under a new identity: the old one lets go of it", client.pid)
+                _close_ledger(other)
+                if not other.conns and other.holds_nothing():
+                    self._count_out(other)  # away, and nothing left to count out at its death
 
     def _watch(self, pid: int) -> bool:
         """Watch process *pid*'s death (one pidfd per process, in the epoll); False if
@@ -595,22 +641,23 @@ class Broker:
         self.records[name] = self.records.get(name, 0) + 1
         try:
             if op == P.SEGMENT:
+                if conn.post:
+                    raise P.ProtocolError("a segment record comes on the request connection: it is answered")
                 if lost:
-                    pass  # the deposit is lost: a receiver's fetch of it is refused (stale)
+                    status = P.STATUS_LOST  # its sender fails, before any ref to it is sent
                 elif len(fds) != 1 or body not in (b"h", b"-"):
                     raise P.ProtocolError("a segment record carries one descriptor and its kind")
                 else:
                     self._deposit(client, fds.pop(), body == b"h")
+                    status = P.STATUS_OK
+                P.send_record(conn.sock, P.DEPOSITED, P.NO_KEY, bytes([status]))
             elif op == P.DROP:
                 self._drop_deposits(client, P.decode_inos(body), died=False)
             elif op == P.FETCH:
                 inos = P.decode_inos(body)
                 if len(inos) != 1:
                     raise P.ProtocolError(f"a fetch names one memfd, not {len(inos)}")
-                ino = inos[0]
-                if ino not in self.memfds:
-                    self._read_posts()  # its deposit may still be queued on a post connection
-                seg = self.memfds.get(ino)
+                seg = self.memfds.get(inos[0])  # deposits are answered: none is still queued
                 if seg is None:
                     P.send_record(conn.sock, P.FETCHED, P.NO_KEY, P.encode_fetched(P.STATUS_UNKNOWN, 0))
                 else:
@@ -625,15 +672,16 @@ class Broker:
                 elif len(fds) != 1 or body or not stat.S_ISREG(os.fstat(fds[0]).st_mode):
                     raise P.ProtocolError("a ledger record carries one memfd and no body")
                 else:
-                    _close_ledger(client)
-                    client.ledger = fds.pop()
+                    self._adopt_ledger(client, fds.pop())
             elif op == P.KEEP:
                 if body:
                     raise P.ProtocolError("a keep record has no body")
                 client.keeps = True  # it closes and lives on: it counts itself out
             elif op == P.PING:
+                if body not in (b"", P.PING_FULL):
+                    raise P.ProtocolError(f"a ping's body is empty or {P.PING_FULL!r}")
                 self._read_posts()
-                P.send_record(conn.sock, P.PONG, P.NO_KEY, json.dumps(self.counters()).encode())
+                P.send_record(conn.sock, P.PONG, P.NO_KEY, json.dumps(self.counters(full=body == P.PING_FULL)).encode())
             else:
                 raise P.ProtocolError(f"unknown op {op!r}")
             return True
@@ -736,20 +784,34 @@ class Broker:
         remove_program_dir(self.dir, self.lock_fd)
 
 
-def _ledger_holds(fd: int) -> list[tuple[int | str, int, int]]:
-    """(segment, generation, state) of what the ledger *fd* says its client holds."""
-    if fd < 0:
-        return []
+def _own_descriptors() -> dict[str, int]:
+    """This process's open descriptors and the lowest free one (the number a new
+    descriptor would get); -1 each at its descriptor limit."""
     try:
-        return P.ledger_holds(os.pread(fd, min(os.fstat(fd).st_size, P.LEDGER_MAX), 0))
+        fd = os.dup(0)
     except OSError:
-        return []
+        return {"descriptors": -1, "lowest_free_descriptor": -1}
+    try:
+        return {"descriptors": len(os.listdir("/proc/self/fd")) - 2, "lowest_free_descriptor": fd}  # less the dup and the listing's
+    except OSError:
+        return {"descriptors": -1, "lowest_free_descriptor": fd}
+    finally:
+        os.close(fd)
+
+
+def _maps_libtorch() -> bool:
+    """Whether libtorch is mapped in this process (the broker must never import torch)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return "libtorch" in f.read()
+    except OSError:
+        return False
 
 
 def _close_ledger(client: _Client) -> None:
     if client.ledger >= 0:
         os.close(client.ledger)
-        client.ledger = -1
+        client.ledger, client.ledger_key = -1, 0
 
 
 def _drain_pipe(fd: int) -> bool:
@@ -1064,6 +1126,11 @@ def _janitor(directory: str, listener: socket.socket, authkey: bytes, root_pid: 
     if server == 0:
         signal.signal(signal.SIGTERM, lambda *_: setattr(broker, "stopping", True))
         _log_to_stderr(directory)
+        # Before it holds any descriptor of the program's: other processes of the user
+        # could open the memfds it keeps, read-write, through /proc/<broker>/fd (issue
+        # 29, item 5). It reads its own counts for them (ping(full=True)).
+        if not make_undumpable():
+            log.debug("cannot make the broker not dumpable: its /proc/<pid>/fd stays open to the user's processes")
         raise_nofile_limit()
         broker = Broker(directory, listener, authkey, root_pid, lock_fd)
         signal.set_wakeup_fd(broker.wake_w, warn_on_full_buffer=False)
