@@ -80,6 +80,11 @@ def storage_fd(storage: torch.UntypedStorage) -> int:
 # _rebuild_* functions): none has a public equivalent that keeps the same result.
 
 
+# A view of a tensor with the negative bit set (``x.conj().imag`` has it): what a
+# received tensor gets back when its sender's had it. Private (torch 1.10+).
+neg_view: Callable[[torch.Tensor], torch.Tensor] = torch._neg_view
+
+
 def make_subclass(cls: type, tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     """*tensor*'s data as an instance of the Tensor subclass *cls* (``torch.Tensor._make_subclass``).
 

@@ -29,9 +29,10 @@ _SPARSE_COMPRESSED = {
 # A strided tensor travels as (ref, meta): *ref* the storage's transfer.SegmentRef as
 # a plain tuple (or None for an empty storage), *meta* everything else as a plain
 # tuple (dtype, size, stride, offset, extra), where *extra* is None for a plain
-# Tensor that does not require grad, else (class, requires_grad, instance __dict__
-# or None). Plain tuples pickle and load in C: measured here, a (ref, meta) pair as
-# two NamedTuples costs 1.9 us to pickle and 0.8 us to load per tensor, as plain
+# Tensor that does not require grad and is neither a conjugate nor a negative view,
+# else (class, requires_grad, instance __dict__ or None, conj, neg): the view bits are
+# on the tensor, its storage holds the bytes they are lazily applied to. Plain tuples
+# pickle and load in C: measured here, a (ref, meta) pair as two NamedTuples costs 1.9 us to pickle and 0.8 us to load per tensor, as plain
 # tuples 0.3 and 0.3, on the per-tensor hot path. transfer.SegmentRef names the
 # ref's fields in code; receive() checks the shape of what arrives.
 Meta = tuple
@@ -52,16 +53,21 @@ def _refuse_non_leaf(tensor: torch.Tensor) -> None:
 def _meta(tensor: torch.Tensor) -> Meta:
     cls = type(tensor)
     extra = None
-    if cls is not _Tensor or tensor.requires_grad:
+    conj, neg = tensor.is_conj(), tensor.is_neg()
+    if cls is not _Tensor or tensor.requires_grad or conj or neg:
         state = tensor.__dict__ if cls is not _Tensor and tensor.__dict__ else None
-        extra = (cls, tensor.requires_grad, dict(state) if state else None)
+        extra = (cls, tensor.requires_grad, dict(state) if state else None, conj, neg)
     return (tensor.dtype, tuple(tensor.size()), tuple(tensor.stride()), tensor.storage_offset(), extra)
 
 
 def _finish(t: torch.Tensor, extra: tuple | None) -> torch.Tensor:
     if extra is None:
         return t
-    cls, requires_grad, state = extra
+    cls, requires_grad, state, conj, neg = extra
+    if conj:
+        t = t.conj()  # a view with the conjugate bit, over the same storage
+    if neg:
+        t = _torch.neg_view(t)
     if cls is not torch.Tensor:
         t = _torch.make_subclass(cls, t, requires_grad)
     elif requires_grad:

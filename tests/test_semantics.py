@@ -107,6 +107,25 @@ def test_faithful_rebuild_of_class_and_metadata(echo):
     assert out[4].shape == (0, 3) and out[5].shape == (2, 0, 3)
 
 
+def test_conjugate_and_negative_views_keep_their_bits_and_alias(echo, strategy):
+    # A conjugate view (x.conj()) and a negative one (x.conj().imag) are lazy: the bit is
+    # on the tensor, the storage holds x's bytes. Both were sent as plain tensors over
+    # x's storage and arrived without the bit, wrong values with no error (torch's own
+    # reducers lose them too; plain pickle keeps them).
+    x = torch.tensor([1 + 2j, 3 - 4j, -5 + 6j], dtype=torch.complex64)
+    conj, imag = x.conj(), x.conj().imag
+    neg = torch._neg_view(torch.arange(4.0))
+    assert conj.is_conj() and imag.is_neg() and neg.is_neg()
+    out = echo([conj, imag, neg, x])
+    for sent, got in zip([conj, imag, neg], out, strict=False):
+        assert got.is_conj() == sent.is_conj() and got.is_neg() == sent.is_neg(), (sent, got)
+        assert torch.equal(got, sent), (sent, got)
+    assert out[0].untyped_storage().data_ptr() == out[3].untyped_storage().data_ptr()  # one storage, as sent
+    with shmreduce.registered(strategy=strategy):
+        for t in (conj, imag, neg):
+            assert torch.equal(shmreduce.loads(shmreduce.dumps(t)), t)
+
+
 def _empty_views_share_a_storage(conn):
     a, b, c = conn.recv()
     conn.send((a.untyped_storage()._cdata == b.untyped_storage()._cdata, a.untyped_storage()._cdata == c.untyped_storage()._cdata))

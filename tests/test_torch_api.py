@@ -231,7 +231,14 @@ def test_tensor_attributes_native_reduce_reads():
     # _native.reduce checks these by name on a torch.Tensor, exactly what they are here.
     t = torch.zeros(4)
     assert t.requires_grad is False and t._backward_hooks is None and t.layout is torch.strided
-    assert t.is_cpu is True and t.is_nested is False
+    assert t.is_cpu is True and t.is_nested is False and t.is_quantized is False
+    assert t.is_conj() is False and t.is_neg() is False
+
+
+def test_neg_view_sets_the_negative_bit_over_the_same_storage():
+    x = torch.arange(3.0)
+    v = _torch.neg_view(x)
+    assert v.is_neg() and torch.equal(v, -x) and v.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
     _require(torch.UntypedStorage, "_swap_data_ptr_", "swap_memory")
 
 

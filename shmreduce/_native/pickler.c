@@ -24,10 +24,10 @@ static _Thread_local PyObject *outgoing; /* the sending scope's header addresses
 static _Thread_local int broker_seen;    /* this message found its broker live */
 static unsigned long long shares, shared_bytes, reuses;
 
-enum { S_REQUIRES_GRAD, S_BACKWARD_HOOKS, S_LAYOUT, S_IS_CPU, S_IS_NESTED, S_IS_QUANTIZED, S_NBYTES, S_DATA_PTR, S_SWAP, S_DTYPE,
+enum { S_REQUIRES_GRAD, S_BACKWARD_HOOKS, S_LAYOUT, S_IS_CPU, S_IS_NESTED, S_IS_QUANTIZED, S_IS_CONJ, S_IS_NEG, S_NBYTES, S_DATA_PTR, S_SWAP, S_DTYPE,
        S_SIZE, S_STRIDE, S_STORAGE_OFFSET, S_SHARING_STRATEGY, S_FILE_SYSTEM, S_SLAB_FD, S_SLAB_FS, N_NAMES };
 static const char *const name_text[N_NAMES] = {
-    "requires_grad", "_backward_hooks", "layout", "is_cpu", "is_nested", "is_quantized", "nbytes", "data_ptr", "_swap_data_ptr_", "dtype",
+    "requires_grad", "_backward_hooks", "layout", "is_cpu", "is_nested", "is_quantized", "is_conj", "is_neg", "nbytes", "data_ptr", "_swap_data_ptr_", "dtype",
     "size", "stride", "storage_offset", "_sharing_strategy", "file_system", "shmreduce.slab.fd", "shmreduce.slab.fs"};
 static PyObject *names[N_NAMES];
 
@@ -167,6 +167,15 @@ static int attr_is(PyObject *obj, int name, PyObject *want) {
         return -1;
     Py_DECREF(value);
     return value == want;
+}
+
+/* 1 if obj.<name>() is False, 0 if not, -1 on error. */
+static int call_false(PyObject *obj, int name) {
+    PyObject *value = PyObject_CallMethodNoArgs(obj, names[name]);
+    if (value == NULL)
+        return -1;
+    Py_DECREF(value);
+    return value == Py_False;
 }
 
 /* obj.<name>() as an address or size; -1 (error set) on failure. */
@@ -325,7 +334,7 @@ error:
 PyDoc_STRVAR(reduce_doc,
              "reduce(tensor) -> (rebuild, (ref, meta))\n\n"
              "reductions.reduce_tensor's result, made here in one call for a plain CPU tensor (torch.Tensor "
-             "exactly, no grad, no hooks, strided, not nested nor quantized) inside a sending scope (message()) whose broker lives, whose "
+             "exactly, no grad, no hooks, strided, not nested nor quantized, no conjugate or negative bit) inside a sending scope (message()) whose broker lives, whose "
              "storage lies in an indexed Gen or fits this thread's slab (copied there and swapped in); counted "
              "sent when the scope ends (its header's address appended to the scope's list). Every other case "
              "goes to reductions.reduce_tensor.");
@@ -336,7 +345,8 @@ static PyObject *native_reduce(PyObject *Py_UNUSED(module), PyObject *tensor) {
     int plain;
     if ((plain = attr_is(tensor, S_REQUIRES_GRAD, Py_False)) <= 0 || (plain = attr_is(tensor, S_BACKWARD_HOOKS, Py_None)) <= 0 ||
         (plain = attr_is(tensor, S_LAYOUT, strided)) <= 0 || (plain = attr_is(tensor, S_IS_CPU, Py_True)) <= 0 ||
-        (plain = attr_is(tensor, S_IS_NESTED, Py_False)) <= 0 || (plain = attr_is(tensor, S_IS_QUANTIZED, Py_False)) <= 0)
+        (plain = attr_is(tensor, S_IS_NESTED, Py_False)) <= 0 || (plain = attr_is(tensor, S_IS_QUANTIZED, Py_False)) <= 0 ||
+        (plain = call_false(tensor, S_IS_CONJ)) <= 0 || (plain = call_false(tensor, S_IS_NEG)) <= 0)
         return plain < 0 ? NULL : reduce_general(tensor);
     PyObject *storage = PyObject_CallMethodNoArgs(tensor, str_untyped_storage);
     if (storage == NULL)
