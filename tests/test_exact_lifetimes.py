@@ -42,7 +42,8 @@ import pytest
 import torch
 
 import shmreduce
-from shmreduce import program, transfer
+from shmreduce import _native, program, transfer
+from shmreduce.cache import cache
 from shmreduce.pool import SLAB_ITEM_MAX
 
 from helpers import let_go_now, wait_for
@@ -598,7 +599,9 @@ def _witness(say: Callable[[Any], None], stop: Any, conn: Any, check: Any, drop:
     _wait(stop, stop)
 
 
-def _owner_fault(say: Callable[[Any], None], stop: Any, to_w: Any, to_l: Any, to_sink: Any, go: Any, free: Any, nbytes: int) -> None:
+def _owner_fault(
+    say: Callable[[Any], None], stop: Any, to_w: Any, to_l: Any, to_sink: Any, go: Any, free: Any, nbytes: int, point: str
+) -> None:
     big = torch.cat([_pattern(nbytes, SEED), _pattern(nbytes, SEED)])  # one storage, one generation
     to_w.send(big[:nbytes])
     assert to_w.poll(TIMEOUT)
@@ -611,8 +614,11 @@ def _owner_fault(say: Callable[[Any], None], stop: Any, to_w: Any, to_l: Any, to
     _wait(go, stop)
     # L died with the message unloaded (a kill before its count): loaded here, it is
     # not in flight, and the broker need not keep its segment SHMREDUCE_ORPHAN_TTL
-    # seconds. Where L counted it, this load is a repeat and counts nothing.
-    ForkingPickler.loads(blob)
+    # seconds. Where L counted it, it is not loaded again: after a kill mid-let-go the
+    # generation is retired and its segment closed, maybe already (CI saw it once; see
+    # test_a_message_loaded_before_a_death_mid_let_go_loads_again_exactly_or_is_refused).
+    if point.startswith("load.") and point != "load.counted":
+        ForkingPickler.loads(blob)
     reused = _reused()
     _stream(to_sink, 2 * nbytes, _stream_len(2 * nbytes))
     to_sink.send(None)
@@ -636,7 +642,7 @@ def test_a_receiver_killed_at_each_step_of_a_load_pins_nothing_and_costs_no_hold
         c.start("S", _sink, sink_end)
         c.start("W", _witness, w_end, check, drop)
         victim = c.start("L", _victim, l_end, point)
-        c.start("O", _owner_fault, to_w, to_l, to_sink, go, free, nbytes)
+        c.start("O", _owner_fault, to_w, to_l, to_sink, go, free, nbytes, point)
         assert c.get("O") == "sent"
         assert c.get("W") == "holding"
         victim.join(TIMEOUT)
@@ -653,6 +659,65 @@ def test_a_receiver_killed_at_each_step_of_a_load_pins_nothing_and_costs_no_hold
         free.set()
         freed, waiting = c.get("O")
         assert freed, f"L killed at {point} pins the segment: {waiting} still waiting {FREE_WITHIN}s after W dropped"
+
+
+def _owner_after_retire(say: Callable[[Any], None], stop: Any, to_w: Any, to_l: Any, nbytes: int) -> None:
+    """O: send a view to W and a blob to L; once L's death mid-let-go has retired the
+    generation (while W still holds it), drop its own tensor, then load the blob again."""
+    big = torch.cat([_pattern(nbytes, SEED), _pattern(nbytes, SEED)])
+    to_w.send(big[:nbytes])
+    assert to_w.poll(TIMEOUT)
+    to_w.recv()
+    place = cache.place_of(big.untyped_storage())  # shared now, by that send
+    assert place is not None
+    addr = place.segment.addr
+    del place
+    blob = bytes(ForkingPickler.dumps(big[nbytes:]))
+    to_l.send_bytes(blob)
+    deadline = time.monotonic() + TIMEOUT
+    while not _native.hdr_flags(addr) & _native.RETIRED:  # the broker counted L out: retired
+        assert time.monotonic() < deadline, "L's death did not retire the generation"
+        time.sleep(0.02)
+    del big
+    transfer.collect()  # the owner's end of a retired generation: its segment closed at once
+    try:
+        again = ForkingPickler.loads(blob)
+    except shmreduce.SharingError as exc:
+        say(("refused", str(exc)))
+    else:
+        say(("loaded", _wrong_bytes(again, SEED)))
+        del again
+    let_go_now()
+    say("done")
+    _wait(stop, stop)
+
+
+@pytest.mark.parametrize("point", ["letgo.ledger", "letgo.unhold"])
+def test_a_message_loaded_before_a_death_mid_let_go_loads_again_exactly_or_is_refused(strategy: str, point: str) -> None:
+    """L, killed while letting go of a message it loaded, retires the generation; its
+    owner then ends it (its own tensor dropped) and closes the segment at once, as a
+    retired generation's is (README, "Lifetime rules"); W still holds a view. Loading
+    the message again gives its bytes where the segment is still reachable, else a
+    SharingError that says so: never other bytes; and W keeps its own. (Seen in CI
+    once as another test's failure, whose owner relied on such a repeat load.)"""
+    nbytes = 50 * KiB
+    with crew() as c:
+        to_w, w_end = c.pipe()
+        to_l, l_end = c.pipe()
+        check, drop = c.event(), c.event()
+        c.start("W", _witness, w_end, check, drop)
+        victim = c.start("L", _victim, l_end, point)
+        c.start("O", _owner_after_retire, to_w, to_l, nbytes)
+        assert c.get("W") == "holding"
+        victim.join(TIMEOUT)
+        assert victim.exitcode == -signal.SIGKILL, f"L was not SIGKILLed at {point}"
+        kind, what = c.get("O", TIMEOUT * 2)
+        assert (kind, what) == ("loaded", 0) or (kind == "refused" and "send it again" in what), (kind, what)
+        assert c.get("O") == "done"
+        check.set()
+        assert c.get("W") == 0, "W's tensor lost bytes"
+        drop.set()
+        assert c.get("W") == "dropped"
 
 
 # -- 4. a replay buffer: bounded descriptors (SPEC 12) ------------------------------
