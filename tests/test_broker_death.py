@@ -189,18 +189,7 @@ def test_a_receiver_killed_after_its_connections_were_dropped_is_counted_out_onc
     try:
         seg = _hold(receiver, other)
         _cut_and_wait(receiver, "malformed")
-        # A new message: a new segment (the first is held), fetched through a new
-        # connection (under file_descriptor), held in the same ledger. (Small enough for
-        # torch's sum to run on one thread: a forked child's OpenMP may hang.)
-        t = torch.full((NUMEL,), 3.0)
-        assert receiver.ask(t) == 3.0 * NUMEL
-        del t
-        let_go_now()
-        counters = _client().ping(full=True)
-        assert counters["generations_held"] == 2, f"a ledger known twice (or not at all): {counters}"
-        assert receiver.proc.pid is not None
-        os.kill(receiver.proc.pid, signal.SIGKILL)
-        receiver.proc.join(TIMEOUT)
+        _one_more_message_then_kill(receiver)
         assert wait_for(lambda: _holders(seg) == 1, TIMEOUT), _native.hdr_read(seg.addr)
         assert _client().ping(full=True)["generations_held"] == 1
         assert other.ask("check") is True
@@ -209,6 +198,22 @@ def test_a_receiver_killed_after_its_connections_were_dropped_is_counted_out_onc
         codes = [receiver.stop(), other.stop()]
     assert codes == [-signal.SIGKILL, 0]
     assert wait_for(lambda: _holders(seg) == 0, TIMEOUT)
+
+
+def _one_more_message_then_kill(receiver: _Receiver) -> None:
+    """A new message to *receiver*: a new segment (the first is held), fetched through
+    its next client (under file_descriptor), held in the same ledger; the broker must
+    know the two generations once each. Then SIGKILL it. (Small enough for torch's sum
+    to run on one thread: a forked child's OpenMP may hang.)"""
+    t = torch.full((NUMEL,), 3.0)
+    assert receiver.ask(t) == 3.0 * NUMEL
+    del t
+    let_go_now()
+    counters = _client().ping(full=True)
+    assert counters["generations_held"] == 2, f"a ledger known twice (or not at all): {counters}"
+    assert receiver.proc.pid is not None
+    os.kill(receiver.proc.pid, signal.SIGKILL)
+    receiver.proc.join(TIMEOUT)
 
 
 def test_a_receiver_whose_keep_record_was_lost_is_counted_out_once(strategy):
@@ -227,17 +232,7 @@ def test_a_receiver_whose_keep_record_was_lost_is_counted_out_once(strategy):
             assert receiver.ask(("unkept",)) is True
         finally:
             os.kill(broker, signal.SIGCONT)
-        # A new message: the receiver's next client connects (posting its ledger) and
-        # fetches through it.
-        t = torch.full((NUMEL,), 3.0)
-        assert receiver.ask(t) == 3.0 * NUMEL
-        del t
-        let_go_now()
-        counters = _client().ping(full=True)
-        assert counters["generations_held"] == 2, f"a ledger known twice: {counters}"
-        assert receiver.proc.pid is not None
-        os.kill(receiver.proc.pid, signal.SIGKILL)
-        receiver.proc.join(TIMEOUT)
+        _one_more_message_then_kill(receiver)
         assert wait_for(lambda: _holders(seg) <= 1, TIMEOUT), _native.hdr_read(seg.addr)
         assert _client().ping(full=True)["generations_held"] == 1
         assert other.ask("check") is True
