@@ -9,16 +9,15 @@ from where it is. The one exception, a storage torch shared by descriptor itself
 (a segment shmreduce maps elsewhere, generation 0), is remembered by its
 StorageImpl (``remember_adopted``) with a weak reference.
 
-``storage_at(token, offset)``: the identity map of loads, so that views of one
-storage sent in one message or in several arrive over one storage (and a process
-loading its own ref gets its own storage back). Each token (a
-generation in this process) keeps its own, offset -> a weak reference to the
-storage, never the storage: it goes with the token
-when the generation's last storage here dies, so nothing is ever swept entry by
-entry. The map is the token's own (``Gen.stored`` / ``Gen.remember``, in C): the
-load paths (``Gen.load``, ``_native.rebuild``) and the senders read and fill it
-there, so the rule is written once. Fork-safe: the lock is
-replaced in the child.
+Which storage lies at a place is not kept here: it is the identity map of each token
+(a generation in this process, ``Gen.stored`` / ``Gen.remember``, in C), so that
+views of one storage sent in one message or in several arrive over one storage (and
+a process loading its own ref gets its own storage back): offset -> a weak reference
+to the storage, never the storage, gone with the token when the generation's last
+storage here dies, so nothing is ever swept entry by entry. The load paths
+(``Gen.load``, ``_native.rebuild``) and the senders (``transfer._placed``,
+``_native.reduce``) read and fill it there. Fork-safe: the lock is replaced in the
+child.
 
 Weak references to a storage's Python object are weak references to its
 StorageImpl: torch keeps one Python object per StorageImpl for as long as any
@@ -79,16 +78,6 @@ class StorageCache:
             for dead in [k for k, (weak, _) in self._adopted.items() if weak() is None]:
                 del self._adopted[dead]
             self._adopted[key] = (weakref.ref(storage), place)
-
-    def storage_at(self, token: Any, offset: int) -> torch.UntypedStorage | None:
-        """The storage received at *offset* through *token* (a generation's
-        ``_native.Gen`` in this process), if it lives."""
-        storage: torch.UntypedStorage | None = token.stored(offset)
-        return storage
-
-    def remember(self, storage: torch.UntypedStorage, token: Any, offset: int) -> None:
-        """*storage* lies at *offset* of *token*'s generation here (made or received)."""
-        token.remember(offset, storage)
 
     def clear(self) -> None:
         """Forget everything (a test acting as a process that never saw these storages)."""

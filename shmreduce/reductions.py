@@ -32,8 +32,9 @@ _SPARSE_COMPRESSED = {
 # Tensor that does not require grad and is neither a conjugate nor a negative view,
 # else (class, requires_grad, instance __dict__ or None, conj, neg): the view bits are
 # on the tensor, its storage holds the bytes they are lazily applied to. Plain tuples
-# pickle and load in C: measured here, a (ref, meta) pair as two NamedTuples costs 1.9 us to pickle and 0.8 us to load per tensor, as plain
-# tuples 0.3 and 0.3, on the per-tensor hot path. transfer.SegmentRef names the
+# pickle and load in C: measured here, a (ref, meta) pair as two NamedTuples costs
+# 1.9 us to pickle and 0.8 us to load per tensor, as plain tuples 0.3 and 0.3, on the
+# per-tensor hot path. transfer.SegmentRef names the
 # ref's fields in code; receive() checks the shape of what arrives.
 Meta = tuple
 _Tensor = torch.Tensor

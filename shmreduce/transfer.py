@@ -382,7 +382,7 @@ def _adopt(storage: torch.UntypedStorage, key: int, nbytes: int) -> Place | None
 def _placed(storage: torch.UntypedStorage, place: Place, token: Any) -> Place:
     """*storage* lies in *place* now (found there by its address from now on; and
     what a ref to it loads here, as torch gives a process its own storage back)."""
-    cache.remember(storage, token, place.offset)
+    token.remember(place.offset, storage)
     _counters["storages_shared"] += 1
     _counters["bytes_shared"] += place.nbytes
     if not _collector.started:

@@ -59,11 +59,11 @@ def test_received_storages_are_one_per_place_and_held_weakly(strategy: str) -> N
     place = cache.place_of(a.untyped_storage())
     assert place is not None
     token = place.segment.live_token(place.gen)
-    assert token is not None and cache.storage_at(token, place.offset) is not None
+    assert token is not None and token.stored(place.offset) is not None
     assert a.untyped_storage()._cdata == t.untyped_storage()._cdata, "its own storage, loaded here"
     del a, b, s, again, t
     gc.collect()
-    assert cache.storage_at(token, place.offset) is None, "the map keeps no storage alive"
+    assert token.stored(place.offset) is None, "the map keeps no storage alive"
 
 
 def test_torch_shared_storages_are_remembered_weakly() -> None:
