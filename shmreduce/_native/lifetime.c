@@ -166,23 +166,20 @@ PyObject *put_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes, cons
     return make_storage(gen, offset, nbytes);
 }
 
-/* The live storage made or loaded at offset here (a new reference), or NULL (no error
- * set when there is none). */
-PyObject *stored_at(GenObject *gen, Py_ssize_t offset) {
-    PyObject *key = PyLong_FromSsize_t(offset);
-    if (key == NULL)
-        return NULL;
+/* The identity map's key is the offset as an exact int: a caller that has one (a
+ * ref's own field) passes it, and a lookup and its remember() share one. */
+
+/* The live storage made or loaded at offset (key) here (a new reference), or NULL (no
+ * error set when there is none). */
+PyObject *stored_at(GenObject *gen, PyObject *key) {
     PyObject *weak = PyDict_GetItemWithError(gen->stored, key);
-    Py_DECREF(key);
     return weak != NULL ? referent(weak) : NULL;
 }
 
-/* storage lies at offset here: what a ref to offset loads from now on. */
-int remember(GenObject *gen, Py_ssize_t offset, PyObject *storage) {
-    PyObject *key = PyLong_FromSsize_t(offset);
-    PyObject *weak = key != NULL ? PyWeakref_NewRef(storage, NULL) : NULL;
+/* storage lies at offset (key) here: what a ref to it loads from now on. */
+int remember(GenObject *gen, PyObject *key, PyObject *storage) {
+    PyObject *weak = PyWeakref_NewRef(storage, NULL);
     int done = weak != NULL ? PyDict_SetItem(gen->stored, key, weak) : -1;
-    Py_XDECREF(key);
     Py_XDECREF(weak);
     return done;
 }
@@ -192,36 +189,41 @@ int remember(GenObject *gen, Py_ssize_t offset, PyObject *storage) {
  * loaded in the header (a first load only: header.c) once the storage exists: a ref
  * refused here was not loaded, and its message may be in flight. */
 PyObject *load_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes, uint64_t ticket) {
-    PyObject *storage = stored_at(gen, offset);
-    if (storage == NULL && PyErr_Occurred())
+    PyObject *key = PyLong_FromSsize_t(offset);
+    if (key == NULL)
         return NULL;
+    PyObject *storage = stored_at(gen, key);
+    if (storage == NULL && PyErr_Occurred())
+        goto error;
     if (storage != NULL) {
         PyObject *size = PyObject_CallMethodNoArgs(storage, str_nbytes);
         Py_ssize_t have = size != NULL ? PyLong_AsSsize_t(size) : -1;
         Py_XDECREF(size);
-        if (have == -1 && PyErr_Occurred()) {
-            Py_DECREF(storage);
-            return NULL;
-        }
+        if (have == -1 && PyErr_Occurred())
+            goto error;
         if (have == nbytes) {
             if (gen->low)
                 count_loaded((_Atomic uint64_t *)gen->addr, ticket);
             loaded_again++;
+            Py_DECREF(key);
             return storage;
         }
         Py_CLEAR(storage); /* another storage at that offset (SPEC 2): this ref's is made */
     }
     if (check_range(gen, offset, nbytes) < 0 || (storage = make_storage(gen, offset, nbytes)) == NULL)
-        return NULL;
+        goto error;
     if (gen->low)
         count_loaded((_Atomic uint64_t *)gen->addr, ticket);
-    if (remember(gen, offset, storage) < 0) {
-        Py_DECREF(storage);
-        return NULL;
-    }
+    if (remember(gen, key, storage) < 0)
+        goto error;
+    Py_DECREF(key);
     loads++;
     loaded_bytes += (unsigned long long)nbytes;
     return storage;
+error:
+    Py_DECREF(key);
+    Py_XDECREF(storage);
+    return NULL;
 }
 
 /* ---- the Gen type ---- */
@@ -319,11 +321,19 @@ static PyObject *gen_load(GenObject *self, PyObject *const *args, Py_ssize_t nar
 
 PyDoc_STRVAR(gen_stored_doc, "stored(offset) -> UntypedStorage | None\n\nThe live storage made or loaded at offset here.");
 
+/* An offset argument as the identity map's key (an exact int, whatever int-like
+ * Python passed), or NULL. */
+static PyObject *offset_key(PyObject *obj) {
+    Py_ssize_t offset = PyLong_AsSsize_t(obj);
+    return offset == -1 && PyErr_Occurred() ? NULL : PyLong_FromSsize_t(offset);
+}
+
 static PyObject *gen_stored(GenObject *self, PyObject *offset_obj) {
-    Py_ssize_t offset = PyLong_AsSsize_t(offset_obj);
-    if (offset == -1 && PyErr_Occurred())
+    PyObject *key = offset_key(offset_obj);
+    if (key == NULL)
         return NULL;
-    PyObject *storage = stored_at(self, offset);
+    PyObject *storage = stored_at(self, key);
+    Py_DECREF(key);
     return storage != NULL || PyErr_Occurred() ? storage : Py_NewRef(Py_None);
 }
 
@@ -334,10 +344,10 @@ static PyObject *gen_remember(GenObject *self, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_TypeError, "remember(offset, storage)");
         return NULL;
     }
-    Py_ssize_t offset = PyLong_AsSsize_t(args[0]);
-    if ((offset == -1 && PyErr_Occurred()) || remember(self, offset, args[1]) < 0)
-        return NULL;
-    Py_RETURN_NONE;
+    PyObject *key = offset_key(args[0]);
+    int done = key != NULL ? remember(self, key, args[1]) : -1;
+    Py_XDECREF(key);
+    return done < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 PyDoc_STRVAR(gen_acquire_doc, "acquire() -> bool\n\nHold the generation as a storage would (a slab's owner, "

@@ -107,7 +107,8 @@ static PyObject *native_rebuild(PyObject *Py_UNUSED(module), PyObject *const *ar
     if (gen == NULL || dtype == NULL || gen->ended || offset < 0 || nbytes <= 0 || !PyTuple_CheckExact(dtype) ||
         PyTuple_GET_SIZE(dtype) != 4)
         return rebuild_general(args, nargs);
-    PyObject *loaded = stored_at(gen, offset);
+    PyObject *key_offset = PyTuple_GET_ITEM(ref, 4); /* an exact int (small_int above): the identity map's key */
+    PyObject *loaded = stored_at(gen, key_offset);
     if (loaded != NULL) {
         Py_DECREF(loaded);
         return rebuild_general(args, nargs); /* loaded here already: the general case makes a tensor of that storage */
@@ -142,7 +143,7 @@ static PyObject *native_rebuild(PyObject *Py_UNUSED(module), PyObject *const *ar
     if (gen->low) /* pooled: counted loaded (a first load only) once its storage exists */
         count_loaded((_Atomic uint64_t *)gen->addr, ticket);
     PyObject *storage = PyObject_CallMethodNoArgs(tensor, str_untyped_storage);
-    if (storage == NULL || remember(gen, offset, storage) < 0) {
+    if (storage == NULL || remember(gen, key_offset, storage) < 0) {
         Py_XDECREF(storage);
         Py_DECREF(tensor);
         return NULL;
@@ -253,8 +254,10 @@ static GenObject *send_from(PyObject *storage, Py_ssize_t ptr, Py_ssize_t nbytes
     PyObject *fresh = put_storage(slab, at, nbytes, (const void *)ptr);
     int moved = fresh != NULL ? move_into(storage, ptr, fresh) : -1;
     Py_XDECREF(fresh);
-    if (moved > 0 && remember(slab, at, storage) < 0)
+    PyObject *key = moved > 0 ? PyLong_FromSsize_t(at) : NULL;
+    if (moved > 0 && (key == NULL || remember(slab, key, storage) < 0))
         moved = -1;
+    Py_XDECREF(key);
     Py_DECREF(slab); /* its storage holds it now */
     if (moved <= 0)
         return NULL; /* moved by another thread meanwhile: the general path finds where */
