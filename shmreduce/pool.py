@@ -93,9 +93,10 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 _PROT = mmap.PROT_READ | mmap.PROT_WRITE
 _U64 = ctypes.c_uint64
 _Gen = _native.Gen
-# A receiver's live tokens by the first four fields of their refs (kind, directory,
-# segment, generation), published once held (``Gen.publish``): ``_native.rebuild``
-# loads through them in one C call; ``_native.dead()`` takes a token out as it ends.
+# A receiver's live tokens by their refs' template (kind, directory, segment,
+# generation, tag: the sender's Gen's own tuple), published once held
+# (``Gen.publish``): ``_native.load`` / ``rebuild`` load through them in one C call;
+# ``_native.dead()`` takes a token out as it ends.
 live: dict[tuple, Any] = {}
 # DLPack's dtype (code, bits, lanes) and the itemsize of each torch dtype it carries
 # (``reductions`` fills it on first use).

@@ -100,6 +100,7 @@ def reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple]:
     if tensor.is_quantized:  # torch's own rebuild and quantizer, over a storage shared by reduce_storage
         return _torch.quantized_reduce(tensor)
     if tensor.is_cpu:
+        dlpack_table()  # filled once: _native.reduce packs the dtypes it has
         storage = tensor.untyped_storage()
         # An empty storage travels as itself (reduce_storage): pickle's memo then
         # rebuilds views of one empty storage in one message over one storage, as torch.
@@ -161,8 +162,18 @@ def rebuild_tensor(ref: tuple | torch.UntypedStorage | None, meta: Meta) -> torc
         raise SharingError(f"tensor metadata that does not fit its storage ({exc}): forged or corrupted message") from None
 
 
+def rebuild_packed(template: Any, packed: Any) -> torch.Tensor:
+    """The general rebuild of a plain tensor ``_native.reduce`` pickled in its compact
+    form, ``_native.load(template, packed)``: every case ``load`` does not make itself
+    (the generation not held here yet, its storage loaded here already, a view that
+    does not span its storage), as the (ref, meta) form it stands for."""
+    dlpack_table()  # what unpack reads the dtype from
+    ref, meta = _native.unpack(template, packed)
+    return rebuild_tensor(ref, meta)
+
+
 _rebuild = _native.rebuild
-_native.init_send(_rebuild, torch.Tensor, torch.strided, vars(torch.multiprocessing), _torch.torch_is_shared)
+_native.init_send(_native.load, torch.Tensor, torch.strided, vars(torch.multiprocessing), _torch.torch_is_shared)
 
 
 def rebuild_meta_tensor(meta: Meta, nbytes: int) -> torch.Tensor:

@@ -604,7 +604,7 @@ def _new_token(seg: pool.Segment, kind: str, directory: str, segkey: Any, gen: i
         _faults.point("load.hold")
         broker.held(entry)
         token = seg.new_token(gen, entry)
-        token.publish((kind, directory, segkey, gen))  # _native.rebuild loads through it from now on
+        token.publish((kind, directory, segkey, gen, tag))  # _native.load / rebuild load through it from now on (the sender's template)
     if seg.pool is None:
         pool.keep(seg)
     if not _collector.started:

@@ -11,6 +11,7 @@ import gc
 import math
 import mmap
 import pickle
+import struct
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -336,13 +337,14 @@ def test_every_dtype_dlpack_carries_comes_back_as_itself(memory) -> None:
 # -- rebuild(): a tensor in one call through a published Gen --------------------------
 
 _KEY = ("fd", "/nonexistent/shmreduce-test-rebuild", 4242, 7)  # a ref's first four fields
+_TEMPLATE = (*_KEY, 0)  # and its tag: what a Gen is published by (the sender's template)
 _TABLE = {torch.float32, torch.float64, torch.uint8, torch.bool, torch.int16, torch.complex64, torch.bfloat16}
 
 
 def _published(addr: int) -> Any:
     reductions.dlpack_table()  # rebuild()'s dtypes
     gen = _gen(addr)
-    gen.publish(_KEY)
+    gen.publish(_TEMPLATE)
     return gen
 
 
@@ -402,7 +404,68 @@ def test_rebuild_makes_only_checked_tensors_or_raises_sharing_error(
     finally:
         gen.release()
         _drain()
-    assert _KEY not in pool.live  # dead() took it out
+    assert _TEMPLATE not in pool.live  # dead() took it out
+
+
+# load()'s packed bytes, as pickler.c's PackedHead lays them out (native order):
+# offset, nbytes, ticket, storage offset, DLPack code, bits, lanes, ndim; then the
+# sizes and the strides, int64 each.
+_HEAD = struct.Struct("=QQQqBBHI")
+
+
+def _packed(offset: int, nbytes: int, start: int, code: tuple, size: tuple, stride: tuple) -> bytes:
+    return _HEAD.pack(offset % (1 << 64), nbytes % (1 << 64), 0, start, *code, len(size)) + struct.pack(
+        f"={2 * len(size)}q", *(v % (1 << 64) - (1 << 64) * (v % (1 << 64) >= 1 << 63) for v in size + stride)
+    )
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    offset=st.integers(0, SIZE // 64).map(lambda k: k * 64) | _ANY,
+    exact=st.sampled_from([True] * 3 + [False]),
+    nbytes=st.integers(-8, SIZE + 8) | _ANY,
+    layout=_dims(),
+    dtype=st.sampled_from(sorted(_TABLE, key=str) * 2 + [(1, 4, 1), (2, 32, 2), (99, 8, 1)]),
+    start=st.sampled_from([0] * 6 + [1, 3]),
+    cut=st.sampled_from([0] * 8 + [-1, 1, -8, 8]),
+    template=st.sampled_from([_TEMPLATE] * 8 + [("fd", *_TEMPLATE[1:4], 1), _TEMPLATE[:4], [*_TEMPLATE]]),
+)
+def test_load_makes_only_checked_tensors_or_raises_sharing_error(
+    memory, offset: int, exact: bool, nbytes: int, layout: tuple, dtype: Any, start: int, cut: int, template: Any
+) -> None:
+    # Any packed bytes (truncated or with bytes to spare too) and template through a
+    # published Gen: a tensor over exactly the checked range, or SharingError (from
+    # load's own checks, or from the general rebuild it hands the rest to, which finds
+    # no such program directory), and nothing counted: never a crash.
+    _, addr = memory
+    size, stride = layout
+    code = reductions.dlpack_table()[dtype][:3] if isinstance(dtype, torch.dtype) else dtype
+    itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else 1
+    span = _extent(size, stride, itemsize)
+    if exact and span is not None:
+        nbytes = span
+    packed = _packed(offset, nbytes, start, code, size, stride)
+    packed = packed[:cut] if cut < 0 else packed + bytes(cut)
+    gen = _published(addr)
+    before = _native.loaded()
+    in_range = LOW <= offset and 0 < nbytes and offset + nbytes <= SIZE
+    fast = in_range and dtype in _TABLE and start == 0 and span == nbytes and cut == 0 and template == _TEMPLATE
+    try:
+        if fast:
+            t = _native.load(template, packed)
+            assert t.dtype == dtype and t.shape == size and t.stride() == stride and t.storage_offset() == 0
+            assert t.untyped_storage().data_ptr() == addr + offset and t.untyped_storage().nbytes() == nbytes
+            assert gen.stored(offset) is t.untyped_storage()
+            assert _native.unpack(template, packed) == ((*_KEY, offset, nbytes, 0, 0), (dtype, size, stride, 0, None))
+            del t
+        else:
+            with pytest.raises(shmreduce.SharingError):
+                _native.load(template, packed)
+            assert _native.loaded() == before
+    finally:
+        gen.release()
+        _drain()
+    assert _TEMPLATE not in pool.live
 
 
 def test_rebuild_counts_its_loads_in_the_header_and_the_process(memory) -> None:
@@ -419,7 +482,7 @@ def test_rebuild_counts_its_loads_in_the_header_and_the_process(memory) -> None:
     del t
     gen.release()
     gc.collect()
-    assert _drain() == [gen] and _KEY not in pool.live
+    assert _drain() == [gen] and _TEMPLATE not in pool.live
 
 
 # -- fuzzed messages through the whole loader ------------------------------------------

@@ -227,7 +227,7 @@ def _by_name_reducer(obj):
     return str, ("replaced",)
 
 
-@pytest.mark.parametrize("obj", [torch.float32, torch.bfloat16, _native.rebuild, len])
+@pytest.mark.parametrize("obj", [torch.float32, torch.bfloat16, _native.rebuild, _native.load, len])
 def test_what_pickle_names_pickles_as_pickle_does_and_honours_later_reducers(registered_fd, obj):
     # A tensor's dtype and the rebuild function are found in the table (not missed
     # once per message): pickled by name, byte for byte as pickle does, unless a

@@ -206,15 +206,18 @@ def test_reduce_sends_a_shared_storage_from_where_it_lies_and_never_moves_it_aga
         if unindexed:
             _native.unindex_all()
         with transfer.sending():
-            rebuild, (ref, got) = _native.reduce(t)
-        assert rebuild is _native.rebuild and got == meta
+            rebuild, args = _native.reduce(t)
+        # Indexed: C's compact form (load); else the general one (rebuild): one ref either way.
+        assert rebuild is (_native.rebuild if unindexed else _native.load), unindexed
+        ref, got = args if unindexed else _native.unpack(*args)
+        assert got == meta
         assert t.untyped_storage().data_ptr() == ptr and ref[:7] == first[:7], unindexed
         sent.append((ref, t))
     # Fresh storages fill this thread's slab in C once it is indexed (the first went through Python).
     shared = _native.shared()[0]
     fresh = [torch.full((64,), float(i)) for i in range(4)]
     with transfer.sending():
-        refs = [_native.reduce(f)[1][0] for f in fresh]
+        refs = [_native.unpack(*_native.reduce(f)[1])[0] for f in fresh]
     assert _native.shared()[0] >= shared + 3
     assert [r[4] for r in refs] == sorted(r[4] for r in refs) and len({r[2] for r in refs}) <= 2
     sent += zip(refs, fresh, strict=True)

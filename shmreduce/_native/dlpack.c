@@ -3,7 +3,7 @@
  * Owns: filling a DLPack context for [addr + offset, ...) of a Gen and handing it to
  * torch (import_tensor), the untyped storage over a byte range (make_storage), the
  * check that a pickle's sizes and strides describe elements inside their storage
- * (parse_layout). DLPack's structs are written from the public spec (native.h): no
+ * (layout_from_tuples, check_layout). DLPack's structs are written from the public spec (native.h): no
  * torch headers, one binary for every torch. Calls: lifetime.c for contexts and counts.
  * The caller checked the range (lifetime.c, check_range) before any of these runs.
  */
@@ -67,12 +67,9 @@ PyObject *make_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes) {
     return storage;
 }
 
-/* Fills ctx's shape and strides from two tuples of ints and gives the byte extent
- * they reach: 0, or 1 for a layout DLPack cannot carry as this storage (no element,
- * too many dimensions), or -1 (SharingError) for a malformed one. The extent is the
- * highest element's end; a forged count (sizes whose product overflows, whatever the
- * strides) is malformed too: torch's importer would fail on it after taking the tensor. */
-int parse_layout(PyObject *size, PyObject *stride, Py_ssize_t itemsize, Ctx *ctx, int32_t *ndim, int64_t *extent) {
+/* A layout from a pickle's two tuples of ints: 0, or 1 for one DLPack cannot carry
+ * here (too many dimensions), or -1 (SharingError) for a malformed one. */
+int layout_from_tuples(PyObject *size, PyObject *stride, Layout *out) {
     if (!PyTuple_CheckExact(size) || !PyTuple_CheckExact(stride) || PyTuple_GET_SIZE(size) != PyTuple_GET_SIZE(stride)) {
         PyErr_SetString(sharing_error, "tensor size and stride must be tuples of one length (forged or corrupted message)");
         return -1;
@@ -80,9 +77,6 @@ int parse_layout(PyObject *size, PyObject *stride, Py_ssize_t itemsize, Ctx *ctx
     Py_ssize_t n = PyTuple_GET_SIZE(size);
     if (n > MAX_DIMS)
         return 1;
-    int64_t last = 0;  /* the highest element index */
-    int64_t count = 1; /* elements */
-    int empty = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *d = PyTuple_GET_ITEM(size, i), *st = PyTuple_GET_ITEM(stride, i);
         if (!PyLong_CheckExact(d) || !PyLong_CheckExact(st))
@@ -92,15 +86,35 @@ int parse_layout(PyObject *size, PyObject *stride, Py_ssize_t itemsize, Ctx *ctx
             PyErr_Clear();
             goto bad;
         }
+        out->shape[i] = dim;
+        out->strides[i] = step;
+    }
+    out->ndim = (int32_t)n;
+    return 0;
+bad:
+    PyErr_SetString(sharing_error, "tensor metadata that does not fit its storage: forged or corrupted message");
+    return -1;
+}
+
+/* The byte extent a layout reaches with elements of itemsize (the highest element's
+ * end): 0, or 1 for one that has no element, or -1 (SharingError) for a malformed one
+ * (a negative size or stride, or a forged count: sizes whose product overflows,
+ * whatever the strides: torch's importer would fail on it after taking the tensor). */
+int check_layout(const Layout *layout, Py_ssize_t itemsize, int64_t *extent) {
+    int64_t last = 0;  /* the highest element index */
+    int64_t count = 1; /* elements */
+    int empty = 0;
+    if (layout->ndim < 0 || layout->ndim > MAX_DIMS)
+        goto bad;
+    for (int32_t i = 0; i < layout->ndim; i++) {
+        int64_t dim = layout->shape[i], step = layout->strides[i], reach;
         if (dim < 0 || step < 0)
             goto bad;
         if (dim == 0)
             empty = 1;
-        else if (__builtin_mul_overflow((int64_t)(dim - 1), (int64_t)step, &ctx->shape[i]) ||
-                 __builtin_add_overflow(last, ctx->shape[i], &last) || __builtin_mul_overflow(count, (int64_t)dim, &count))
+        else if (__builtin_mul_overflow(dim - 1, step, &reach) || __builtin_add_overflow(last, reach, &last) ||
+                 __builtin_mul_overflow(count, dim, &count))
             goto bad;
-        ctx->shape[i] = dim;
-        ctx->strides[i] = step;
     }
     int64_t bytes;
     if (empty)
@@ -108,7 +122,6 @@ int parse_layout(PyObject *size, PyObject *stride, Py_ssize_t itemsize, Ctx *ctx
     if (__builtin_add_overflow(last, (int64_t)1, &last) || __builtin_mul_overflow(last, (int64_t)itemsize, &bytes) ||
         __builtin_mul_overflow(count, (int64_t)itemsize, &count))
         goto bad;
-    *ndim = (int32_t)n;
     *extent = bytes;
     return 0;
 bad:

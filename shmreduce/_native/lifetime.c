@@ -371,7 +371,7 @@ static PyObject *gen_release(GenObject *self, PyObject *Py_UNUSED(ignored)) {
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(gen_publish_doc, "publish(key)\n\nMake rebuild() load refs whose first four fields are key through this Gen, "
+PyDoc_STRVAR(gen_publish_doc, "publish(key)\n\nMake load() and rebuild() load refs whose template (kind, directory, segment, generation, tag) is key through this Gen, "
                               "until dead() reports it (a receiver's, held: Python checked the generation).");
 
 static PyObject *gen_publish(GenObject *self, PyObject *key) {

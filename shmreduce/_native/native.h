@@ -137,7 +137,14 @@ extern PyMethodDef lifetime_methods[];
 /* dlpack.c */
 PyObject *import_tensor(GenObject *gen, Ctx *ctx, Py_ssize_t offset);
 PyObject *make_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes);
-int parse_layout(PyObject *size, PyObject *stride, Py_ssize_t itemsize, Ctx *ctx, int32_t *ndim, int64_t *extent);
+/* A strided tensor's sizes and strides, as either pickled form carries them. */
+typedef struct {
+    int32_t ndim;
+    int64_t shape[MAX_DIMS];
+    int64_t strides[MAX_DIMS];
+} Layout;
+int layout_from_tuples(PyObject *size, PyObject *stride, Layout *out);
+int check_layout(const Layout *layout, Py_ssize_t itemsize, int64_t *extent);
 extern PyMethodDef dlpack_methods[];
 
 /* segments.c */

@@ -1,10 +1,13 @@
 /* pickler.c: a plain CPU tensor pickled and loaded in one call each way.
  *
  * Owns: reduce(), the pickler's reducer for torch.Tensor (into this thread's slab, or
- * from where its storage lies), and rebuild(), what pickles name (through a Gen this
- * process published). Each does the common case and hands every other one, before it
- * changed anything, to the Python it stands in for (reductions.reduce_tensor /
- * rebuild_tensor), which decides what is indexed, published and filled. The sending
+ * from where its storage lies), which pickles a plain tensor in its compact form
+ * (load(template, packed): the Gen's template tuple, once a message, and a few packed
+ * bytes); load() and rebuild() (reductions.reduce_tensor's (ref, meta) form), what
+ * pickles name, which make the tensor through a Gen this process published by one
+ * routine (make_plain). Each does the common case and hands every other one, before
+ * it changed anything, to the Python it stands in for (reductions.reduce_tensor /
+ * rebuild_tensor / rebuild_packed), which decides what is indexed, published and filled. The sending
  * scope (message()) and the broker's post connection it checks once per message.
  * Calls: lifetime.c (claim, put_storage, stored_at, remember), dlpack.c (the typed
  * import), segments.c (where a storage lies), header.c (tickets, loads).
@@ -13,12 +16,12 @@
 
 #include <poll.h>
 
-/* rebuild()'s general case (reductions.rebuild_tensor), reduce()'s (reduce_tensor),
- * imported on first use; from init_send(): what reduce() returns to rebuild with
- * (rebuild), what it takes (torch.Tensor exactly, torch.strided), torch.multiprocessing's
- * globals (the strategy), torch's own UntypedStorage.is_shared. */
-static PyObject *general_rebuild_fn, *general_reduce_fn;
-static PyObject *rebuild_fn, *tensor_type, *strided, *strategy_globals, *torch_is_shared;
+/* rebuild()'s general case (reductions.rebuild_tensor), load()'s (rebuild_packed),
+ * reduce()'s (reduce_tensor), imported on first use; from init_send(): what reduce()
+ * returns to load with (load), what it takes (torch.Tensor exactly, torch.strided),
+ * torch.multiprocessing's globals (the strategy), torch's own UntypedStorage.is_shared. */
+static PyObject *general_rebuild_fn, *general_load_fn, *general_reduce_fn;
+static PyObject *load_fn, *tensor_type, *strided, *strategy_globals, *torch_is_shared;
 static int post_fd = -1;                 /* the post connection to this program's broker, or -1 */
 static _Thread_local PyObject *outgoing; /* the sending scope's header addresses, or NULL */
 static _Thread_local int broker_seen;    /* this message found its broker live */
@@ -59,6 +62,12 @@ static PyObject *rebuild_general(PyObject *const *args, Py_ssize_t nargs) {
     return fn == NULL ? NULL : PyObject_Vectorcall(fn, args, (size_t)nargs, NULL);
 }
 
+/* load(template, packed): the general one (reductions.rebuild_packed). */
+static PyObject *load_general(PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *fn = reductions_function(&general_load_fn, "rebuild_packed");
+    return fn == NULL ? NULL : PyObject_Vectorcall(fn, args, (size_t)nargs, NULL);
+}
+
 /* An exact int's value, or -1 for anything else (no error set). */
 static Py_ssize_t small_int(PyObject *obj) {
     if (!PyLong_CheckExact(obj))
@@ -69,14 +78,176 @@ static Py_ssize_t small_int(PyObject *obj) {
     return value;
 }
 
+/* ---- the two pickled forms of a plain tensor, and the one routine that makes it ---- */
+
+/* What either form says of a plain tensor: its storage's range and ticket, its dtype,
+ * where it starts in its storage and its layout. */
+typedef struct {
+    Py_ssize_t offset, nbytes;
+    uint64_t ticket;
+    int64_t storage_offset;
+    DLDataType dtype;
+    Py_ssize_t itemsize;
+    Layout layout;
+} Plain;
+
+/* The compact form, reduce()'s: load(template, packed). template is the Gen's own
+ * (kind, directory, segment, generation, tag) tuple, one object for every ref of it,
+ * so a message pickles it once and its receiver finds the Gen by it as it stands;
+ * packed is these bytes (native order: a ref is valid on its host only), followed by
+ * ndim sizes and then ndim strides, int64 each. */
+typedef struct {
+    uint64_t offset, nbytes, ticket;
+    int64_t storage_offset;
+    uint8_t code, bits;
+    uint16_t lanes;
+    uint32_t ndim;
+} PackedHead;
+
+/* packed's fields into *p (dtype's itemsize not looked up): 0, or -1 (SharingError). */
+static int parse_packed(PyObject *packed, Plain *p) {
+    PackedHead head;
+    Py_ssize_t length = PyBytes_CheckExact(packed) ? PyBytes_GET_SIZE(packed) : -1;
+    if (length < (Py_ssize_t)sizeof head)
+        goto bad;
+    memcpy(&head, PyBytes_AS_STRING(packed), sizeof head);
+    if (head.ndim > MAX_DIMS || length != (Py_ssize_t)(sizeof head + 2 * head.ndim * sizeof(int64_t)) ||
+        head.offset > (uint64_t)PY_SSIZE_T_MAX || head.nbytes == 0 || head.nbytes > (uint64_t)PY_SSIZE_T_MAX ||
+        head.storage_offset < 0)
+        goto bad;
+    p->offset = (Py_ssize_t)head.offset;
+    p->nbytes = (Py_ssize_t)head.nbytes;
+    p->ticket = head.ticket;
+    p->storage_offset = head.storage_offset;
+    p->dtype = (DLDataType){.code = head.code, .bits = head.bits, .lanes = head.lanes};
+    p->itemsize = 0;
+    p->layout.ndim = (int32_t)head.ndim;
+    const char *arrays = PyBytes_AS_STRING(packed) + sizeof head;
+    memcpy(p->layout.shape, arrays, head.ndim * sizeof(int64_t));
+    memcpy(p->layout.strides, arrays + head.ndim * sizeof(int64_t), head.ndim * sizeof(int64_t));
+    return 0;
+bad:
+    PyErr_SetString(sharing_error, "not a shmreduce tensor handle: its packed fields are malformed (forged or corrupted message)");
+    return -1;
+}
+
+/* The dtype table (torch dtype -> (code, bits, lanes, itemsize), filled once by
+ * reductions.dlpack_table) read the other way: a DLPack dtype's torch dtype (borrowed)
+ * and itemsize, or NULL (no error) if the table has none (yet). */
+static struct {
+    uint32_t code; /* code | bits << 8 | lanes << 16 */
+    Py_ssize_t itemsize;
+    PyObject *dtype;
+} by_code[64];
+static Py_ssize_t by_code_count, by_code_from = -1;
+
+static uint32_t code_of(DLDataType t) { return (uint32_t)t.code | (uint32_t)t.bits << 8 | (uint32_t)t.lanes << 16; }
+
+static PyObject *torch_dtype(DLDataType t, Py_ssize_t *itemsize) {
+    if (dtypes == NULL)
+        return NULL;
+    if (PyDict_GET_SIZE(dtypes) != by_code_from) {
+        Py_ssize_t pos = 0, n = 0;
+        PyObject *key, *value;
+        while (n < (Py_ssize_t)(sizeof by_code / sizeof by_code[0]) && PyDict_Next(dtypes, &pos, &key, &value)) {
+            Py_ssize_t code, bits, lanes, size;
+            if (!PyTuple_CheckExact(value) || PyTuple_GET_SIZE(value) != 4 || (code = small_int(PyTuple_GET_ITEM(value, 0))) < 0 ||
+                code > 255 || (bits = small_int(PyTuple_GET_ITEM(value, 1))) <= 0 || bits > 255 ||
+                (lanes = small_int(PyTuple_GET_ITEM(value, 2))) <= 0 || lanes > 65535 || (size = small_int(PyTuple_GET_ITEM(value, 3))) <= 0)
+                continue;
+            by_code[n].code = (uint32_t)code | (uint32_t)bits << 8 | (uint32_t)lanes << 16;
+            by_code[n].itemsize = size;
+            Py_XSETREF(by_code[n].dtype, Py_NewRef(key));
+            n++;
+        }
+        by_code_count = n;
+        by_code_from = PyDict_GET_SIZE(dtypes);
+    }
+    uint32_t want = code_of(t);
+    for (Py_ssize_t i = 0; i < by_code_count; i++)
+        if (by_code[i].code == want) {
+            *itemsize = by_code[i].itemsize;
+            return by_code[i].dtype;
+        }
+    return NULL;
+}
+
+/* The tensor *p describes, made over gen's mapping in one step: 1 (*out set), or 0
+ * for the general path (it does not start its storage and span it exactly, has no
+ * element, or its storage was loaded here already), or -1 on error. Counted loaded in
+ * the header, remembered in the Gen's identity map. */
+static int make_plain(GenObject *gen, const Plain *p, PyObject **out) {
+    int64_t extent = 0;
+    int checked = check_layout(&p->layout, p->itemsize, &extent);
+    if (checked != 0)
+        return checked < 0 ? -1 : 0;
+    if (p->storage_offset != 0 || extent != p->nbytes)
+        return 0; /* a storage larger than the tensor's elements */
+    PyObject *key = PyLong_FromSsize_t(p->offset); /* the identity map's key */
+    if (key == NULL)
+        return -1;
+    PyObject *loaded = stored_at(gen, key);
+    if (loaded != NULL || PyErr_Occurred() || check_range(gen, p->offset, p->nbytes) < 0) {
+        Py_DECREF(key);
+        Py_XDECREF(loaded); /* loaded here already: the general case makes a tensor of that storage */
+        return loaded != NULL ? 0 : -1;
+    }
+    Ctx *ctx = take_ctx();
+    if (ctx == NULL) {
+        Py_DECREF(key);
+        return -1;
+    }
+    ctx->managed.dl_tensor.ndim = p->layout.ndim;
+    ctx->managed.dl_tensor.dtype = p->dtype;
+    memcpy(ctx->shape, p->layout.shape, (size_t)p->layout.ndim * sizeof(int64_t));
+    memcpy(ctx->strides, p->layout.strides, (size_t)p->layout.ndim * sizeof(int64_t));
+    PyObject *tensor = import_tensor(gen, ctx, p->offset);
+    if (tensor == NULL) {
+        Py_DECREF(key);
+        return -1;
+    }
+    if (gen->low) /* pooled: counted loaded (a first load only) once its storage exists */
+        count_loaded((_Atomic uint64_t *)gen->addr, p->ticket);
+    PyObject *storage = PyObject_CallMethodNoArgs(tensor, str_untyped_storage);
+    if (storage == NULL || remember(gen, key, storage) < 0) {
+        Py_DECREF(key);
+        Py_XDECREF(storage);
+        Py_DECREF(tensor);
+        return -1;
+    }
+    Py_DECREF(key);
+    Py_DECREF(storage);
+    loads++;
+    loaded_bytes += (unsigned long long)p->nbytes;
+    *out = tensor;
+    return 1;
+}
+
+/* make_plain()'s tensor, or what general makes of args where it hands the case on. */
+static PyObject *plain_or(GenObject *gen, const Plain *p, PyObject *(*general)(PyObject *const *, Py_ssize_t), PyObject *const *args,
+                          Py_ssize_t nargs) {
+    PyObject *tensor = NULL;
+    int made = make_plain(gen, p, &tensor);
+    return made > 0 ? tensor : made < 0 ? NULL : general(args, nargs);
+}
+
+/* gen published under key, borrowed; NULL with no error if none. */
+static GenObject *published_gen(PyObject *key) {
+    GenObject *gen = (GenObject *)PyDict_GetItemWithError(published, key);
+    if (gen == NULL && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_SetString(sharing_error, "not a shmreduce ref: its fields are not hashable (forged or corrupted message)");
+    }
+    return gen;
+}
+
 PyDoc_STRVAR(rebuild_doc,
              "rebuild(ref, meta) -> Tensor\n\n"
-             "A tensor pickled by reductions.reduce_tensor. Made here, in one call, where the ref's generation has a "
-             "published Gen and the tensor is plain (no subclass, no grad), starts its storage and spans it exactly, "
-             "in a dtype of the table, and its storage was not loaded here already: counted loaded in the header, "
-             "remembered in the Gen's identity map, dtype's layout checked first. Every other case, malformed ones "
-             "included, goes to the general one, shmreduce.reductions.rebuild_tensor, which calls "
-             "rebuild(ref, meta, None) once it published the Gen: None there instead of the general one.");
+             "A tensor pickled by reductions.reduce_tensor. Made here, in one call (the routine load() uses), where "
+             "the ref's generation has a published Gen and the tensor is plain (no subclass, no grad), starts its "
+             "storage and spans it exactly, in a dtype of the table, and its storage was not loaded here already. "
+             "Every other case, malformed ones included, goes to the general one, shmreduce.reductions.rebuild_tensor, "
+             "which calls rebuild(ref, meta, None) once it published the Gen: None there instead of the general one.");
 
 static PyObject *native_rebuild(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
     if (nargs < 2 || nargs > 3 || published == NULL || from_dlpack == NULL)
@@ -85,73 +256,103 @@ static PyObject *native_rebuild(PyObject *Py_UNUSED(module), PyObject *const *ar
     if (!PyTuple_CheckExact(ref) || PyTuple_GET_SIZE(ref) != 8 || !PyTuple_CheckExact(meta) || PyTuple_GET_SIZE(meta) != 5 ||
         PyTuple_GET_ITEM(meta, 4) != Py_None || small_int(PyTuple_GET_ITEM(meta, 3)) != 0)
         return rebuild_general(args, nargs);
-    PyObject *dtype = PyDict_GetItemWithError(dtypes, PyTuple_GET_ITEM(meta, 0));
-    if (dtype == NULL && PyErr_Occurred()) { /* an unhashable dtype: no call is made with the error pending */
+    PyObject *entry = PyDict_GetItemWithError(dtypes, PyTuple_GET_ITEM(meta, 0));
+    if (entry == NULL && PyErr_Occurred()) { /* an unhashable dtype: no call is made with the error pending */
         PyErr_Clear();
         PyErr_SetString(sharing_error, "not a tensor's metadata: its dtype is not a torch dtype (forged or corrupted message)");
         return NULL;
     }
-    PyObject *key = PyTuple_GetSlice(ref, 0, 4);
+    PyObject *key = PyTuple_Pack(5, PyTuple_GET_ITEM(ref, 0), PyTuple_GET_ITEM(ref, 1), PyTuple_GET_ITEM(ref, 2),
+                                 PyTuple_GET_ITEM(ref, 3), PyTuple_GET_ITEM(ref, 6)); /* the template the Gen is published by */
     if (key == NULL)
         return NULL;
-    GenObject *gen = (GenObject *)PyDict_GetItemWithError(published, key);
+    GenObject *gen = published_gen(key);
     Py_DECREF(key);
-    if (gen == NULL && PyErr_Occurred()) {
-        PyErr_Clear();
-        PyErr_SetString(sharing_error, "not a shmreduce ref: its fields are not hashable (forged or corrupted message)");
+    if (gen == NULL && PyErr_Occurred())
         return NULL;
-    }
-    Py_ssize_t offset = small_int(PyTuple_GET_ITEM(ref, 4)), nbytes = small_int(PyTuple_GET_ITEM(ref, 5));
-    Py_ssize_t ticket_value = small_int(PyTuple_GET_ITEM(ref, 7));
-    uint64_t ticket = ticket_value < 0 ? NOT_A_TICKET : (uint64_t)ticket_value;
-    if (gen == NULL || dtype == NULL || gen->ended || offset < 0 || nbytes <= 0 || !PyTuple_CheckExact(dtype) ||
-        PyTuple_GET_SIZE(dtype) != 4)
+    Plain p = {.offset = small_int(PyTuple_GET_ITEM(ref, 4)), .nbytes = small_int(PyTuple_GET_ITEM(ref, 5))};
+    Py_ssize_t ticket = small_int(PyTuple_GET_ITEM(ref, 7));
+    p.ticket = ticket < 0 ? NOT_A_TICKET : (uint64_t)ticket;
+    if (gen == NULL || entry == NULL || gen->ended || p.offset < 0 || p.nbytes <= 0 || !PyTuple_CheckExact(entry) ||
+        PyTuple_GET_SIZE(entry) != 4)
         return rebuild_general(args, nargs);
-    PyObject *key_offset = PyTuple_GET_ITEM(ref, 4); /* an exact int (small_int above): the identity map's key */
-    PyObject *loaded = stored_at(gen, key_offset);
-    if (loaded != NULL) {
-        Py_DECREF(loaded);
-        return rebuild_general(args, nargs); /* loaded here already: the general case makes a tensor of that storage */
-    }
-    if (PyErr_Occurred() || check_range(gen, offset, nbytes) < 0)
-        return NULL;
-    Py_ssize_t code = small_int(PyTuple_GET_ITEM(dtype, 0)), bits = small_int(PyTuple_GET_ITEM(dtype, 1));
-    Py_ssize_t lanes = small_int(PyTuple_GET_ITEM(dtype, 2)), itemsize = small_int(PyTuple_GET_ITEM(dtype, 3));
-    if (code < 0 || code > 255 || bits <= 0 || bits > 255 || lanes <= 0 || lanes > 65535 || itemsize <= 0) {
+    Py_ssize_t code = small_int(PyTuple_GET_ITEM(entry, 0)), bits = small_int(PyTuple_GET_ITEM(entry, 1));
+    Py_ssize_t lanes = small_int(PyTuple_GET_ITEM(entry, 2));
+    p.itemsize = small_int(PyTuple_GET_ITEM(entry, 3));
+    if (code < 0 || code > 255 || bits <= 0 || bits > 255 || lanes <= 0 || lanes > 65535 || p.itemsize <= 0) {
         PyErr_SetString(PyExc_ValueError, "init(): not a DLPack dtype table");
         return NULL;
     }
-    Ctx *ctx = take_ctx();
-    if (ctx == NULL)
+    p.dtype = (DLDataType){.code = (uint8_t)code, .bits = (uint8_t)bits, .lanes = (uint16_t)lanes};
+    int parsed = layout_from_tuples(PyTuple_GET_ITEM(meta, 1), PyTuple_GET_ITEM(meta, 2), &p.layout);
+    if (parsed != 0)
+        return parsed < 0 ? NULL : rebuild_general(args, nargs);
+    return plain_or(gen, &p, rebuild_general, args, nargs);
+}
+
+PyDoc_STRVAR(load_doc,
+             "load(template, packed) -> Tensor\n\n"
+             "A plain tensor pickled by reduce() (its compact form: the Gen's template tuple and the packed bytes). "
+             "Made here in one call as rebuild() makes one; every other case, malformed ones included, goes to "
+             "the general one, shmreduce.reductions.rebuild_packed.");
+
+static PyObject *native_load(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || published == NULL || from_dlpack == NULL || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != 5)
+        return load_general(args, nargs);
+    Plain p;
+    if (parse_packed(args[1], &p) < 0)
         return NULL;
-    int32_t ndim = 0;
-    int64_t extent = 0;
-    int parsed = parse_layout(PyTuple_GET_ITEM(meta, 1), PyTuple_GET_ITEM(meta, 2), itemsize, ctx, &ndim, &extent);
-    if (parsed != 0 || extent != nbytes) {
-        give_back_ctx(ctx);
-        if (parsed < 0)
-            return NULL;
-        return rebuild_general(args, nargs); /* a storage larger than the tensor's elements, or no element */
+    GenObject *gen = published_gen(args[0]);
+    if (gen == NULL && PyErr_Occurred())
+        return NULL;
+    if (gen == NULL || gen->ended || torch_dtype(p.dtype, &p.itemsize) == NULL)
+        return load_general(args, nargs);
+    return plain_or(gen, &p, load_general, args, nargs);
+}
+
+PyDoc_STRVAR(unpack_doc,
+             "unpack(template, packed) -> (ref, meta)\n\n"
+             "load()'s arguments as rebuild()'s: the ref (a SegmentRef's plain tuple) and the meta of a plain tensor; "
+             "SharingError if malformed, or of a dtype the table (filled first) does not have.");
+
+static PyObject *native_unpack(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "unpack(template, packed)");
+        return NULL;
     }
-    ctx->managed.dl_tensor.ndim = ndim;
-    ctx->managed.dl_tensor.dtype.code = (uint8_t)code;
-    ctx->managed.dl_tensor.dtype.bits = (uint8_t)bits;
-    ctx->managed.dl_tensor.dtype.lanes = (uint16_t)lanes;
-    PyObject *tensor = import_tensor(gen, ctx, offset);
-    if (tensor == NULL)
-        return NULL;
-    if (gen->low) /* pooled: counted loaded (a first load only) once its storage exists */
-        count_loaded((_Atomic uint64_t *)gen->addr, ticket);
-    PyObject *storage = PyObject_CallMethodNoArgs(tensor, str_untyped_storage);
-    if (storage == NULL || remember(gen, key_offset, storage) < 0) {
-        Py_XDECREF(storage);
-        Py_DECREF(tensor);
+    PyObject *t = args[0];
+    if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) != 5) {
+        PyErr_SetString(sharing_error, "not a shmreduce tensor handle: its template is not a 5-tuple (forged or corrupted message)");
         return NULL;
     }
-    Py_DECREF(storage);
-    loads++;
-    loaded_bytes += (unsigned long long)nbytes;
-    return tensor;
+    Plain p;
+    if (parse_packed(args[1], &p) < 0)
+        return NULL;
+    PyObject *dtype = torch_dtype(p.dtype, &p.itemsize);
+    if (dtype == NULL) {
+        PyErr_SetString(sharing_error, "not a tensor's metadata: its dtype is not one shmreduce sends (forged or corrupted message)");
+        return NULL;
+    }
+    PyObject *size = PyTuple_New(p.layout.ndim), *stride = PyTuple_New(p.layout.ndim), *result = NULL;
+    if (size == NULL || stride == NULL)
+        goto done;
+    for (int32_t i = 0; i < p.layout.ndim; i++) {
+        PyObject *d = PyLong_FromLongLong(p.layout.shape[i]), *st = PyLong_FromLongLong(p.layout.strides[i]);
+        if (d == NULL || st == NULL) {
+            Py_XDECREF(d);
+            Py_XDECREF(st);
+            goto done;
+        }
+        PyTuple_SET_ITEM(size, i, d);
+        PyTuple_SET_ITEM(stride, i, st);
+    }
+    result = Py_BuildValue("((OOOOnnOK)(OOOLO))", PyTuple_GET_ITEM(t, 0), PyTuple_GET_ITEM(t, 1), PyTuple_GET_ITEM(t, 2),
+                           PyTuple_GET_ITEM(t, 3), p.offset, p.nbytes, PyTuple_GET_ITEM(t, 4), (unsigned long long)p.ticket, dtype,
+                           size, stride, (long long)p.storage_offset, Py_None);
+done:
+    Py_XDECREF(size);
+    Py_XDECREF(stride);
+    return result;
 }
 
 /* ---- reduce(): a plain CPU tensor shared in one call ---- */
@@ -267,6 +468,49 @@ static GenObject *send_from(PyObject *storage, Py_ssize_t ptr, Py_ssize_t nbytes
     return slab;
 }
 
+/* The packed head and layout of a plain tensor as load() reads them (its storage's
+ * range and ticket filled in later): 0, or 1 for the general path (a dtype or a
+ * layout the compact form does not carry), or -1 on error. */
+static int describe(PyObject *tensor, PackedHead *head, Layout *layout) {
+    PyObject *dtype = PyObject_GetAttr(tensor, names[S_DTYPE]), *size = NULL, *stride = NULL, *start = NULL;
+    if (dtype == NULL)
+        return -1;
+    PyObject *entry = PyDict_GetItemWithError(dtypes, dtype); /* filled on first use: reductions.dlpack_table */
+    Py_DECREF(dtype);
+    int result = -1;
+    if (entry == NULL || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 4) {
+        result = PyErr_Occurred() ? -1 : 1;
+        goto done;
+    }
+    head->code = (uint8_t)small_int(PyTuple_GET_ITEM(entry, 0));
+    head->bits = (uint8_t)small_int(PyTuple_GET_ITEM(entry, 1));
+    head->lanes = (uint16_t)small_int(PyTuple_GET_ITEM(entry, 2));
+    if ((size = PyObject_CallMethodNoArgs(tensor, names[S_SIZE])) == NULL ||
+        (stride = PyObject_CallMethodNoArgs(tensor, names[S_STRIDE])) == NULL ||
+        (start = PyObject_CallMethodNoArgs(tensor, names[S_STORAGE_OFFSET])) == NULL)
+        goto done;
+    Py_ssize_t n = PyTuple_Check(size) ? PyTuple_GET_SIZE(size) : MAX_DIMS + 1; /* a torch.Size */
+    if (n > MAX_DIMS || !PyTuple_Check(stride) || PyTuple_GET_SIZE(stride) != n) {
+        result = 1;
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        layout->shape[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(size, i));
+        layout->strides[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(stride, i));
+    }
+    head->storage_offset = PyLong_AsLongLong(start);
+    if (PyErr_Occurred())
+        goto done;
+    layout->ndim = (int32_t)n;
+    head->ndim = (uint32_t)n;
+    result = 0;
+done:
+    Py_XDECREF(size);
+    Py_XDECREF(stride);
+    Py_XDECREF(start);
+    return result;
+}
+
 static PyObject *share_plain(PyObject *tensor, PyObject *storage) {
     Py_ssize_t nbytes = call_int(storage, S_NBYTES), ptr = nbytes > 0 ? call_int(storage, S_DATA_PTR) : -1;
     if (nbytes <= 0 || ptr == -1)
@@ -277,6 +521,10 @@ static PyObject *share_plain(PyObject *tensor, PyObject *storage) {
             return NULL; /* the broker may be gone: the general path connects anew */
         broker_seen = 1;
     }
+    PackedHead head = {0};
+    Layout layout;
+    if (describe(tensor, &head, &layout) != 0)
+        return NULL; /* an error, or the general path */
     Py_ssize_t offset;
     GenObject *gen = send_from(storage, ptr, nbytes, &offset);
     if (gen == NULL)
@@ -288,62 +536,40 @@ static PyObject *share_plain(PyObject *tensor, PyObject *storage) {
     PyObject *t = gen->template;
     if (t == NULL || gen->ended)
         return NULL;
-    PyObject *ref = NULL, *meta = NULL, *size = NULL, *item, *header = NULL, *result = NULL;
+    PyObject *packed = NULL, *args = NULL, *header = NULL, *result = NULL;
     Py_INCREF(t);
-    if ((ref = PyTuple_New(8)) == NULL)
-        goto error;
-    for (Py_ssize_t i = 0; i < 4; i++)
-        PyTuple_SET_ITEM(ref, i, Py_NewRef(PyTuple_GET_ITEM(t, i)));
-    PyTuple_SET_ITEM(ref, 6, Py_NewRef(PyTuple_GET_ITEM(t, 4)));
-    if ((item = PyLong_FromSsize_t(offset)) == NULL)
-        goto error;
-    PyTuple_SET_ITEM(ref, 4, item);
-    if ((item = PyLong_FromSsize_t(nbytes)) == NULL)
-        goto error;
-    PyTuple_SET_ITEM(ref, 5, item);
-    if ((item = PyLong_FromUnsignedLongLong(gen->low ? issue_ticket((_Atomic uint64_t *)gen->addr) : 0)) == NULL)
-        goto error;
-    PyTuple_SET_ITEM(ref, 7, item);
+    head.offset = (uint64_t)offset;
+    head.nbytes = (uint64_t)nbytes;
+    head.ticket = gen->low ? issue_ticket((_Atomic uint64_t *)gen->addr) : 0;
     if (gen->low && ((header = PyLong_FromVoidPtr(gen->addr)) == NULL || PyList_Append(outgoing, header) < 0))
         goto error;
-    /* meta: (dtype, size as a plain tuple, which pickles and loads in C, stride, storage offset, None) */
-    if ((meta = PyTuple_New(5)) == NULL)
+    size_t arrays = (size_t)layout.ndim * sizeof(int64_t);
+    if ((packed = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(sizeof head + 2 * arrays))) == NULL)
         goto error;
-    PyTuple_SET_ITEM(meta, 4, Py_NewRef(Py_None));
-    if ((item = PyObject_GetAttr(tensor, names[S_DTYPE])) == NULL)
-        goto error;
-    PyTuple_SET_ITEM(meta, 0, item);
-    if ((size = PyObject_CallMethodNoArgs(tensor, names[S_SIZE])) == NULL)
-        goto error;
-    if ((item = PyTuple_Check(size) ? PyTuple_GetSlice(size, 0, PY_SSIZE_T_MAX) : PySequence_Tuple(size)) == NULL)
-        goto error;
-    PyTuple_SET_ITEM(meta, 1, item);
-    if ((item = PyObject_CallMethodNoArgs(tensor, names[S_STRIDE])) == NULL)
-        goto error;
-    PyTuple_SET_ITEM(meta, 2, item);
-    if ((item = PyObject_CallMethodNoArgs(tensor, names[S_STORAGE_OFFSET])) == NULL)
-        goto error;
-    PyTuple_SET_ITEM(meta, 3, item);
-    result = Py_BuildValue("(O(OO))", rebuild_fn, ref, meta);
+    char *out = PyBytes_AS_STRING(packed);
+    memcpy(out, &head, sizeof head);
+    memcpy(out + sizeof head, layout.shape, arrays);
+    memcpy(out + sizeof head + arrays, layout.strides, arrays);
+    if ((args = PyTuple_Pack(2, t, packed)) != NULL)
+        result = PyTuple_Pack(2, load_fn, args);
 error:
     Py_DECREF(t);
-    Py_XDECREF(ref);
-    Py_XDECREF(meta);
-    Py_XDECREF(size);
+    Py_XDECREF(packed);
+    Py_XDECREF(args);
     Py_XDECREF(header);
     return result;
 }
 
 PyDoc_STRVAR(reduce_doc,
-             "reduce(tensor) -> (rebuild, (ref, meta))\n\n"
-             "reductions.reduce_tensor's result, made here in one call for a plain CPU tensor (torch.Tensor "
+             "reduce(tensor) -> (load, (template, packed))\n\n"
+             "What reductions.reduce_tensor does, made here in one call, in the compact form (load()), for a plain CPU tensor (torch.Tensor "
              "exactly, no grad, no hooks, strided, not nested nor quantized, no conjugate or negative bit) inside a sending scope (message()) whose broker lives, whose "
              "storage lies in an indexed Gen or fits this thread's slab (copied there and swapped in); counted "
              "sent when the scope ends (its header's address appended to the scope's list). Every other case "
              "goes to reductions.reduce_tensor.");
 
 static PyObject *native_reduce(PyObject *Py_UNUSED(module), PyObject *tensor) {
-    if (outgoing == NULL || rebuild_fn == NULL || Py_TYPE(tensor) != (PyTypeObject *)tensor_type)
+    if (outgoing == NULL || load_fn == NULL || Py_TYPE(tensor) != (PyTypeObject *)tensor_type)
         return reduce_general(tensor);
     int plain;
     if ((plain = attr_is(tensor, S_REQUIRES_GRAD, Py_False)) <= 0 || (plain = attr_is(tensor, S_BACKWARD_HOOKS, Py_None)) <= 0 ||
@@ -410,13 +636,13 @@ static PyObject *native_shared(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(
     return Py_BuildValue("KKK", shares, shared_bytes, reuses);
 }
 
-PyDoc_STRVAR(init_send_doc, "init_send(rebuild, tensor_type, strided, strategy_globals, is_shared)\n\nBind what reduce() needs.");
+PyDoc_STRVAR(init_send_doc, "init_send(load, tensor_type, strided, strategy_globals, is_shared)\n\nBind what reduce() needs.");
 
 static PyObject *native_init_send(PyObject *Py_UNUSED(module), PyObject *args) {
     PyObject *fn, *type, *layout, *globals, *is_shared;
     if (!PyArg_ParseTuple(args, "OO!OO!O", &fn, &PyType_Type, &type, &layout, &PyDict_Type, &globals, &is_shared))
         return NULL;
-    Py_XSETREF(rebuild_fn, Py_NewRef(fn));
+    Py_XSETREF(load_fn, Py_NewRef(fn));
     Py_XSETREF(tensor_type, Py_NewRef(type));
     Py_XSETREF(strided, Py_NewRef(layout));
     Py_XSETREF(strategy_globals, Py_NewRef(globals));
@@ -426,6 +652,8 @@ static PyObject *native_init_send(PyObject *Py_UNUSED(module), PyObject *args) {
 
 PyMethodDef pickler_methods[] = {
     {"rebuild", (PyCFunction)(void (*)(void))native_rebuild, METH_FASTCALL, rebuild_doc},
+    {"load", (PyCFunction)(void (*)(void))native_load, METH_FASTCALL, load_doc},
+    {"unpack", (PyCFunction)(void (*)(void))native_unpack, METH_FASTCALL, unpack_doc},
     {"reduce", native_reduce, METH_O, reduce_doc},
     {"move", (PyCFunction)(void (*)(void))native_move, METH_FASTCALL, move_doc},
     {"message", native_message, METH_O, message_doc},
