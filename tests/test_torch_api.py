@@ -235,6 +235,21 @@ def test_tensor_attributes_native_reduce_reads():
     assert t.is_conj() is False and t.is_neg() is False
 
 
+def test_tensor_has_the_dlpack_exchange_api_native_reduce_reads():
+    # _native.reduce reads a plain tensor's dtype, sizes, strides and start through
+    # torch.Tensor's DLPack C exchange API (pytorch PRs 165483, 169724; torch 2.10 on):
+    # a capsule of a DLPack 1.x table. Without it every tensor takes the general path.
+    import ctypes
+
+    capsule = torch.Tensor.__dlpack_c_exchange_api__
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    table = get(capsule, b"dlpack_exchange_api")
+    major = ctypes.c_uint32.from_address(table).value
+    dltensor_from_py_object = ctypes.c_void_p.from_address(table + 16 + 3 * 8).value  # header, then 3 pointers
+    assert major == 1 and dltensor_from_py_object, "torch's DLPack exchange API changed: fix pickler.c's describe()"
+
+
 def test_neg_view_sets_the_negative_bit_over_the_same_storage():
     x = torch.arange(3.0)
     v = _torch.neg_view(x)

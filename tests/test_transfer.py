@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import shmreduce
-from shmreduce import _native, pool, program, reductions, transfer
+from shmreduce import _native, _torch, pool, program, reductions, transfer
 
 from helpers import forget_mappings, let_go_now, run_in_child, wait_for
 
@@ -223,6 +223,59 @@ def test_reduce_sends_a_shared_storage_from_where_it_lies_and_never_moves_it_aga
     sent += zip(refs, fresh, strict=True)
     with transfer.receiving():  # every ref sent is loaded: nothing stays in flight
         assert all(torch.equal(_native.rebuild(ref, meta), t) for ref, t in sent)
+
+
+def _views() -> list[torch.Tensor]:
+    base = torch.arange(48.0).view(4, 12)
+    return [
+        base[1:, 2:7],  # starts inside its storage
+        base.t(),  # transposed
+        base[:, ::3],  # strided
+        torch.tensor(3.5),  # 0-d
+        torch.ones(5, dtype=torch.bfloat16),
+        torch.tensor([True, False]),
+        torch.zeros(2, 3, dtype=torch.complex64)[1],
+        torch.arange(6).expand(2, 6),  # a zero stride
+    ]
+
+
+def test_reduce_describes_each_layout_as_the_general_path_does(strategy: str) -> None:
+    # _native.reduce reads dtype, sizes, strides and where the tensor starts through
+    # torch's DLPack exchange API: what it packs unpacks to the general path's meta.
+    views = _views()
+    with transfer.sending():
+        first = [reductions.reduce_tensor(t) for t in views]  # shares each storage (the first starts the slab)
+        reduced = [_native.reduce(t) for t in views]
+    with transfer.receiving():  # every ref loaded: nothing stays in flight
+        assert all(torch.equal(rebuild(*args), t) for t, (rebuild, args) in zip(views, first, strict=True))
+        for t, (rebuild, args) in zip(views, reduced, strict=True):
+            assert rebuild is _native.load, t
+            ref, meta = _native.unpack(*args)
+            assert meta == reductions._meta(t), t
+            got = rebuild(*args)
+            assert torch.equal(got, t) and got.stride() == t.stride() and got.storage_offset() == t.storage_offset()
+
+
+def test_without_the_exchange_api_reduce_hands_every_tensor_to_the_general_path(strategy: str) -> None:
+    # A torch whose Tensor type has no DLPack exchange API (before 2.10): the same
+    # pickles as reductions.reduce_tensor makes, slower.
+    class NoApi(torch.Tensor):
+        __dlpack_c_exchange_api__ = None
+
+    t = torch.arange(8.0)
+    with transfer.sending():
+        sent = [reductions.reduce_tensor(t)]
+        _native.init_send(_native.load, NoApi, torch.strided, vars(torch.multiprocessing), _torch.torch_is_shared)
+        try:
+            sent.append(_native.reduce(t.as_subclass(NoApi)))
+        finally:
+            _native.init_send(_native.load, torch.Tensor, torch.strided, vars(torch.multiprocessing), _torch.torch_is_shared)
+        sent.append(_native.reduce(t))
+    (_, general), (rebuild, (ref, meta)), (again, _) = sent
+    assert rebuild is _native.rebuild and ref[:7] == general[0][:7] and meta[:4] == general[1][:4]
+    assert again is _native.load  # the API bound again
+    with transfer.receiving():  # every ref loaded: nothing stays in flight
+        assert all(torch.equal(fn(*args), t) for fn, args in sent)
 
 
 # -- the file_system tag ---------------------------------------------------------------

@@ -54,6 +54,27 @@ typedef struct DLManagedTensor {
 
 enum { kDLCPU = 1, kDLUInt = 1 };
 
+/* The DLPack C exchange API (DLPack 1.x, a type's __dlpack_c_exchange_api__ capsule,
+ * "dlpack_exchange_api"): only the function reduce() calls is typed. */
+typedef struct {
+    uint32_t major;
+    uint32_t minor;
+} DLPackVersion;
+
+typedef struct DLPackExchangeAPIHeader {
+    DLPackVersion version;
+    struct DLPackExchangeAPIHeader *prev_api;
+} DLPackExchangeAPIHeader;
+
+typedef struct {
+    DLPackExchangeAPIHeader header;
+    void *managed_tensor_allocator;
+    void *managed_tensor_from_py_object_no_sync;
+    void *managed_tensor_to_py_object_no_sync;
+    int (*dltensor_from_py_object_no_sync)(void *py_object, DLTensor *out); /* may be NULL */
+    void *current_work_stream;
+} DLPackExchangeAPI;
+
 /* ---- constants: defined here once; module.c exports those Python reads ---- */
 
 #define ALIGN 64              /* a slab places each storage on a cache line, as torch's allocator does */

@@ -22,16 +22,18 @@
  * torch.multiprocessing's globals (the strategy), torch's own UntypedStorage.is_shared. */
 static PyObject *general_rebuild_fn, *general_load_fn, *general_reduce_fn;
 static PyObject *load_fn, *tensor_type, *strided, *strategy_globals, *torch_is_shared;
+static PyObject *exchange_capsule;
+static const DLPackExchangeAPI *exchange; /* tensor_type's DLPack exchange API, or NULL: then reduce() hands every tensor on */
 static int post_fd = -1;                 /* the post connection to this program's broker, or -1 */
 static _Thread_local PyObject *outgoing; /* the sending scope's header addresses, or NULL */
 static _Thread_local int broker_seen;    /* this message found its broker live */
 static unsigned long long shares, shared_bytes, reuses;
 
-enum { S_REQUIRES_GRAD, S_BACKWARD_HOOKS, S_LAYOUT, S_IS_CPU, S_IS_NESTED, S_IS_QUANTIZED, S_IS_CONJ, S_IS_NEG, S_NBYTES, S_DATA_PTR, S_SWAP, S_DTYPE,
-       S_SIZE, S_STRIDE, S_STORAGE_OFFSET, S_SHARING_STRATEGY, S_FILE_SYSTEM, S_SLAB_FD, S_SLAB_FS, N_NAMES };
+enum { S_REQUIRES_GRAD, S_BACKWARD_HOOKS, S_LAYOUT, S_IS_CPU, S_IS_NESTED, S_IS_QUANTIZED, S_IS_CONJ, S_IS_NEG, S_NBYTES, S_DATA_PTR, S_SWAP,
+       S_SHARING_STRATEGY, S_FILE_SYSTEM, S_SLAB_FD, S_SLAB_FS, N_NAMES };
 static const char *const name_text[N_NAMES] = {
-    "requires_grad", "_backward_hooks", "layout", "is_cpu", "is_nested", "is_quantized", "is_conj", "is_neg", "nbytes", "data_ptr", "_swap_data_ptr_", "dtype",
-    "size", "stride", "storage_offset", "_sharing_strategy", "file_system", "shmreduce.slab.fd", "shmreduce.slab.fs"};
+    "requires_grad", "_backward_hooks", "layout", "is_cpu", "is_nested", "is_quantized", "is_conj", "is_neg", "nbytes", "data_ptr", "_swap_data_ptr_",
+    "_sharing_strategy", "file_system", "shmreduce.slab.fd", "shmreduce.slab.fs"};
 static PyObject *names[N_NAMES];
 
 int pickler_init(void) {
@@ -468,47 +470,34 @@ static GenObject *send_from(PyObject *storage, Py_ssize_t ptr, Py_ssize_t nbytes
     return slab;
 }
 
-/* The packed head and layout of a plain tensor as load() reads them (its storage's
- * range and ticket filled in later): 0, or 1 for the general path (a dtype or a
- * layout the compact form does not carry), or -1 on error. */
-static int describe(PyObject *tensor, PackedHead *head, Layout *layout) {
-    PyObject *dtype = PyObject_GetAttr(tensor, names[S_DTYPE]), *size = NULL, *stride = NULL, *start = NULL;
-    if (dtype == NULL)
-        return -1;
-    PyObject *entry = PyDict_GetItemWithError(dtypes, dtype); /* filled on first use: reductions.dlpack_table */
-    Py_DECREF(dtype);
-    int result = -1;
-    if (entry == NULL || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 4) {
-        result = PyErr_Occurred() ? -1 : 1;
-        goto done;
+/* The packed head and layout of a plain tensor whose storage's data is at ptr, as
+ * load() reads them (its storage's range and ticket filled in later), read in one
+ * call through torch's DLPack exchange API: 0, or 1 for the general path (a device,
+ * dtype or layout the compact form does not carry, or the API missing). */
+static int describe(PyObject *tensor, Py_ssize_t ptr, PackedHead *head, Layout *layout) {
+    DLTensor dl;
+    if (exchange == NULL)
+        return 1;
+    if (exchange->dltensor_from_py_object_no_sync(tensor, &dl) != 0) {
+        PyErr_Clear(); /* what torch cannot describe: the general path says why, if it is an error */
+        return 1;
     }
-    head->code = (uint8_t)small_int(PyTuple_GET_ITEM(entry, 0));
-    head->bits = (uint8_t)small_int(PyTuple_GET_ITEM(entry, 1));
-    head->lanes = (uint16_t)small_int(PyTuple_GET_ITEM(entry, 2));
-    if ((size = PyObject_CallMethodNoArgs(tensor, names[S_SIZE])) == NULL ||
-        (stride = PyObject_CallMethodNoArgs(tensor, names[S_STRIDE])) == NULL ||
-        (start = PyObject_CallMethodNoArgs(tensor, names[S_STORAGE_OFFSET])) == NULL)
-        goto done;
-    Py_ssize_t n = PyTuple_Check(size) ? PyTuple_GET_SIZE(size) : MAX_DIMS + 1; /* a torch.Size */
-    if (n > MAX_DIMS || !PyTuple_Check(stride) || PyTuple_GET_SIZE(stride) != n) {
-        result = 1;
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        layout->shape[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(size, i));
-        layout->strides[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(stride, i));
-    }
-    head->storage_offset = PyLong_AsLongLong(start);
-    if (PyErr_Occurred())
-        goto done;
-    layout->ndim = (int32_t)n;
-    head->ndim = (uint32_t)n;
-    result = 0;
-done:
-    Py_XDECREF(size);
-    Py_XDECREF(stride);
-    Py_XDECREF(start);
-    return result;
+    Py_ssize_t itemsize = 0;
+    if (dl.device.device_type != kDLCPU || dl.ndim < 0 || dl.ndim > MAX_DIMS || (dl.ndim > 0 && dl.strides == NULL) ||
+        torch_dtype(dl.dtype, &itemsize) == NULL)
+        return 1;
+    intptr_t start = (intptr_t)dl.data + (intptr_t)dl.byte_offset - (intptr_t)ptr;
+    if (start < 0 || start % itemsize != 0)
+        return 1;
+    head->code = dl.dtype.code;
+    head->bits = dl.dtype.bits;
+    head->lanes = dl.dtype.lanes;
+    head->ndim = (uint32_t)dl.ndim;
+    head->storage_offset = (int64_t)(start / itemsize);
+    layout->ndim = dl.ndim;
+    memcpy(layout->shape, dl.shape, (size_t)dl.ndim * sizeof(int64_t));
+    memcpy(layout->strides, dl.strides, (size_t)dl.ndim * sizeof(int64_t));
+    return 0;
 }
 
 static PyObject *share_plain(PyObject *tensor, PyObject *storage) {
@@ -523,8 +512,8 @@ static PyObject *share_plain(PyObject *tensor, PyObject *storage) {
     }
     PackedHead head = {0};
     Layout layout;
-    if (describe(tensor, &head, &layout) != 0)
-        return NULL; /* an error, or the general path */
+    if (describe(tensor, ptr, &head, &layout) != 0)
+        return NULL; /* the general path */
     Py_ssize_t offset;
     GenObject *gen = send_from(storage, ptr, nbytes, &offset);
     if (gen == NULL)
@@ -563,7 +552,8 @@ error:
 PyDoc_STRVAR(reduce_doc,
              "reduce(tensor) -> (load, (template, packed))\n\n"
              "What reductions.reduce_tensor does, made here in one call, in the compact form (load()), for a plain CPU tensor (torch.Tensor "
-             "exactly, no grad, no hooks, strided, not nested nor quantized, no conjugate or negative bit) inside a sending scope (message()) whose broker lives, whose "
+             "exactly, no grad, no hooks, strided, not nested nor quantized, no conjugate or negative bit; its dtype, sizes, strides "
+             "and start read in one call through torch's DLPack exchange API) inside a sending scope (message()) whose broker lives, whose "
              "storage lies in an indexed Gen or fits this thread's slab (copied there and swapped in); counted "
              "sent when the scope ends (its header's address appended to the scope's list). Every other case "
              "goes to reductions.reduce_tensor.");
@@ -647,6 +637,21 @@ static PyObject *native_init_send(PyObject *Py_UNUSED(module), PyObject *args) {
     Py_XSETREF(strided, Py_NewRef(layout));
     Py_XSETREF(strategy_globals, Py_NewRef(globals));
     Py_XSETREF(torch_is_shared, Py_NewRef(is_shared));
+    /* The exchange API the type offers (torch 2.10 on), kept with its capsule (its
+     * table lives as long as the process): a DLPack 1.x one with the function
+     * describe() calls, or none. */
+    exchange = NULL;
+    Py_CLEAR(exchange_capsule);
+    PyObject *capsule = PyObject_GetAttrString(type, "__dlpack_c_exchange_api__");
+    const DLPackExchangeAPI *api = capsule != NULL ? PyCapsule_GetPointer(capsule, "dlpack_exchange_api") : NULL;
+    if (api == NULL) {
+        PyErr_Clear();
+        Py_XDECREF(capsule);
+    } else {
+        exchange_capsule = capsule;
+        if (api->header.version.major == 1 && api->dltensor_from_py_object_no_sync != NULL)
+            exchange = api;
+    }
     Py_RETURN_NONE;
 }
 
