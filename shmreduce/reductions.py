@@ -35,7 +35,10 @@ _SPARSE_COMPRESSED = {
 # pickle and load in C: measured here, a (ref, meta) pair as two NamedTuples costs
 # 1.9 us to pickle and 0.8 us to load per tensor, as plain tuples 0.3 and 0.3, on the
 # per-tensor hot path. transfer.SegmentRef names the
-# ref's fields in code; receive() checks the shape of what arrives.
+# ref's fields in code; receive() checks the shape of what arrives. A plain tensor
+# _native.reduce sends travels in a more compact form still, _native.load(template,
+# packed): its generation's template tuple (pickled once a message) and a few packed
+# bytes; rebuild_packed below is its general path.
 Meta = tuple
 _Tensor = torch.Tensor
 
