@@ -698,11 +698,11 @@ class Goal:
     text: str
 
 
-GOALS = [
-    Goal("1", "shmreduce-fd", "by-value", 1.0, ">= 1.0x by-value"),
-    Goal("1", "shmreduce-fs", "by-value", 1.0, ">= 1.0x by-value"),
-    Goal("2", "shmreduce-fd", "by-value", 1.5, ">= 1.5x by-value"),
-    Goal("2", "shmreduce-fs", "by-value", 1.5, ">= 1.5x by-value"),
+GOALS = [  # scenarios 1 and 2 against by value: issue 30's restated goals (the mechanism's own are mechanism.GOALS)
+    Goal("1", "shmreduce-fd", "by-value", 1.3, ">= 1.3x by-value"),
+    Goal("1", "shmreduce-fs", "by-value", 1.3, ">= 1.3x by-value"),
+    Goal("2", "shmreduce-fd", "by-value", 1.2, ">= 1.2x by-value"),
+    Goal("2", "shmreduce-fs", "by-value", 1.2, ">= 1.2x by-value"),
     Goal("2", "shmreduce-fd", "torch-fd", 40, ">= 40x torch fd"),
     Goal("2", "shmreduce-fd", "shm-recipe", 1.0, "ahead of shm-recipe"),
     Goal("2", "shmreduce-fd", "tensordict-torch", 1.0, "ahead of tensordict-torch"),

@@ -9,11 +9,16 @@
  */
 #include "native.h"
 
-/* A tensor over the mapping at offset: ctx's dtype, shape and strides set. A failed
- * import changes no count, whether torch's importer called the deleter (then
- * ctx->deleted says so, not the capsule's name) or never took the tensor. */
+/* A tensor over the mapping at offset: ctx's dtype, shape and strides set. Handed to
+ * torch in one C call through its DLPack exchange API where it has one, else as a
+ * "dltensor_versioned" capsule through torch._C._from_dlpack. A failed import
+ * changes no count, whether torch's importer called the deleter (then ctx->deleted
+ * says so) or never took the tensor (the capsule keeps its name; the exchange API
+ * calls the deleter of one it took). */
 PyObject *import_tensor(GenObject *gen, Ctx *ctx, Py_ssize_t offset) {
     ctx->gen = gen;
+    ctx->managed.version = (DLPackVersion){.major = 1, .minor = 0};
+    ctx->managed.flags = 0;
     ctx->managed.dl_tensor.data = gen->addr + offset;
     ctx->managed.dl_tensor.device.device_type = kDLCPU;
     ctx->managed.dl_tensor.device.device_id = 0;
@@ -25,16 +30,22 @@ PyObject *import_tensor(GenObject *gen, Ctx *ctx, Py_ssize_t offset) {
     atomic_store(&ctx->deleted, 0);
     atomic_store(&ctx->importing, 1);
     add_count(gen);
-    PyObject *capsule = PyCapsule_New(&ctx->managed, "dltensor", NULL);
-    if (capsule == NULL) {
-        atomic_store(&ctx->importing, 0);
-        give_back_ctx(ctx);
-        drop_count(gen);
-        return NULL;
+    PyObject *tensor = NULL;
+    int consumed = 0;
+    if (exchange != NULL) {
+        void *made = NULL;
+        if (exchange->managed_tensor_to_py_object_no_sync(&ctx->managed, &made) == 0 && made != NULL)
+            tensor = made;
+        else if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "torch's DLPack exchange API made no tensor");
+    } else {
+        PyObject *capsule = PyCapsule_New(&ctx->managed, "dltensor_versioned", NULL);
+        if (capsule != NULL) {
+            tensor = PyObject_CallOneArg(from_dlpack, capsule);
+            consumed = !PyCapsule_IsValid(capsule, "dltensor_versioned"); /* torch renames what it takes */
+            Py_DECREF(capsule);
+        }
     }
-    PyObject *tensor = PyObject_CallOneArg(from_dlpack, capsule);
-    int consumed = !PyCapsule_IsValid(capsule, "dltensor"); /* torch renames what it takes */
-    Py_DECREF(capsule);
     int deleted = atomic_load(&ctx->deleted); /* read before importing goes: a later deleter recycles ctx itself */
     atomic_store(&ctx->importing, 0);
     if (tensor != NULL)

@@ -65,7 +65,7 @@ void drop_count(GenObject *gen) {
 }
 
 /* torch's deleter: any thread, maybe without the GIL. Atomics and pushes only. */
-void ctx_deleter(DLManagedTensor *managed) {
+void ctx_deleter(DLManagedTensorVersioned *managed) {
     Ctx *ctx = (Ctx *)managed->manager_ctx;
     GenObject *gen = ctx->gen;
     if (atomic_load_explicit(&ctx->importing, memory_order_acquire)) {
@@ -176,9 +176,14 @@ PyObject *stored_at(GenObject *gen, PyObject *key) {
     return weak != NULL ? referent(weak) : NULL;
 }
 
-/* storage lies at offset (key) here: what a ref to it loads from now on. */
+/* storage lies at offset (key) here: what a ref to it loads from now on. The weak
+ * reference has no callback, so it refers to nothing strongly and can be in no
+ * cycle: it is taken out of the collector's lists, which every collection would
+ * otherwise walk (one lives per storage sent or loaded, while its generation does). */
 int remember(GenObject *gen, PyObject *key, PyObject *storage) {
     PyObject *weak = PyWeakref_NewRef(storage, NULL);
+    if (weak != NULL && PyObject_GC_IsTracked(weak))
+        PyObject_GC_UnTrack(weak);
     int done = weak != NULL ? PyDict_SetItem(gen->stored, key, weak) : -1;
     Py_XDECREF(weak);
     return done;

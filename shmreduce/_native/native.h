@@ -23,7 +23,9 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
-/* ---- DLPack (legacy, unversioned ABI: "dltensor" capsules), from the public spec ---- */
+/* ---- DLPack 1.x, from the public spec: a versioned managed tensor is what this
+ * extension hands torch; the legacy, unversioned one is only read ("dltensor"
+ * capsules torch's to_dlpack makes, for their dtype) ---- */
 
 typedef struct {
     int32_t device_type;
@@ -52,15 +54,23 @@ typedef struct DLManagedTensor {
     void (*deleter)(struct DLManagedTensor *self);
 } DLManagedTensor;
 
-enum { kDLCPU = 1, kDLUInt = 1 };
-
-/* The DLPack C exchange API (DLPack 1.x, a type's __dlpack_c_exchange_api__ capsule,
- * "dlpack_exchange_api"): only the function reduce() calls is typed. */
 typedef struct {
     uint32_t major;
     uint32_t minor;
 } DLPackVersion;
 
+typedef struct DLManagedTensorVersioned {
+    DLPackVersion version;
+    void *manager_ctx;
+    void (*deleter)(struct DLManagedTensorVersioned *self);
+    uint64_t flags; /* 0: writable, not a copy */
+    DLTensor dl_tensor;
+} DLManagedTensorVersioned;
+
+enum { kDLCPU = 1, kDLUInt = 1 };
+
+/* The DLPack C exchange API (a type's __dlpack_c_exchange_api__ capsule,
+ * "dlpack_exchange_api", DLPack 1.x): only the functions called here are typed. */
 typedef struct DLPackExchangeAPIHeader {
     DLPackVersion version;
     struct DLPackExchangeAPIHeader *prev_api;
@@ -70,7 +80,7 @@ typedef struct {
     DLPackExchangeAPIHeader header;
     void *managed_tensor_allocator;
     void *managed_tensor_from_py_object_no_sync;
-    void *managed_tensor_to_py_object_no_sync;
+    int (*managed_tensor_to_py_object_no_sync)(DLManagedTensorVersioned *tensor, void **out_py_object);
     int (*dltensor_from_py_object_no_sync)(void *py_object, DLTensor *out); /* may be NULL */
     void *current_work_stream;
 } DLPackExchangeAPI;
@@ -101,7 +111,7 @@ typedef struct GenObject GenObject;
 
 /* One storage's DLPack context; recycled through a lock-free free list. */
 typedef struct Ctx {
-    DLManagedTensor managed;
+    DLManagedTensorVersioned managed;
     int64_t shape[MAX_DIMS];
     int64_t strides[MAX_DIMS];
     GenObject *gen;
@@ -133,6 +143,7 @@ extern PyTypeObject GenType;
 /* ---- bound by module.c's init() and init_send(), interned at import ---- */
 
 extern PyObject *from_dlpack;   /* torch._C._from_dlpack */
+extern const DLPackExchangeAPI *exchange; /* torch.Tensor's exchange API (init_send()), or NULL */
 extern PyObject *sharing_error; /* shmreduce.errors.SharingError (RuntimeError until init()) */
 extern PyObject *dtypes;        /* torch dtype -> (code, bits, lanes, itemsize) */
 extern PyObject *published;     /* a receiver's Gens by their refs' (kind, directory, segment, generation) */
@@ -145,7 +156,7 @@ void add_count(GenObject *gen);
 void drop_count(GenObject *gen);
 Ctx *take_ctx(void);
 void give_back_ctx(Ctx *ctx);
-void ctx_deleter(DLManagedTensor *managed);
+void ctx_deleter(DLManagedTensorVersioned *managed);
 int check_range(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes);
 Py_ssize_t claim(GenObject *gen, Py_ssize_t nbytes);
 PyObject *stored_at(GenObject *gen, PyObject *key);

@@ -23,7 +23,8 @@
 static PyObject *general_rebuild_fn, *general_load_fn, *general_reduce_fn;
 static PyObject *load_fn, *tensor_type, *strided, *strategy_globals, *torch_is_shared;
 static PyObject *exchange_capsule;
-static const DLPackExchangeAPI *exchange; /* tensor_type's DLPack exchange API, or NULL: then reduce() hands every tensor on */
+const DLPackExchangeAPI *exchange; /* tensor_type's DLPack exchange API, or NULL: then reduce() hands every tensor on,
+                                    * and import_tensor() goes through a capsule */
 static int post_fd = -1;                 /* the post connection to this program's broker, or -1 */
 static _Thread_local PyObject *outgoing; /* the sending scope's header addresses, or NULL */
 static _Thread_local int broker_seen;    /* this message found its broker live */
@@ -476,7 +477,7 @@ static GenObject *send_from(PyObject *storage, Py_ssize_t ptr, Py_ssize_t nbytes
  * dtype or layout the compact form does not carry, or the API missing). */
 static int describe(PyObject *tensor, Py_ssize_t ptr, PackedHead *head, Layout *layout) {
     DLTensor dl;
-    if (exchange == NULL)
+    if (exchange == NULL || exchange->dltensor_from_py_object_no_sync == NULL)
         return 1;
     if (exchange->dltensor_from_py_object_no_sync(tensor, &dl) != 0) {
         PyErr_Clear(); /* what torch cannot describe: the general path says why, if it is an error */
@@ -638,8 +639,7 @@ static PyObject *native_init_send(PyObject *Py_UNUSED(module), PyObject *args) {
     Py_XSETREF(strategy_globals, Py_NewRef(globals));
     Py_XSETREF(torch_is_shared, Py_NewRef(is_shared));
     /* The exchange API the type offers (torch 2.10 on), kept with its capsule (its
-     * table lives as long as the process): a DLPack 1.x one with the function
-     * describe() calls, or none. */
+     * table lives as long as the process): a DLPack 1.x one, or none. */
     exchange = NULL;
     Py_CLEAR(exchange_capsule);
     PyObject *capsule = PyObject_GetAttrString(type, "__dlpack_c_exchange_api__");
@@ -649,7 +649,7 @@ static PyObject *native_init_send(PyObject *Py_UNUSED(module), PyObject *args) {
         Py_XDECREF(capsule);
     } else {
         exchange_capsule = capsule;
-        if (api->header.version.major == 1 && api->dltensor_from_py_object_no_sync != NULL)
+        if (api->header.version.major == 1 && api->managed_tensor_to_py_object_no_sync != NULL)
             exchange = api;
     }
     Py_RETURN_NONE;
