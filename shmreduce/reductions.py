@@ -175,8 +175,15 @@ def rebuild_packed(template: Any, packed: Any) -> torch.Tensor:
     return rebuild_tensor(ref, meta)
 
 
+def bind_sender(tensor_type: type = torch.Tensor) -> None:
+    """Bind what ``_native.reduce`` needs: the form it pickles to, the tensor type it
+    takes (exactly; its DLPack exchange API is read from it), torch's strategy and
+    ``is_shared``. Tests bind a type without the exchange API to stand for an older torch."""
+    _native.init_send(_native.load, tensor_type, torch.strided, vars(torch.multiprocessing), _torch.torch_is_shared)
+
+
 _rebuild = _native.rebuild
-_native.init_send(_native.load, torch.Tensor, torch.strided, vars(torch.multiprocessing), _torch.torch_is_shared)
+bind_sender()
 
 
 def rebuild_meta_tensor(meta: Meta, nbytes: int) -> torch.Tensor:

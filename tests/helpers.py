@@ -16,6 +16,25 @@ from shmreduce.broker import client as broker_client
 from shmreduce.broker import protocol as P
 
 
+@contextmanager
+def without_dlpack_exchange_api() -> Iterator[type]:
+    """The native core as on a torch whose Tensor has no DLPack exchange API (before
+    2.10): bound to a Tensor subclass without one, which the block gets; torch.Tensor
+    bound again after."""
+    import torch
+
+    from shmreduce import reductions
+
+    class NoApi(torch.Tensor):
+        __dlpack_c_exchange_api__ = None
+
+    reductions.bind_sender(NoApi)
+    try:
+        yield NoApi
+    finally:
+        reductions.bind_sender()
+
+
 def wait_for(cond: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

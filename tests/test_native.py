@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import shmreduce
 from shmreduce import _native, _torch, pool, reductions, transfer
 
-from helpers import run_in_child
+from helpers import run_in_child, without_dlpack_exchange_api
 
 SIZE = 1 << 16
 LOW = 64
@@ -72,15 +72,10 @@ def importer(request) -> Iterator[str]:
     """How the native core hands torch its tensors: through torch.Tensor's DLPack
     exchange API, or (a torch without one) a "dltensor_versioned" capsule."""
     if request.param == "capsule":
-
-        class NoApi(torch.Tensor):
-            __dlpack_c_exchange_api__ = None
-
-        _native.init_send(_native.load, NoApi, torch.strided, vars(torch.multiprocessing), _torch.torch_is_shared)
-    try:
+        with without_dlpack_exchange_api():
+            yield request.param
+    else:
         yield request.param
-    finally:
-        _native.init_send(_native.load, torch.Tensor, torch.strided, vars(torch.multiprocessing), _torch.torch_is_shared)
 
 
 def test_a_storage_aliases_the_mapping(memory, importer) -> None:

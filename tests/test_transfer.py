@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import shmreduce
-from shmreduce import _native, _torch, pool, program, reductions, transfer
+from shmreduce import _native, pool, program, reductions, transfer
 
-from helpers import forget_mappings, let_go_now, run_in_child, wait_for
+from helpers import forget_mappings, let_go_now, run_in_child, wait_for, without_dlpack_exchange_api
 
 MIB = 1 << 20
 SMALL_SIZES = (100, 4000, pool.SLAB_ITEM_MAX)  # packed in the thread's slab
@@ -259,17 +259,11 @@ def test_reduce_describes_each_layout_as_the_general_path_does(strategy: str) ->
 def test_without_the_exchange_api_reduce_hands_every_tensor_to_the_general_path(strategy: str) -> None:
     # A torch whose Tensor type has no DLPack exchange API (before 2.10): the same
     # pickles as reductions.reduce_tensor makes, slower.
-    class NoApi(torch.Tensor):
-        __dlpack_c_exchange_api__ = None
-
     t = torch.arange(8.0)
     with transfer.sending():
         sent = [reductions.reduce_tensor(t)]
-        _native.init_send(_native.load, NoApi, torch.strided, vars(torch.multiprocessing), _torch.torch_is_shared)
-        try:
-            sent.append(_native.reduce(t.as_subclass(NoApi)))
-        finally:
-            _native.init_send(_native.load, torch.Tensor, torch.strided, vars(torch.multiprocessing), _torch.torch_is_shared)
+        with without_dlpack_exchange_api() as no_api:
+            sent.append(_native.reduce(t.as_subclass(no_api)))
         sent.append(_native.reduce(t))
     (_, general), (rebuild, (ref, meta)), (again, _) = sent
     assert rebuild is _native.rebuild and ref[:7] == general[0][:7] and meta[:4] == general[1][:4]

@@ -166,8 +166,8 @@ PyObject *put_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes, cons
     return make_storage(gen, offset, nbytes);
 }
 
-/* The identity map's key is the offset as an exact int: a caller that has one (a
- * ref's own field) passes it, and a lookup and its remember() share one. */
+/* The identity map's key is the offset as an exact int: a load makes it once, and
+ * its lookup and its remember() share it. */
 
 /* The live storage made or loaded at offset (key) here (a new reference), or NULL (no
  * error set when there is none). */
@@ -187,6 +187,19 @@ int remember(GenObject *gen, PyObject *key, PyObject *storage) {
     int done = weak != NULL ? PyDict_SetItem(gen->stored, key, weak) : -1;
     Py_XDECREF(weak);
     return done;
+}
+
+/* storage, new here at offset (key), is what a ref of ticket loaded: counted loaded in
+ * the header (a pooled generation's, a first load only) and in this process, and
+ * remembered. The one tail of both load paths (load_storage, pickler.c's make_plain). */
+int loaded_new(GenObject *gen, PyObject *key, PyObject *storage, Py_ssize_t nbytes, uint64_t ticket) {
+    if (gen->low)
+        count_loaded((_Atomic uint64_t *)gen->addr, ticket);
+    if (remember(gen, key, storage) < 0)
+        return -1;
+    loads++;
+    loaded_bytes += (unsigned long long)nbytes;
+    return 0;
 }
 
 /* What a ref of ticket to nbytes at offset loads (the generation held by the caller):
@@ -215,15 +228,10 @@ PyObject *load_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes, uin
         }
         Py_CLEAR(storage); /* another storage at that offset (SPEC 2): this ref's is made */
     }
-    if (check_range(gen, offset, nbytes) < 0 || (storage = make_storage(gen, offset, nbytes)) == NULL)
-        goto error;
-    if (gen->low)
-        count_loaded((_Atomic uint64_t *)gen->addr, ticket);
-    if (remember(gen, key, storage) < 0)
+    if (check_range(gen, offset, nbytes) < 0 || (storage = make_storage(gen, offset, nbytes)) == NULL ||
+        loaded_new(gen, key, storage, nbytes, ticket) < 0)
         goto error;
     Py_DECREF(key);
-    loads++;
-    loaded_bytes += (unsigned long long)nbytes;
     return storage;
 error:
     Py_DECREF(key);

@@ -161,6 +161,7 @@ int check_range(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes);
 Py_ssize_t claim(GenObject *gen, Py_ssize_t nbytes);
 PyObject *stored_at(GenObject *gen, PyObject *key);
 int remember(GenObject *gen, PyObject *key, PyObject *storage);
+int loaded_new(GenObject *gen, PyObject *key, PyObject *storage, Py_ssize_t nbytes, uint64_t ticket);
 PyObject *load_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes, uint64_t ticket);
 PyObject *put_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes, const void *source);
 extern unsigned long long loads, loaded_bytes, loaded_again;

@@ -9,7 +9,7 @@
  * it changed anything, to the Python it stands in for (reductions.reduce_tensor /
  * rebuild_tensor / rebuild_packed), which decides what is indexed, published and filled. The sending
  * scope (message()) and the broker's post connection it checks once per message.
- * Calls: lifetime.c (claim, put_storage, stored_at, remember), dlpack.c (the typed
+ * Calls: lifetime.c (claim, put_storage, stored_at, remember, loaded_new), dlpack.c (the typed
  * import), segments.c (where a storage lies), header.c (tickets, loads).
  */
 #include "native.h"
@@ -134,11 +134,24 @@ bad:
     return -1;
 }
 
-/* The dtype table (torch dtype -> (code, bits, lanes, itemsize), filled once by
- * reductions.dlpack_table) read the other way: a DLPack dtype's torch dtype (borrowed)
- * and itemsize, or NULL (no error) if the table has none (yet). */
+/* An entry of the dtype table (torch dtype -> (code, bits, lanes, itemsize), filled
+ * once by reductions.dlpack_table): 1 and its DLPack dtype and itemsize, or 0 (no
+ * error set) for one that is no such tuple of ints in range. */
+static int table_entry(PyObject *value, DLDataType *t, Py_ssize_t *itemsize) {
+    Py_ssize_t code, bits, lanes, size;
+    if (!PyTuple_CheckExact(value) || PyTuple_GET_SIZE(value) != 4 || (code = small_int(PyTuple_GET_ITEM(value, 0))) < 0 ||
+        code > 255 || (bits = small_int(PyTuple_GET_ITEM(value, 1))) <= 0 || bits > 255 ||
+        (lanes = small_int(PyTuple_GET_ITEM(value, 2))) <= 0 || lanes > 65535 || (size = small_int(PyTuple_GET_ITEM(value, 3))) <= 0)
+        return 0;
+    *t = (DLDataType){.code = (uint8_t)code, .bits = (uint8_t)bits, .lanes = (uint16_t)lanes};
+    *itemsize = size;
+    return 1;
+}
+
+/* The dtype table read the other way: a DLPack dtype's torch dtype (borrowed) and
+ * itemsize, or NULL (no error) if the table has none (yet). */
 static struct {
-    uint32_t code; /* code | bits << 8 | lanes << 16 */
+    uint32_t code; /* code_of() */
     Py_ssize_t itemsize;
     PyObject *dtype;
 } by_code[64];
@@ -153,13 +166,10 @@ static PyObject *torch_dtype(DLDataType t, Py_ssize_t *itemsize) {
         Py_ssize_t pos = 0, n = 0;
         PyObject *key, *value;
         while (n < (Py_ssize_t)(sizeof by_code / sizeof by_code[0]) && PyDict_Next(dtypes, &pos, &key, &value)) {
-            Py_ssize_t code, bits, lanes, size;
-            if (!PyTuple_CheckExact(value) || PyTuple_GET_SIZE(value) != 4 || (code = small_int(PyTuple_GET_ITEM(value, 0))) < 0 ||
-                code > 255 || (bits = small_int(PyTuple_GET_ITEM(value, 1))) <= 0 || bits > 255 ||
-                (lanes = small_int(PyTuple_GET_ITEM(value, 2))) <= 0 || lanes > 65535 || (size = small_int(PyTuple_GET_ITEM(value, 3))) <= 0)
+            DLDataType entry;
+            if (!table_entry(value, &entry, &by_code[n].itemsize))
                 continue;
-            by_code[n].code = (uint32_t)code | (uint32_t)bits << 8 | (uint32_t)lanes << 16;
-            by_code[n].itemsize = size;
+            by_code[n].code = code_of(entry);
             Py_XSETREF(by_code[n].dtype, Py_NewRef(key));
             n++;
         }
@@ -209,19 +219,14 @@ static int make_plain(GenObject *gen, const Plain *p, PyObject **out) {
         Py_DECREF(key);
         return -1;
     }
-    if (gen->low) /* pooled: counted loaded (a first load only) once its storage exists */
-        count_loaded((_Atomic uint64_t *)gen->addr, p->ticket);
     PyObject *storage = PyObject_CallMethodNoArgs(tensor, str_untyped_storage);
-    if (storage == NULL || remember(gen, key, storage) < 0) {
-        Py_DECREF(key);
-        Py_XDECREF(storage);
+    int done = storage != NULL ? loaded_new(gen, key, storage, p->nbytes, p->ticket) : -1;
+    Py_DECREF(key);
+    Py_XDECREF(storage);
+    if (done < 0) {
         Py_DECREF(tensor);
         return -1;
     }
-    Py_DECREF(key);
-    Py_DECREF(storage);
-    loads++;
-    loaded_bytes += (unsigned long long)p->nbytes;
     *out = tensor;
     return 1;
 }
@@ -279,14 +284,10 @@ static PyObject *native_rebuild(PyObject *Py_UNUSED(module), PyObject *const *ar
     if (gen == NULL || entry == NULL || gen->ended || p.offset < 0 || p.nbytes <= 0 || !PyTuple_CheckExact(entry) ||
         PyTuple_GET_SIZE(entry) != 4)
         return rebuild_general(args, nargs);
-    Py_ssize_t code = small_int(PyTuple_GET_ITEM(entry, 0)), bits = small_int(PyTuple_GET_ITEM(entry, 1));
-    Py_ssize_t lanes = small_int(PyTuple_GET_ITEM(entry, 2));
-    p.itemsize = small_int(PyTuple_GET_ITEM(entry, 3));
-    if (code < 0 || code > 255 || bits <= 0 || bits > 255 || lanes <= 0 || lanes > 65535 || p.itemsize <= 0) {
+    if (!table_entry(entry, &p.dtype, &p.itemsize)) {
         PyErr_SetString(PyExc_ValueError, "init(): not a DLPack dtype table");
         return NULL;
     }
-    p.dtype = (DLDataType){.code = (uint8_t)code, .bits = (uint8_t)bits, .lanes = (uint16_t)lanes};
     int parsed = layout_from_tuples(PyTuple_GET_ITEM(meta, 1), PyTuple_GET_ITEM(meta, 2), &p.layout);
     if (parsed != 0)
         return parsed < 0 ? NULL : rebuild_general(args, nargs);
