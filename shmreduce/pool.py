@@ -22,7 +22,7 @@ by a new storage until ``settle`` takes it. When a token dies:
 
 - in the owner: the generation is over here. The segment is free at once if nobody
   holds the generation elsewhere and every ref sent in it was loaded
-  (``_native.hdr_free``, which ends the generation in the header: a stale ref is
+  (``_native.hdr_end``, which ends the generation in the header: a stale ref is
   refused); else it waits (``Pool.waiting``) and is checked again when the pool
   needs a segment and by the collector, every ``transfer.PURGE_EVERY``.
 - in a receiver: it lets go of the generation (its entry in this process's
@@ -46,6 +46,20 @@ round trip, no descriptor, no mapping.
 Copies: a slab's pages are allocated when it is made, so a small storage is one
 copy into the mapping; a larger one is copied through the mapping into pages its
 segment has already, through its descriptor into new ones (no page fault per page).
+
+Transitions. Each change of a generation is one operation on (segment, generation)
+that does nothing, and says so, when the header no longer holds that generation:
+``hdr_end`` (in C, under the header's FREEING bit) frees it or claims its retired
+close for exactly one caller; ``Pool.waiting`` keeps the generation each segment
+waits for, and only the caller whose transition it was takes the entry out. No
+thread acts on a generation read before another thread could run: a stale reaper
+ends nothing of the next generation.
+
+Locks. ``Pool.lock`` guards the free lists and ``waiting``, and is a leaf: nothing
+is called out (no post to the broker, no hook) while it is held: what is closed is
+taken out under it and closed after (``_close_all``). The broker client's lock is
+taken before it (a reconnection's hook reads this pool under the client's lock);
+``transfer`` writes the whole order.
 
 Memory bounds: a pool keeps at most ``POOL_BYTES`` of free segments (the
 ``SHMREDUCE_POOL_BYTES`` setting) and closes any left free for ``POOL_IDLE``
@@ -224,7 +238,7 @@ class Segment:
         assert self.fd is not None
         end = offset + nbytes
         if end <= self.filled:
-            return token.place(offset, nbytes, 0 if source is None else source.data_ptr())
+            return token.place(offset, nbytes, source)  # its address read at the copy, in C
         written = self.filled  # zeros: what an earlier generation wrote there is cleared
         try:
             segments.fill(self.fd, nbytes, source, offset)
@@ -233,7 +247,7 @@ class Segment:
         if offset <= self.filled:
             self.filled = end
         if source is None and written > offset:
-            token.place(offset, written - offset, 0)  # the storage it returns goes at once
+            token.place(offset, written - offset, None)  # the storage it returns goes at once
         return token.storage(offset, nbytes)
 
     def allocate(self) -> None:
@@ -374,7 +388,7 @@ def settle(dead: list[Any] | None = None) -> None:
     """Account for every generation whose last storage died here since the last call.
 
     In its owner the generation is over here: its segment is free at once if nobody
-    holds it elsewhere and every ref sent in it was loaded (``_native.hdr_free``),
+    holds it elsewhere and every ref sent in it was loaded (``_native.hdr_end``),
     else it waits for that (``Pool.reap``). A receiver lets go of its hold: its
     ledger entry cleared, then the header's holders (``broker.client.let_go``).
     *dead*: tokens taken from ``_native.dead()`` already."""
@@ -400,8 +414,8 @@ def settle(dead: list[Any] | None = None) -> None:
             continue
         if seg.retired or not pool.active:
             pool.closed(seg)  # never reused: what is in flight in it stays readable (the broker)
-        elif not pool.end(seg):
-            pool.waiting[seg.key] = seg  # held elsewhere, or refs to it in flight
+        elif not pool.end(seg, gen):
+            pool.wait(seg, gen)  # held elsewhere, or refs to it in flight
 
 
 def _in_use() -> list[Segment]:
@@ -458,7 +472,9 @@ class Pool:
 
     def __init__(self) -> None:
         self.free: dict[int, list[Segment]] = {}
-        self.waiting: dict[int | str, Segment] = {}  # segment key -> a segment whose generation is over here, not yet free
+        # segment key -> (the segment, its generation that is over here, not yet free):
+        # the generation its caller saw goes with it to every transition (``end``).
+        self.waiting: dict[int | str, tuple[Segment, int]] = {}
         self.free_bytes = 0
         self.made = 0  # segments made, for stats
         self.reused = 0
@@ -489,7 +505,7 @@ class Pool:
                 # claims the place first: the one placement routine, which
                 # ``_native.reduce`` uses for the same slab.
                 seg, token = slab.seg, slab.token
-                put = token.put(nbytes, 0 if source is None else source.data_ptr())
+                put = token.put(nbytes, source)
                 if put is not None:
                     return seg, seg.gen, put[0], put[1], token
             self._new_slab()
@@ -563,24 +579,35 @@ class Pool:
         # A copy made in one C call: list(items()) allocates per item, and a collection
         # there can run a finalizer, a thread switch, and the collector's settle adding
         # to waiting ("dictionary changed size during iteration" in a queue's feeder
-        # thread, whose message mp.Queue then drops).
-        for seg in self.waiting.copy().values():
-            self.end(seg, waited=True)
+        # thread, whose message mp.Queue then drops). Each entry carries the generation
+        # it waits for: another thread may end it, give the segment back and begin the
+        # next one before this loop reaches it, and ``end`` then does nothing.
+        for seg, gen in self.waiting.copy().values():
+            _faults.point("reap.end")
+            self.end(seg, gen, waited=True)
 
-    def end(self, seg: Segment, waited: bool = False) -> bool:
-        """*seg*'s generation is over in its owner: given back if free (nobody holds it,
-        every ref sent was loaded: ``hdr_free`` ends it in the header), closed if
-        retired (a fork, a process dead mid-hold: never reused); False if it must
-        wait. *waited*: it is in ``waiting``, taken out before it is given back (never
-        both there and free), by one thread only."""
-        free = _native.hdr_free(seg.addr, seg.gen)
-        if not free and not _native.hdr_flags(seg.addr) & _native.RETIRED:
+    def wait(self, seg: Segment, gen: int) -> None:
+        """*seg*'s generation *gen* is over here but not free: reaped later."""
+        with self.lock:
+            self.waiting[seg.key] = (seg, gen)
+
+    def end(self, seg: Segment, gen: int, waited: bool = False) -> bool:
+        """*seg*'s generation *gen* is over in its owner: given back if free (nobody
+        holds it, every ref sent was loaded), closed if retired (a fork, a process dead
+        mid-hold: never reused); False if it must wait. One transition in the header
+        (``hdr_end``): of every thread that ends (segment, generation), one gives it
+        back or closes it; a stale pair (the segment reused since) does nothing.
+        *waited*: it is in ``waiting``, taken out by the thread whose transition it was."""
+        done = _native.hdr_end(seg.addr, gen)
+        if done == _END_WAIT:
             return False
-        if waited and self.waiting.pop(seg.key, None) is not seg:
-            return True  # another thread ended it
-        if free:
+        if waited or done == _END_STALE:
+            with self.lock:
+                if self.waiting.get(seg.key, (None, 0)) == (seg, gen):
+                    del self.waiting[seg.key]
+        if done == _END_FREED:
             self.give_back(seg)
-        else:
+        elif done == _END_RETIRED:
             seg.retired = True
             self.closed(seg)
         return True
@@ -596,8 +623,8 @@ class Pool:
         with self.lock:
             self.free.setdefault(seg.size, []).append(seg)
             self.free_bytes += seg.size
-            if self.free_bytes > POOL_BYTES:
-                self._trim_locked(lambda s: False)  # the oldest, down to the cap
+            over = self._trim_locked(lambda s: False) if self.free_bytes > POOL_BYTES else []  # the oldest, down to the cap
+        self._close_all(over)
 
     def trim(self, idle: float = POOL_IDLE) -> None:
         """Close the segments free for more than *idle* seconds."""
@@ -605,15 +632,28 @@ class Pool:
             return
         cutoff = time.monotonic() - idle
         with self.lock:
-            self._trim_locked(lambda s: s.since <= cutoff)
+            due = self._trim_locked(lambda s: s.since <= cutoff)
+        self._close_all(due)
 
-    def _trim_locked(self, due: Callable[[Segment], bool]) -> None:
+    def _trim_locked(self, due: Callable[[Segment], bool]) -> list[Segment]:
+        """Take out of the free lists the oldest segments over the cap and those *due*:
+        the caller closes them once it let go of the lock."""
         oldest = sorted((s for segs in self.free.values() for s in segs), key=lambda s: s.since)
+        taken = []
         for seg in oldest:
             if self.free_bytes <= POOL_BYTES and not due(seg):
                 continue
             self.free[seg.size].remove(seg)
             self.free_bytes -= seg.size
+            taken.append(seg)
+        return taken
+
+    def _close_all(self, segs: list[Segment]) -> None:
+        """Close *segs*, taken out of the pool under its lock, with the lock let go of:
+        closing posts to the broker, whose client's lock a reconnection holds while its
+        hook takes this pool's lock (the order is written in the module docstring)."""
+        for seg in segs:
+            _faults.point("pool.closing")
             self.closed(seg)
 
     def closed(self, seg: Segment) -> None:
@@ -626,7 +666,7 @@ class Pool:
         with self.lock:
             for segs in self.free.values():
                 found.update((id(seg), seg) for seg in segs)
-        found.update((id(seg), seg) for seg in self.waiting.copy().values())
+        found.update((id(seg), seg) for seg, _gen in self.waiting.copy().values())
         return [seg for seg in found.values() if seg.pid == os.getpid()]
 
     def retire_where(self, gone: Callable[[Segment], bool]) -> None:
@@ -640,6 +680,7 @@ class Pool:
                 seg.retired = True
                 seg.seal()
         _native.unindex_all()
+        taken = []
         with self.lock:
             for segs in self.free.values():
                 for seg in [s for s in segs if gone(s)]:
@@ -647,14 +688,15 @@ class Pool:
                     self.free_bytes -= seg.size
                     seg.retired = True
                     seg.seal()
-                    self.closed(seg)
+                    taken.append(seg)
+        self._close_all(taken)
 
     def _drop_waiting(self) -> None:
-        """Stop waiting for the segments whose generation is over here: never reused."""
-        waiting, self.waiting = self.waiting, {}
-        for seg in waiting.values():
-            seg.retired = True
-            self.closed(seg)
+        """Stop waiting for the segments whose generation is over here: each retired in
+        its header, then closed by the one transition that claims it (``end``)."""
+        for seg, gen in self.waiting.copy().values():
+            _native.hdr_retire(seg.addr, gen)
+            self.end(seg, gen, waited=True)
 
     def let_go(self) -> None:
         """Drop this thread's current slab, every free segment, and those waiting for
@@ -663,7 +705,8 @@ class Pool:
         self.active = False
         self._drop_waiting()
         with self.lock:
-            self._trim_locked(lambda s: True)
+            taken = self._trim_locked(lambda s: True)
+        self._close_all(taken)
 
     def drop_slab(self) -> None:
         """This thread's current slab is over: its generation ends with its last storage."""
@@ -757,6 +800,7 @@ class FilePool(Pool):
 
 
 _FULL = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
+_END_STALE, _END_WAIT, _END_FREED, _END_RETIRED = _native.END_STALE, _native.END_WAIT, _native.END_FREED, _native.END_RETIRED
 
 
 def _no_memory(exc: OSError, what: str, nbytes: int) -> SharingError:

@@ -26,6 +26,22 @@ Inside a ``sending()`` scope (``registry``'s ``ForkingPickler.dumps``,
 ``shmreduce.dumps``) a message's refs are counted sent when the scope closes
 without an error; outside one, at once. ``collect()`` lets go of what died, at most
 every PURGE_EVERY seconds in a quiet process.
+
+Threads (every ``mp.Queue``'s feeder, the collector, the user's) act on one pool at
+once. Locks, in the one order any thread takes them (a later one never waits for an
+earlier one):
+
+1. ``_stripes[i]``: one storage's move into shared memory (read its address, copy,
+   swap), by the Python path; the C path (``_native.reduce``) reads the address at
+   its copy and swaps only if the storage is still where it was read.
+2. ``_tokens_lock``: finding or making the token of a generation this process loads.
+3. ``_releases_lock``: ``pool.settle`` (what died is let go of, one thread at a time).
+4. the broker client's lock (``broker.client``): its requests and posts, and the
+   ``on_connect`` hooks it runs after a reconnection.
+5. ``Pool.lock``: a leaf (``pool``).
+
+A sending scope holds the token of each ref it pickles until its refs are counted
+sent (``_Outgoing``): its generation cannot end under a ref in flight.
 """
 
 from __future__ import annotations
@@ -49,6 +65,8 @@ from shmreduce.broker.protocol import is_program_dir
 from shmreduce.cache import Place, cache
 from shmreduce.errors import OutOfSharedMemory, SharingError, stale_message
 from shmreduce.strategy import get_sharing_strategy
+
+HEADER = pool.HEADER
 
 log = logging.getLogger("shmreduce")
 
@@ -214,14 +232,15 @@ _local = threading.local()
 
 
 class _Outgoing:
-    """The message a ``sending()`` scope is pickling: the header addresses of its refs'
-    segments (each counted sent when the scope closes), and whether its broker was
-    checked live."""
+    """The message a ``sending()`` scope is pickling: the token of each of its refs,
+    held once per ref until the scope closes and counts it sent (a storage made while
+    pickling, which only the pickler's memo keeps, cannot die, and its generation end,
+    before its ref is counted), and whether its broker was checked live."""
 
     __slots__ = ("counted", "checked", "program")
 
     def __init__(self) -> None:
-        self.counted: list[int] = []
+        self.counted: list[Any] = []
         self.checked = False
         self.program = ""
 
@@ -244,8 +263,9 @@ class sending:
             out, _local.out = _local.out, None
             _native.message(None)
             if out.counted:
+                _faults.point("send.counted")
+                _native.count_sent(out.counted, exc_type is None)  # and lets go of the scope's holds
                 if exc_type is None:
-                    _native.count_sent(out.counted)
                     _counters["messages_sent"] += 1
                 if pool.has_dead():
                     _settle()
@@ -294,10 +314,16 @@ def share(storage: torch.UntypedStorage) -> tuple:
     ticket = 0
     if gen:
         ticket = _native.hdr_issue(seg.addr)
-        out.counted.append(seg.addr)
         token = seg.live_token(gen)
         if token is not None:
+            token.acquire()  # alive: *storage* is one of its storages
             token.index(template)  # _native.reduce sends from it from now on
+        else:
+            # A storage a forked child inherited (its generation retired at the fork,
+            # never reused): a token of its own only carries the hold and the mapping.
+            token = _native.Gen(seg, seg.addr, seg.size, gen, HEADER)
+            token.info = (None, -1)  # nobody's to settle
+        out.counted.append(token)
     kind, directory, key, gen, tag = template
     return (kind, directory, key, gen, offset, nbytes, tag, ticket)
 
@@ -524,14 +550,16 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
     generation is published here (its storage is the storage ``receive`` would
     return, and is cached as such). Counts the ref loaded."""
     kind, directory, segkey, gen, offset, nbytes, tag, ticket = _checked(ref)
-    seg = pool.lookup(kind, segkey)
-    if seg is not None and kind == "fs" and seg.directory != directory:
-        seg = None
-    token = seg.live_token(gen) if seg is not None else None
-    if seg is None or token is None or not token.acquire():
-        if seg is None:
-            seg = _map(kind, directory, segkey, gen, tag)
-        token = _new_token(seg, kind, directory, segkey, gen, tag)
+    token = _held_token(kind, directory, segkey, gen)
+    if token is None:
+        _faults.point("load.token")
+        with _tokens_lock:  # one token per (segment, generation) here: found again, or made
+            token = _held_token(kind, directory, segkey, gen)
+            if token is None:
+                seg = _mapped_segment(kind, directory, segkey)
+                if seg is None:
+                    seg = _map(kind, directory, segkey, gen, tag)
+                token = _new_token(seg, kind, directory, segkey, gen, tag)
     try:
         if meta is not None:
             # None where the storage was loaded here already (or the tensor is not
@@ -548,6 +576,26 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
     finally:
         token.release()  # the load's hold: from now on its storages hold it
     return storage
+
+
+# Finding or making the token of a generation here is one step per (segment,
+# generation): two threads loading its first storage at once would otherwise map it
+# twice, hold it twice, and leave one token the segment does not know (a fork then
+# retires the other only, and the child's copy of the first is overwritten). Taken
+# before the broker client's lock (a first load fetches a memfd), never under it.
+_tokens_lock = threading.RLock()
+
+
+def _mapped_segment(kind: str, directory: str, segkey: Any) -> pool.Segment | None:
+    seg = pool.lookup(kind, segkey)
+    return None if seg is None or (kind == "fs" and seg.directory != directory) else seg
+
+
+def _held_token(kind: str, directory: str, segkey: Any, gen: int) -> Any | None:
+    """The live token of *gen* here, acquired for the caller, if there is one."""
+    seg = _mapped_segment(kind, directory, segkey)
+    token = seg.live_token(gen) if seg is not None else None
+    return token if token is not None and token.acquire() else None
 
 
 def _map(kind: str, directory: str, segkey: Any, gen: int, tag: int) -> pool.Segment:
@@ -681,9 +729,10 @@ def _before_fork() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _stripes, _releases_lock
+    global _stripes, _releases_lock, _tokens_lock
     _stripes = [threading.Lock() for _ in range(_STRIPES)]  # a parent's thread may have held one
     _releases_lock = threading.Lock()
+    _tokens_lock = threading.RLock()
     _names.names.clear()  # the parent's holds, not ours
     _collector.started = False  # its thread did not come along
     _fd_pool.reset_after_fork()

@@ -150,7 +150,7 @@ def test_a_segment_whose_file_went_with_the_broker_is_never_reused():
             del t
             gc.collect()
             transfer.collect()  # the owner's storage is dead; a ref is in flight
-            assert seg in transfer._fs_pool.waiting.values()
+            assert transfer._fs_pool.waiting.get(seg.key, (None, 0))[0] is seg
             directory = program.current().directory
             client = broker_client.client_for(directory, program.current().root_pid)
             os.kill(client.broker_pid, signal.SIGKILL)

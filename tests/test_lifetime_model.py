@@ -11,7 +11,7 @@ safety    whenever a live process keeps a storage of generation G, or a message 
           the header still holds G: the generation was not ended and its memory reused.
 liveness  at every quiescent state (every process let go of everything or died, the
           broker read every dead receiver's ledger, every message sent was loaded or
-          is lost) with the owner alive, the segment is free (``hdr_free`` would
+          is lost) with the owner alive, the segment is free (``hdr_end`` would
           succeed, or did) or RETIRED; the one pin the protocol documents is a message
           never loaded (sent > loaded), with no holder counted.
 
@@ -19,7 +19,7 @@ Each step below is one function; what it models, by file and function:
 
 owner (process 0; ``shmreduce/pool.py``, ``shmreduce/transfer.py``)
     begin         ``Segment.begin``: the header's generation written (nothing else:
-                  ``hdr_free`` zeroed the rest), the owner's own storage made.
+                  ``hdr_end`` zeroed the rest), the owner's own storage made.
     draw          ``transfer.share`` -> ``_native.hdr_issue`` (``issue_ticket``): a ref
                   pickled draws a ticket; one past the bitmap sets RETIRED | UNCOUNTED.
                   A receiver holding the generation may send (forward) it too.
@@ -27,9 +27,9 @@ owner (process 0; ``shmreduce/pool.py``, ``shmreduce/transfer.py``)
                   the message exists (deliverable) from now on.
     pickle_fails  ``sending.__exit__`` with an error: nothing counted sent.
     drop_own      the owner's last storage of G dies (``_native`` token dead).
-    free_begin    ``pool.settle`` / ``Pool.reap`` -> ``hdr_free``: CAS holders 0 -> FREEING;
+    free_begin    ``pool.settle`` / ``Pool.reap`` -> ``hdr_end``: CAS holders 0 -> FREEING;
                   if held instead, a RETIRED generation closes the segment (never reused).
-    free_end      the rest of ``hdr_free``: ends G (generation 0, counters, tickets and
+    free_end      the rest of ``hdr_end``: ends G (generation 0, counters, tickets and
                   flags zeroed) if G is there, not RETIRED and sent == loaded; holders = 0.
                   Ended: the segment is free (``Pool.give_back``) for the next generation.
 receiver (processes 1, 2; ``transfer.receive_tensor`` / ``_new_token``, ``pool.settle``)
@@ -104,10 +104,10 @@ UNHOLD = "unhold"  # entry DROPPING; next: hdr_unhold
 CLEAR = "clear"  # counted out; next: entry FREE
 
 # The owner's segment (State.phase).
-NO_GEN = "no_gen"  # new, or free in the pool (hdr_free succeeded): the next generation may begin
+NO_GEN = "no_gen"  # new, or free in the pool (hdr_end succeeded): the next generation may begin
 ACTIVE = "active"  # generation State.procs[0].gen, the owner's own storage alive
-WAITING = "waiting"  # the owner's storage dead; hdr_free not yet successful (Pool.waiting)
-FREEING = "freeing"  # inside hdr_free, FREEING set
+WAITING = "waiting"  # the owner's storage dead; hdr_end not yet successful (Pool.waiting)
+FREEING = "freeing"  # inside hdr_end, FREEING set
 CLOSED = "closed"  # retired: never reused
 
 BROKEN = (
@@ -116,7 +116,7 @@ BROKEN = (
     "held_without_taking",  # the ledger says HELD before holders + 1, no TAKING state
     "broker_unholds_taking",  # the broker counts a TAKING entry out (hdr_unhold)
     "hold_ignores_freeing",  # hdr_hold counts itself in while FREEING
-    "free_ignores_sent",  # hdr_free ends the generation with refs not loaded
+    "free_ignores_sent",  # hdr_end ends the generation with refs not loaded
 )
 # The broker as first written: a TAKING entry retired only if the header still holds
 # the entry's generation (``hdr_retire``). A receiver killed inside a stale load's

@@ -27,8 +27,8 @@ from shmreduce import _native, _torch, pool, reductions, transfer
 
 from helpers import run_in_child, without_dlpack_exchange_api
 
-SIZE = 1 << 16
-LOW = 64
+LOW = _native.HEADER_BYTES  # a pooled generation's storages start past its header
+SIZE = LOW + (1 << 16)
 
 
 class _Owner:
@@ -81,12 +81,12 @@ def importer(request) -> Iterator[str]:
 def test_a_storage_aliases_the_mapping(memory, importer) -> None:
     m, addr = memory
     gen = _gen(addr)
-    s = gen.storage(128, 256)
-    assert isinstance(s, torch.UntypedStorage) and s.nbytes() == 256 and s.data_ptr() == addr + 128
+    s = gen.storage(LOW + 128, 256)
+    assert isinstance(s, torch.UntypedStorage) and s.nbytes() == 256 and s.data_ptr() == addr + LOW + 128
     t = torch.empty(0, dtype=torch.uint8).set_(s)
     t.fill_(9)
-    assert m[128:384] == b"\x09" * 256 and m[127] == 0 and m[384] == 0
-    m[200] = 42
+    assert m[LOW + 128 : LOW + 384] == b"\x09" * 256 and m[LOW + 127] == 0 and m[LOW + 384] == 0
+    m[LOW + 200] = 42
     assert int(t[72]) == 42
     # Every common dtype views it, as reductions.rebuild_tensor does.
     for dtype in (torch.float32, torch.float64, torch.int64, torch.bfloat16, torch.complex64, torch.bool):
@@ -99,11 +99,13 @@ def test_place_copies_then_aliases(memory) -> None:
     m, addr = memory
     gen = _gen(addr)
     source = torch.arange(200, dtype=torch.uint8).untyped_storage()
-    s = gen.place(64, 200, source.data_ptr())
-    assert bytes(s) == bytes(range(200)) == m[64:264]
-    big = torch.full((SIZE - 128,), 5, dtype=torch.uint8).untyped_storage()  # copied without the GIL
-    assert bytes(gen.place(128, big.nbytes(), big.data_ptr())) == b"\x05" * (SIZE - 128)
-    zeros = gen.place(64, 128, 0)  # zeros, as new_shared() wants
+    s = gen.place(LOW + 64, 200, source)  # its address read by the copy itself
+    assert bytes(s) == bytes(range(200)) == m[LOW + 64 : LOW + 264]
+    big = torch.full((SIZE - LOW - 128,), 5, dtype=torch.uint8).untyped_storage()  # copied without the GIL
+    assert bytes(gen.place(LOW + 128, big.nbytes(), big)) == b"\x05" * (SIZE - LOW - 128)
+    zeros = gen.place(LOW + 64, 128, None)  # zeros, as new_shared() wants
+    with pytest.raises(ValueError, match="from a 200-byte storage"):
+        gen.place(LOW + 64, 201, source)  # never a copy past the end of its source
     assert bytes(zeros) == bytes(128)
     del s, zeros
     gen.release()
@@ -113,7 +115,7 @@ def test_the_last_storage_or_hold_to_die_reports_the_generation_once(memory, imp
     _, addr = memory
     gen = _gen(addr)
     assert gen.live == 1 and not gen.ended  # its maker's hold
-    a, b = gen.storage(64, 64), gen.storage(128, 64)
+    a, b = gen.storage(LOW + 64, 64), gen.storage(LOW + 128, 64)
     gen.release()
     assert gen.live == 2 and gen not in _drain()
     del a
@@ -125,7 +127,7 @@ def test_the_last_storage_or_hold_to_die_reports_the_generation_once(memory, imp
     assert _drain() == []
     assert not gen.acquire()  # over: no hold, no storage
     with pytest.raises(shmreduce.SharingError, match="is over"):
-        gen.storage(64, 64)
+        gen.storage(LOW + 64, 64)
     with pytest.raises(RuntimeError, match="nobody holds"):
         gen.release()
 
@@ -135,7 +137,7 @@ def test_a_generation_revived_before_it_is_reported_is_not_reported(memory) -> N
     gen = _gen(addr)
     gen.release()  # dead, queued
     assert _native.pending()
-    s = gen.storage(64, 64)  # revived while queued
+    s = gen.storage(LOW + 64, 64)  # revived while queued
     assert _drain() == [] and gen.live == 1 and not gen.ended
     del s
     assert _drain() == [gen]
@@ -144,7 +146,7 @@ def test_a_generation_revived_before_it_is_reported_is_not_reported(memory) -> N
 def test_storages_dying_on_other_threads_are_counted_exactly(memory, importer) -> None:
     _, addr = memory
     gen = _gen(addr)
-    storages = [gen.storage(64 * (1 + i % 100), 64) for i in range(4000)]
+    storages = [gen.storage(LOW + 64 * (1 + i % 100), 64) for i in range(4000)]
     gen.release()
     chunks = [storages[i::8] for i in range(8)]
     del storages
@@ -168,7 +170,7 @@ def test_a_token_keeps_its_owner_while_a_storage_lives(memory) -> None:
     _, addr = memory
     gen = _gen(addr)
     owner = gen.owner
-    s = gen.storage(64, 64)
+    s = gen.storage(LOW + 64, 64)
     gen.release()
     del gen
     gc.collect()
@@ -252,10 +254,10 @@ def test_a_slab_places_each_storage_once_on_its_own_cache_lines(memory, sizes: l
         for nbytes in sizes:
             if not -(1 << 63) <= nbytes < 1 << 63:
                 with pytest.raises(OverflowError):
-                    gen.put(nbytes, 0)
+                    gen.put(nbytes, None)
                 continue
             cursor = gen.cursor
-            put = gen.put(nbytes, 0)
+            put = gen.put(nbytes, None)
             if put is None:
                 assert nbytes <= 0 or cursor + nbytes > SIZE  # nothing to place, or full
                 continue
@@ -266,7 +268,7 @@ def test_a_slab_places_each_storage_once_on_its_own_cache_lines(memory, sizes: l
         spans = sorted((o, o + n) for o, n, _ in placed)
         assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
         gen.seal()
-        assert gen.put(1, 0) is None  # sealed: nothing more is placed
+        assert gen.put(1, None) is None  # sealed: nothing more is placed
     finally:
         placed.clear()
         gen.release()
@@ -296,23 +298,23 @@ def _made(offset: int, nbytes: int, dtype: torch.dtype, size: Any, stride: Any) 
 def test_a_typed_tensor_spans_exactly_its_storage(memory, importer) -> None:
     m, addr = memory
     gen = _published(addr)
-    t = _made(128, 96, torch.float32, (4, 6), (6, 1))
+    t = _made(LOW + 128, 96, torch.float32, (4, 6), (6, 1))
     assert isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.shape == (4, 6) and t.stride() == (6, 1)
     s = t.untyped_storage()
-    assert s.data_ptr() == addr + 128 and s.nbytes() == 96 and t.storage_offset() == 0
+    assert s.data_ptr() == addr + LOW + 128 and s.nbytes() == 96 and t.storage_offset() == 0
     t.fill_(1.5)
-    assert m[128:224] == torch.full((24,), 1.5).numpy().tobytes()
-    assert _made(128, 96, torch.float32, (4, 6), (6, 1)) is None  # loaded here already: the general one's
-    tt = _made(256, 96, torch.float32, (6, 4), (1, 6))  # a transposed view spans it too
+    assert m[LOW + 128 : LOW + 224] == torch.full((24,), 1.5).numpy().tobytes()
+    assert _made(LOW + 128, 96, torch.float32, (4, 6), (6, 1)) is None  # loaded here already: the general one's
+    tt = _made(LOW + 256, 96, torch.float32, (6, 4), (1, 6))  # a transposed view spans it too
     assert tt is not None and tt.shape == (6, 4) and tt.stride() == (1, 6)
     # Not spanning exactly (a storage larger than the tensor, no element, too many
     # dimensions): None, and the caller takes the storage path.
-    assert _made(384, 128, torch.float32, (4, 6), (6, 1)) is None
-    assert _made(384, 96, torch.float32, (0, 6), (6, 1)) is None
-    assert _made(384, 96, torch.float32, (12,), (1,)) is None
-    expanded = _made(384, 96, torch.float32, (24, 1000), (1, 0))  # a broadcast whose extent is the storage
+    assert _made(LOW + 384, 128, torch.float32, (4, 6), (6, 1)) is None
+    assert _made(LOW + 384, 96, torch.float32, (0, 6), (6, 1)) is None
+    assert _made(LOW + 384, 96, torch.float32, (12,), (1,)) is None
+    expanded = _made(LOW + 384, 96, torch.float32, (24, 1000), (1, 0))  # a broadcast whose extent is the storage
     assert expanded is not None and expanded.untyped_storage().nbytes() == 96
-    assert _made(512, 96, torch.float32, (1,) * 9 + (24,), (24,) * 9 + (1,)) is None
+    assert _made(LOW + 512, 96, torch.float32, (1,) * 9 + (24,), (24,) * 9 + (1,)) is None
     for size, stride in [
         ((4, 6), (6, -1)),
         ((-4, 6), (6, 1)),
@@ -322,7 +324,7 @@ def test_a_typed_tensor_spans_exactly_its_storage(memory, importer) -> None:
         ((4.0,), (1,)),
     ]:
         with pytest.raises(shmreduce.SharingError, match="forged or corrupted"):
-            _made(512, 96, torch.float32, size, stride)
+            _made(LOW + 512, 96, torch.float32, size, stride)
     with pytest.raises(shmreduce.SharingError, match="out of bounds"):
         _made(SIZE - 64, 96, torch.float32, (24,), (1,))
     del t, tt, s, expanded
@@ -339,7 +341,7 @@ def test_every_dtype_dlpack_carries_comes_back_as_itself(memory, importer) -> No
     kept = []
     for i, dtype in enumerate(table):
         n = 64 // dtype.itemsize
-        t = _made(64 * (i + 1), 64, dtype, (n,), (1,))
+        t = _made(LOW + 64 * (i + 1), 64, dtype, (n,), (1,))
         assert t is not None and t.dtype == dtype and t.numel() == n, dtype
         kept.append(t)
     del t, kept
@@ -485,12 +487,12 @@ def test_rebuild_counts_its_loads_in_the_header_and_the_process(memory, importer
     gen = _published(addr)
     before = _native.loaded()
     assert _native.hdr_issue(addr) == 0  # the ref's ticket, as its sender drew it
-    t = _native.rebuild((*_KEY, 128, 64, 0, 0), (torch.float32, (16,), (1,), 0, None))
+    t = _native.rebuild((*_KEY, LOW + 128, 64, 0, 0), (torch.float32, (16,), (1,), 0, None))
     assert _native.loaded() == (before[0] + 1, before[1] + 64, before[2])
     assert _native.hdr_read(addr)[2] == 1  # refs loaded, in the header a pooled segment has
     assert gen.live == 2
     t.fill_(2.0)
-    assert m[128:192] == torch.full((16,), 2.0).numpy().tobytes()
+    assert m[LOW + 128 : LOW + 192] == torch.full((16,), 2.0).numpy().tobytes()
     del t
     gen.release()
     gc.collect()
@@ -503,11 +505,11 @@ def test_the_identity_map_keeps_its_weak_references_out_of_the_collector(memory)
     _, addr = memory
     gen = _published(addr)
     assert _native.hdr_issue(addr) == 0
-    t = _native.rebuild((*_KEY, 128, 64, 0, 0), (torch.float32, (16,), (1,), 0, None))
+    t = _native.rebuild((*_KEY, LOW + 128, 64, 0, 0), (torch.float32, (16,), (1,), 0, None))
     weak = weakref.ref(t.untyped_storage())  # the same basic reference the map holds
     assert not gc.is_tracked(weak)
     gc.collect()
-    assert gen.stored(128) is t.untyped_storage() and weak() is t.untyped_storage()
+    assert gen.stored(LOW + 128) is t.untyped_storage() and weak() is t.untyped_storage()
     del t
     gen.release()
     gc.collect()
@@ -571,12 +573,12 @@ def test_a_failed_import_changes_no_count(memory, importer) -> None:
     assert gen.live == 1
     for _ in range(3):
         try:
-            _made(128, 4, torch.float32, (1 << 62, 1 << 62), (0, 0))
+            _made(LOW + 128, 4, torch.float32, (1 << 62, 1 << 62), (0, 0))
         except (RuntimeError, ValueError, OverflowError):
             pass
         assert gen.live == 1, "a failed import changed the generation's count"
     # The contexts it used are whole: many storages made and let go of, each counted once.
-    kept = [_made(64 * (i + 2), 64, torch.uint8, (64,), (1,)) for i in range(20)]
+    kept = [_made(LOW + 64 * (i + 2), 64, torch.uint8, (64,), (1,)) for i in range(20)]
     assert gen.live == 21
     del kept
     gc.collect()
@@ -639,7 +641,7 @@ def test_an_unhashable_dtype_is_a_sharing_error(memory) -> None:
     gen = _published(addr)
     try:
         with pytest.raises(shmreduce.SharingError, match="dtype"):
-            _native.rebuild((*_KEY, 128, 64, 0, 0), ([torch.float32], (16,), (1,), 0, None))
+            _native.rebuild((*_KEY, LOW + 128, 64, 0, 0), ([torch.float32], (16,), (1,), 0, None))
         assert gen.live == 1
     finally:
         gen.release()

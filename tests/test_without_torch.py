@@ -27,7 +27,7 @@ from helpers import broker_pids, run_in_child, shm_base, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZE = 1 << 16
-LOW = 64
+LOW = _native.HEADER_BYTES  # a pooled generation's storages start past its header
 
 
 def test_importing_shmreduce_imports_nothing_heavy():
@@ -72,8 +72,19 @@ def test_a_broker_keeps_a_memfd_and_hands_it_back():
 
 @pytest.fixture
 def header() -> tuple[mmap.mmap, int]:
-    m = mmap.mmap(-1, mmap.PAGESIZE)
+    m = mmap.mmap(-1, _native.HEADER_BYTES)
     return m, ctypes.addressof(ctypes.c_char.from_buffer(m))
+
+
+def _count_sent(addr: int, refs: int = 1, sent: bool = True) -> None:
+    """What a sending scope does for *refs* refs it pickled from the generation at
+    *addr*: each held (a token of its own here) until counted sent, or not (*sent*)."""
+    token = _native.Gen(None, addr, _native.HEADER_BYTES, 1, _native.HEADER_BYTES)
+    token.info = (None, -1)  # nobody's to settle
+    for _ in range(refs):
+        token.acquire()
+    _native.count_sent([token] * refs, sent)
+    token.release()  # its maker's hold
 
 
 def test_header_counts_holds_and_frees_one_generation(header) -> None:
@@ -81,20 +92,21 @@ def test_header_counts_holds_and_frees_one_generation(header) -> None:
     struct.pack_into("Q", m, 0, 5)  # generation 5
     first, second = _native.hdr_issue(addr), _native.hdr_issue(addr)
     assert (first, second) == (0, 1)
-    _native.count_sent([addr, addr])
+    _count_sent(addr, 2)
     _native.hdr_loaded(addr, first)
     assert _native.hdr_read(addr) == (5, 2, 1, 0)
     assert _native.hdr_hold(addr, 5) and _native.hdr_read(addr)[3] == 1
     assert not _native.hdr_hold(addr, 6) and _native.hdr_read(addr)[3] == 1  # another generation: nothing held
-    assert not _native.hdr_free(addr, 5)  # held
+    assert _native.hdr_end(addr, 5) == _native.END_WAIT  # held
     assert _native.hdr_unhold(addr, 5) and not _native.hdr_unhold(addr, 5)
-    assert not _native.hdr_free(addr, 5)  # a ref sent is not loaded yet
+    assert _native.hdr_end(addr, 5) == _native.END_WAIT  # a ref sent is not loaded yet
     _native.hdr_loaded(addr, second)
-    assert _native.hdr_free(addr, 5) and _native.hdr_read(addr) == (0, 0, 0, 0)
+    assert _native.hdr_end(addr, 5) == _native.END_FREED and _native.hdr_read(addr) == (0, 0, 0, 0)
+    assert _native.hdr_end(addr, 5) == _native.END_STALE  # ended: a second caller does nothing
     assert not _native.hdr_hold(addr, 5)  # a stale ref finds the generation over
     struct.pack_into("Q", m, 0, 6)
     assert _native.hdr_issue(addr) == 0  # the tickets start again with the generation, their bits cleared
-    _native.count_sent([addr])
+    _count_sent(addr)
     _native.hdr_loaded(addr, 0)
     assert _native.hdr_read(addr)[1:3] == (1, 1)
 
@@ -105,16 +117,16 @@ def test_a_repeated_load_counts_nothing(header) -> None:
     m, addr = header
     struct.pack_into("Q", m, 0, 5)
     blob, queued = _native.hdr_issue(addr), _native.hdr_issue(addr)
-    _native.count_sent([addr, addr])
+    _count_sent(addr, 2)
     for _ in range(20):
         _native.hdr_loaded(addr, blob)
     assert _native.hdr_read(addr)[1:3] == (2, 1)
-    assert not _native.hdr_free(addr, 5), "the queued message's generation ended under it"
+    assert _native.hdr_end(addr, 5) == _native.END_WAIT, "the queued message's generation ended under it"
     _native.hdr_loaded(addr, 99)  # a ticket never issued (forged) counts nothing
     _native.hdr_loaded(addr, 1 << 70)
     assert _native.hdr_read(addr)[1:3] == (2, 1)
     _native.hdr_loaded(addr, queued)
-    assert _native.hdr_free(addr, 5)
+    assert _native.hdr_end(addr, 5) == _native.END_FREED
 
 
 def test_a_retired_generation_is_never_freed(header) -> None:
@@ -124,7 +136,8 @@ def test_a_retired_generation_is_never_freed(header) -> None:
     assert _native.hdr_flags(addr) == 0
     assert _native.hdr_retire(addr, 5)
     assert _native.hdr_flags(addr) == _native.RETIRED
-    assert not _native.hdr_free(addr, 5)
+    assert _native.hdr_end(addr, 5) == _native.END_RETIRED  # its close, claimed once
+    assert _native.hdr_end(addr, 5) == _native.END_STALE
     assert _native.hdr_read(addr)[0] == 5  # still its generation: receivers holding it keep reading it
 
 
@@ -135,9 +148,9 @@ def test_tickets_past_the_bitmap_retire_the_generation(header) -> None:
     assert _native.hdr_issue(addr) == _native.TICKETS - 1 and _native.hdr_flags(addr) == 0
     assert _native.hdr_issue(addr) == _native.TICKETS
     assert _native.hdr_flags(addr) == _native.RETIRED | _native.UNCOUNTED
-    _native.count_sent([addr])
+    _count_sent(addr)
     _native.hdr_loaded(addr, _native.TICKETS)
-    assert _native.hdr_read(addr)[1:3] == (1, 1) and not _native.hdr_free(addr, 5)
+    assert _native.hdr_read(addr)[1:3] == (1, 1) and _native.hdr_end(addr, 5) == _native.END_RETIRED
 
 
 def test_header_refuses_bad_addresses_and_arguments(header) -> None:
@@ -145,7 +158,9 @@ def test_header_refuses_bad_addresses_and_arguments(header) -> None:
     with pytest.raises(ValueError, match="unaligned"):
         _native.hdr_read(addr + 4)
     with pytest.raises(ValueError, match="null"):
-        _native.count_sent([0])
+        _native.hdr_read(0)
+    with pytest.raises(TypeError, match="not a held Gen"):
+        _native.count_sent([addr], True)
     with pytest.raises(TypeError):
         _native.hdr_hold(addr)  # type: ignore[call-arg]
     with pytest.raises(OverflowError):
@@ -155,7 +170,7 @@ def test_header_refuses_bad_addresses_and_arguments(header) -> None:
 
 def _gen(addr: int) -> _native.Gen:
     gen = _native.Gen(object(), addr, SIZE, 7, LOW)
-    gen.info = (None, -1, {})  # a test's token, as pool's are (kept, owner pid, loads): pool.settle skips it
+    gen.info = (None, -1)  # a test's token, as pool's are (ledger entry, owner pid): pool.settle skips it
     return gen
 
 
@@ -178,7 +193,7 @@ def test_handles_are_checked_before_any_tensor_is_formed() -> None:
             gen.storage(64)  # type: ignore[call-arg]
     finally:
         gen.release()
-    for size, low in [(4, 0), (SIZE, -1), (SIZE, SIZE + 1)]:
+    for size, low in [(4, 0), (SIZE, -1), (SIZE, SIZE + 1), (SIZE, 64), (SIZE, LOW - 8)]:
         with pytest.raises(ValueError, match="segment from byte"):
             _native.Gen(object(), 4096, size, 7, low)
     with pytest.raises(ValueError, match="null"):

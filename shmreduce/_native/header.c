@@ -22,15 +22,15 @@
  * it (u64 words, every access atomic; the rules they follow are written once, in
  * broker/protocol.py, "Lifetimes"):
  *   [0] the generation        [1] refs sent (counted when their message is pickled whole)
- *   [2] refs loaded (first loads only)   [3] holders (processes holding the generation,
- *       FREEING while its owner checks it free)   [4] tickets issued   [5] flags
+ *   [2] refs loaded (first loads only)   [3] holders (processes holding the generation;
+ *       FREEING while a caller of hdr_end decides)   [4] tickets issued   [5] flags
  *   [8..] one bit per ticket: set by the first load of the ref that carries it.
  * A ref carries a ticket, drawn from [4] when it is pickled: its first load sets the
  * ticket's bit and counts it loaded, a repeated load finds the bit set and counts
  * nothing, so sent == loaded means exactly "no message naming the generation waits
  * for its first load". A ticket past the bitmap cannot be told from a repeat: it
  * retires the generation (RETIRED | UNCOUNTED). A RETIRED generation is never reused
- * (hdr_free refuses it): set where a hold cannot be counted exactly (a fork, a
+ * (hdr_end refuses it): set where a hold cannot be counted exactly (a fork, a
  * process dead in the middle of taking or letting go of a hold), its pages go back
  * to the system when the last mapping and descriptor go, as torch's do.
  */
@@ -182,19 +182,25 @@ static PyObject *hdr_hold(PyObject *Py_UNUSED(module), PyObject *const *args, Py
  * the process (issue 29, item 1). Each op touches the header and nothing else, so
  * nothing is left half done by the jump. */
 
-static _Thread_local sigjmp_buf *fault_jump;
+/* Initial-exec TLS: its first touch in a thread allocates nothing (a dynamic TLS block
+ * may be malloc'd on first use, which a signal handler must never do). */
+static _Thread_local sigjmp_buf *fault_jump __attribute__((tls_model("initial-exec")));
 static int faults_guarded;
+static struct sigaction previous_sigbus; /* the handler guard_faults() replaced (faulthandler's, or the default) */
 
 static void on_sigbus(int sig, siginfo_t *info, void *context) {
-    (void)info;
     (void)context;
     sigjmp_buf *jump = fault_jump;
     if (jump != NULL) {
         fault_jump = NULL;
         siglongjmp(*jump, 1);
     }
-    signal(sig, SIG_DFL); /* not ours: as if no handler were there */
-    raise(sig);
+    /* Not ours: the handler it replaced gets it. A fault is chained by returning: the
+     * faulting access runs again and faults into that handler, with its own address
+     * and siginfo. A signal sent (kill, raise) has no access to run again: sent anew. */
+    sigaction(sig, &previous_sigbus, NULL);
+    if (info == NULL || info->si_code <= 0)
+        raise(sig);
 }
 
 typedef void (*header_op)(_Atomic uint64_t *h, uint64_t arg, uint64_t *out);
@@ -225,6 +231,11 @@ static PyObject *guard_faults(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(i
     action.sa_sigaction = on_sigbus;
     action.sa_flags = SA_SIGINFO | SA_NODEFER; /* not blocked in the handler: a sigsetjmp(, 0) needs no mask back */
     sigemptyset(&action.sa_mask);
+    struct sigaction before;
+    if (sigaction(SIGBUS, NULL, &before) < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    if (before.sa_sigaction != on_sigbus)
+        previous_sigbus = before; /* known before this handler can run */
     if (sigaction(SIGBUS, &action, NULL) < 0)
         return PyErr_SetFromErrno(PyExc_OSError);
     faults_guarded = 1;
@@ -283,23 +294,38 @@ static PyObject *hdr_unhold(PyObject *Py_UNUSED(module), PyObject *const *args, 
     return generation_op(op_unhold, "hdr_unhold", args, nargs);
 }
 
-PyDoc_STRVAR(hdr_free_doc, "hdr_free(addr, gen) -> bool\n\nThe owner, its own storages of gen all dead: if nobody holds gen, every "
-                           "ref sent was loaded and gen is not retired, end it (generation 0, counters, tickets and flags "
-                           "zeroed: a stale ref is refused) and return True.");
+PyDoc_STRVAR(hdr_end_doc,
+             "hdr_end(addr, gen) -> int\n\nThe owner, its own storages of gen all dead, ends gen: END_FREED if nobody holds "
+             "it, every ref sent was loaded and it is not retired (generation 0, counters, tickets and flags zeroed: a stale "
+             "ref is refused; the segment is free for the next); END_RETIRED to the one caller that claims a retired "
+             "generation's close; END_WAIT if it must wait (held, a ref in flight, or another thread inside this check); "
+             "END_STALE if the header holds another generation, or another caller claimed the close: nothing to do.");
 
-static PyObject *hdr_free(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+/* One transition of one generation, decided under the header's FREEING bit (which
+ * hdr_hold waits for, so no holder is added meanwhile, and no other hdr_end runs): the
+ * generation cannot change under the check, so a caller holding a stale (segment,
+ * generation) pair ends nothing of the next one, and exactly one caller frees it or
+ * claims its close. */
+static PyObject *hdr_end(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
     _Atomic uint64_t *h;
     uint64_t gen;
-    if (parse_header_gen(args, nargs, "hdr_free", &h, &gen) < 0)
+    if (parse_header_gen(args, nargs, "hdr_end", &h, &gen) < 0)
         return NULL;
-    uint64_t zero = 0;
-    if (!atomic_compare_exchange_strong(&h[HDR_HOLDERS], &zero, FREEING))
-        Py_RETURN_FALSE; /* held (or being freed by another thread) */
-    /* From here no new holder until FREEING goes: sent == loaded now means every ref
-     * sent was loaded by a holder that has let go since. */
-    int free = atomic_load(&h[HDR_GEN]) == gen && !(atomic_load(&h[HDR_FLAGS]) & RETIRED) &&
-               atomic_load(&h[HDR_SENT]) == atomic_load(&h[HDR_LOADED]);
-    if (free) {
+    if (atomic_load(&h[HDR_GEN]) != gen)
+        return PyLong_FromLong(END_STALE);
+    uint64_t n = atomic_load(&h[HDR_HOLDERS]);
+    do {
+        if (n & FREEING)
+            return PyLong_FromLong(END_WAIT); /* another thread or process is deciding: ask again later */
+    } while (!atomic_compare_exchange_weak(&h[HDR_HOLDERS], &n, n | FREEING));
+    long result = END_WAIT;
+    if (atomic_load(&h[HDR_GEN]) != gen) {
+        result = END_STALE;
+    } else if (atomic_load(&h[HDR_FLAGS]) & RETIRED) {
+        result = atomic_fetch_or(&h[HDR_FLAGS], CLOSED) & CLOSED ? END_STALE : END_RETIRED;
+    } else if ((atomic_load(&h[HDR_HOLDERS]) & ~FREEING) == 0 && atomic_load(&h[HDR_SENT]) == atomic_load(&h[HDR_LOADED])) {
+        /* Holders can only fall while FREEING is set: sent == loaded now means every
+         * ref sent was loaded by a holder that has let go since. */
         atomic_store(&h[HDR_GEN], 0);
         uint64_t issued = atomic_load(&h[HDR_ISSUED]);
         uint64_t words = (issued < TICKETS ? issued : TICKETS) / 64 + 1;
@@ -309,9 +335,10 @@ static PyObject *hdr_free(PyObject *Py_UNUSED(module), PyObject *const *args, Py
         atomic_store(&h[HDR_LOADED], 0);
         atomic_store(&h[HDR_ISSUED], 0);
         atomic_store(&h[HDR_FLAGS], 0);
+        result = END_FREED;
     }
-    atomic_store(&h[HDR_HOLDERS], 0);
-    return PyBool_FromLong(free);
+    atomic_fetch_and(&h[HDR_HOLDERS], ~FREEING);
+    return PyLong_FromLong(result);
 }
 
 PyDoc_STRVAR(hdr_read_doc, "hdr_read(addr) -> (gen, sent, loaded, holders)\n\nThe header at addr, each field read atomically.");
@@ -355,33 +382,16 @@ static PyObject *hdr_flags(PyObject *Py_UNUSED(module), PyObject *addr) {
     return PyLong_FromUnsignedLongLong(out[0]);
 }
 
-PyDoc_STRVAR(count_sent_doc, "count_sent(addresses)\n\nCount one ref sent in the header at each address.");
-
-static PyObject *native_count_sent(PyObject *Py_UNUSED(module), PyObject *list) {
-    if (!PyList_CheckExact(list)) {
-        PyErr_SetString(PyExc_TypeError, "count_sent(list)");
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
-        _Atomic uint64_t *h = header_of(PyList_GET_ITEM(list, i));
-        if (h == NULL)
-            return NULL;
-        atomic_fetch_add(&h[HDR_SENT], 1);
-    }
-    Py_RETURN_NONE;
-}
-
 PyMethodDef header_methods[] = {
     {"hdr_issue", hdr_issue, METH_O, hdr_issue_doc},
     {"hdr_loaded", (PyCFunction)(void (*)(void))hdr_loaded, METH_FASTCALL, hdr_loaded_doc},
-    {"count_sent", native_count_sent, METH_O, count_sent_doc},
     {"hdr_retire", (PyCFunction)(void (*)(void))hdr_retire, METH_FASTCALL, hdr_retire_doc},
     {"hdr_retire_any", hdr_retire_any, METH_O, hdr_retire_any_doc},
     {"hdr_flags", hdr_flags, METH_O, hdr_flags_doc},
     {"guard_faults", guard_faults, METH_NOARGS, guard_faults_doc},
     {"hdr_hold", (PyCFunction)(void (*)(void))hdr_hold, METH_FASTCALL, hdr_hold_doc},
     {"hdr_unhold", (PyCFunction)(void (*)(void))hdr_unhold, METH_FASTCALL, hdr_unhold_doc},
-    {"hdr_free", (PyCFunction)(void (*)(void))hdr_free, METH_FASTCALL, hdr_free_doc},
+    {"hdr_end", (PyCFunction)(void (*)(void))hdr_end, METH_FASTCALL, hdr_end_doc},
     {"hdr_read", hdr_read, METH_O, hdr_read_doc},
     {NULL, NULL, 0, NULL},
 };

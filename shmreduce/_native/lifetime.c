@@ -30,10 +30,7 @@
 
 #define QUEUED (1ULL << 63) /* Gen.state: on the dead stack */
 #define COUNT (QUEUED - 1)
-/* Copies this large release the GIL: only storages reduce() never moves (it moves
- * none above SLAB_ITEM_MAX), so no other thread can swap the source away and free it
- * under the copy (issue 28, item 4: at exactly 64 KiB). */
-#define COPY_NOGIL (SLAB_ITEM_MAX + 1)
+#define COPY_NOGIL (SLAB_ITEM_MAX + 1) /* put_storage's copies from here up release the GIL */
 
 static _Atomic(Ctx *) free_ctx;         /* pushed by deleters */
 static Ctx *spare_ctx;                  /* taken by the GIL holder */
@@ -144,24 +141,50 @@ Py_ssize_t claim(GenObject *gen, Py_ssize_t nbytes) {
     return at;
 }
 
-/* nbytes from source (NULL: zeros) copied to offset, then the storage there. */
-PyObject *put_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes, const void *source) {
-    if (check_range(gen, offset, nbytes) < 0)
+/* The address of source's data (a CPU storage of at least nbytes), read now: the copy
+ * that follows runs no Python code in between, so no other thread can move source and
+ * free the memory it left under the copy (an address read earlier, in Python or before
+ * a call into torch, may be freed memory by the time it is copied from). -1 on error. */
+static int source_address(PyObject *source, Py_ssize_t nbytes, const char **ptr) {
+    PyObject *size = PyObject_CallMethodNoArgs(source, str_nbytes);
+    Py_ssize_t have = size != NULL ? PyLong_AsSsize_t(size) : -1;
+    Py_XDECREF(size);
+    if (have == -1 && PyErr_Occurred())
+        return -1;
+    if (have < nbytes) {
+        PyErr_Format(PyExc_ValueError, "a copy of %zd bytes from a %zd-byte storage", nbytes, have);
+        return -1;
+    }
+    PyObject *address = PyObject_CallMethodNoArgs(source, str_data_ptr);
+    *ptr = address != NULL ? PyLong_AsVoidPtr(address) : NULL;
+    Py_XDECREF(address);
+    if (*ptr == NULL && !PyErr_Occurred())
+        PyErr_SetString(PyExc_ValueError, "a copy from a storage with no data");
+    return *ptr == NULL ? -1 : 0;
+}
+
+/* nbytes of storage source (NULL: zeros) copied to offset, then the storage there.
+ * Copies this large release the GIL: only of storages reduce() never moves (it moves
+ * none above SLAB_ITEM_MAX) and Python moves under the storage's lock, so no other
+ * thread swaps the source away under the copy. */
+PyObject *put_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes, PyObject *source) {
+    const char *from = NULL;
+    if (check_range(gen, offset, nbytes) < 0 || (source != NULL && source_address(source, nbytes, &from) < 0))
         return NULL;
     char *dest = gen->addr + offset;
     if (nbytes >= COPY_NOGIL) {
         Py_BEGIN_ALLOW_THREADS
-        if (source == NULL)
+        if (from == NULL)
             memset(dest, 0, (size_t)nbytes);
         else
-            memmove(dest, source, (size_t)nbytes);
+            memmove(dest, from, (size_t)nbytes);
         Py_END_ALLOW_THREADS
         if (check_range(gen, offset, nbytes) < 0) /* ended while the copy ran without the GIL */
             return NULL;
-    } else if (source == NULL) {
+    } else if (from == NULL) {
         memset(dest, 0, (size_t)nbytes);
     } else {
-        memmove(dest, source, (size_t)nbytes);
+        memmove(dest, from, (size_t)nbytes);
     }
     return make_storage(gen, offset, nbytes);
 }
@@ -189,14 +212,16 @@ int remember(GenObject *gen, PyObject *key, PyObject *storage) {
     return done;
 }
 
-/* storage, new here at offset (key), is what a ref of ticket loaded: counted loaded in
- * the header (a pooled generation's, a first load only) and in this process, and
- * remembered. The one tail of both load paths (load_storage, pickler.c's make_plain). */
+/* storage, new here at offset (key), is what a ref of ticket loaded: remembered, then
+ * counted loaded in the header (a pooled generation's, a first load only) and in this
+ * process. The one tail of both load paths (load_storage, pickler.c's make_plain). A
+ * ref whose storage cannot be remembered is not delivered, so it is not counted: its
+ * message may be loaded again. */
 int loaded_new(GenObject *gen, PyObject *key, PyObject *storage, Py_ssize_t nbytes, uint64_t ticket) {
-    if (gen->low)
-        count_loaded((_Atomic uint64_t *)gen->addr, ticket);
     if (remember(gen, key, storage) < 0)
         return -1;
+    if (gen->low)
+        count_loaded((_Atomic uint64_t *)gen->addr, ticket);
     loads++;
     loaded_bytes += (unsigned long long)nbytes;
     return 0;
@@ -260,11 +285,6 @@ static int parse_range(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want,
     return 0;
 }
 
-/* A source address argument: a live CPU storage's data_ptr() (the caller's), or 0. */
-static int parse_source(PyObject *obj, const void **source) {
-    *source = PyLong_AsVoidPtr(obj);
-    return *source == NULL && PyErr_Occurred() ? -1 : 0;
-}
 
 PyDoc_STRVAR(gen_storage_doc, "storage(offset, nbytes) -> UntypedStorage\n\n"
                               "The storage over nbytes at offset of the segment (checked first: SharingError).");
@@ -277,33 +297,32 @@ static PyObject *gen_storage(GenObject *self, PyObject *const *args, Py_ssize_t 
 }
 
 PyDoc_STRVAR(gen_place_doc, "place(offset, nbytes, source) -> UntypedStorage\n\n"
-                            "Copy nbytes from address source (0: zeros) to offset, then storage(offset, nbytes).\n"
-                            "source is the data_ptr() of a live CPU storage of at least nbytes (the caller's).");
+                            "Copy nbytes of the CPU storage source (None: zeros) to offset, then storage(offset, nbytes).\n"
+                            "Its address is read at the copy, never before.");
 
 static PyObject *gen_place(GenObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t offset, nbytes;
-    const void *source;
-    if (parse_range(args, nargs, 3, &offset, &nbytes) < 0 || parse_source(args[2], &source) < 0)
+    if (parse_range(args, nargs, 3, &offset, &nbytes) < 0)
         return NULL;
-    return put_storage(self, offset, nbytes, source);
+    return put_storage(self, offset, nbytes, args[2] == Py_None ? NULL : args[2]);
 }
 
 PyDoc_STRVAR(gen_put_doc, "put(nbytes, source) -> (offset, UntypedStorage) | None\n\n"
-                          "place() at this slab's next free offset (claimed first); None if nbytes do not fit.");
+                          "place() of source (a storage, or None) at this slab's next free offset (claimed first); None "
+                          "if nbytes do not fit.");
 
 static PyObject *gen_put(GenObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    const void *source;
     if (nargs != 2 || !PyLong_CheckExact(args[0])) {
         PyErr_SetString(PyExc_TypeError, "put(nbytes, source)");
         return NULL;
     }
     Py_ssize_t nbytes = PyLong_AsSsize_t(args[0]);
-    if ((nbytes == -1 && PyErr_Occurred()) || parse_source(args[1], &source) < 0)
+    if (nbytes == -1 && PyErr_Occurred())
         return NULL;
     Py_ssize_t offset = claim(self, nbytes);
     if (offset < 0)
         Py_RETURN_NONE;
-    PyObject *storage = put_storage(self, offset, nbytes, source);
+    PyObject *storage = put_storage(self, offset, nbytes, args[1] == Py_None ? NULL : args[1]);
     return storage == NULL ? NULL : Py_BuildValue("(nN)", offset, storage);
 }
 
@@ -431,8 +450,11 @@ static PyObject *gen_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
             PyErr_SetString(PyExc_ValueError, "Gen over a null address");
         return NULL;
     }
-    if (size < 8 || low < 0 || low > size) {
-        PyErr_Format(PyExc_ValueError, "Gen of a %zd-byte segment from byte %zd", size, low);
+    /* A pooled generation (low > 0) writes its header's words and ticket bits: its
+     * storages start past the whole header, which lies aligned at addr. */
+    if (size < 8 || low < 0 || low > size || (low > 0 && (low < HEADER_BYTES || (uintptr_t)addr % 8))) {
+        PyErr_Format(PyExc_ValueError, "Gen of a %zd-byte segment from byte %zd (a pooled one starts past its %d-byte header)",
+                     size, low, HEADER_BYTES);
         return NULL;
     }
     PyObject *stored = PyDict_New();
@@ -595,7 +617,40 @@ static PyObject *native_loaded(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(
     return Py_BuildValue("KKK", loads, loaded_bytes, loaded_again);
 }
 
+PyDoc_STRVAR(count_sent_doc, "count_sent(gens, sent)\n\nA sending scope closes: each entry of gens (a Gen, acquired once "
+                             "per ref the scope pickled from it) counted one ref sent in its header if sent, then released.");
+
+/* The sending scope holds each generation it pickled a ref of (an acquire() per ref)
+ * until its refs are counted: a storage made while pickling (alive only in the
+ * pickler's memo) cannot die, its generation end and its segment be freed or closed,
+ * before the ref that names it is counted sent. */
+static PyObject *native_count_sent(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyList_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "count_sent(gens, sent)");
+        return NULL;
+    }
+    PyObject *gens = args[0];
+    int sent = PyObject_IsTrue(args[1]);
+    if (sent < 0)
+        return NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(gens); i++) {
+        PyObject *item = PyList_GET_ITEM(gens, i);
+        if (Py_TYPE(item) != &GenType || (atomic_load(&((GenObject *)item)->state) & COUNT) == 0) {
+            PyErr_SetString(PyExc_TypeError, "count_sent() of something not a held Gen: nothing counted");
+            return NULL;
+        }
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(gens); i++) {
+        GenObject *gen = (GenObject *)PyList_GET_ITEM(gens, i);
+        if (sent && gen->low)
+            atomic_fetch_add(&((_Atomic uint64_t *)gen->addr)[HDR_SENT], 1);
+        drop_count(gen);
+    }
+    Py_RETURN_NONE;
+}
+
 PyMethodDef lifetime_methods[] = {
+    {"count_sent", (PyCFunction)(void (*)(void))native_count_sent, METH_FASTCALL, count_sent_doc},
     {"dead", native_dead, METH_NOARGS, dead_doc},
     {"pending", native_pending, METH_NOARGS, pending_doc},
     {"loaded", native_loaded, METH_NOARGS, loaded_doc},

@@ -6,7 +6,7 @@
  */
 #include "native.h"
 
-PyObject *from_dlpack, *sharing_error, *dtypes, *published, *str_untyped_storage, *str_nbytes;
+PyObject *from_dlpack, *sharing_error, *dtypes, *published, *str_untyped_storage, *str_nbytes, *str_data_ptr;
 
 PyDoc_STRVAR(init_doc, "init(from_dlpack, error, dtypes, published)\n\nBind torch's DLPack importer, the exception type "
                        "handles raise, and rebuild()'s dtype table and published Gens (dicts the caller fills).");
@@ -46,6 +46,8 @@ static int add_constants(PyObject *module) {
     } constants[] = {
         {"ALIGN", ALIGN}, {"HEADER_BYTES", HEADER_BYTES}, {"SLAB_ITEM_MAX", SLAB_ITEM_MAX},
         {"TICKETS", (long long)TICKETS}, {"RETIRED", (long long)RETIRED}, {"UNCOUNTED", (long long)UNCOUNTED},
+        {"CLOSED", (long long)CLOSED}, {"END_STALE", END_STALE}, {"END_WAIT", END_WAIT}, {"END_FREED", END_FREED},
+        {"END_RETIRED", END_RETIRED},
     };
     for (size_t i = 0; i < sizeof(constants) / sizeof(constants[0]); i++) {
         PyObject *value = PyLong_FromLongLong(constants[i].value);
@@ -61,7 +63,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (PyType_Ready(&GenType) < 0 || pickler_init() < 0)
         return NULL;
     if ((str_untyped_storage = PyUnicode_InternFromString("untyped_storage")) == NULL ||
-        (str_nbytes = PyUnicode_InternFromString("nbytes")) == NULL)
+        (str_nbytes = PyUnicode_InternFromString("nbytes")) == NULL ||
+        (str_data_ptr = PyUnicode_InternFromString("data_ptr")) == NULL)
         return NULL;
     if (sharing_error == NULL)
         sharing_error = Py_NewRef(PyExc_RuntimeError); /* until init() */

@@ -103,6 +103,9 @@ typedef struct {
 #define TICKETS ((uint64_t)(HEADER_BYTES / 8 - HDR_BITS) * 64)
 #define RETIRED 1ULL
 #define UNCOUNTED 2ULL
+#define CLOSED 4ULL /* a retired generation's close was claimed (hdr_end answered END_RETIRED once) */
+/* What hdr_end did (module.c exports them). */
+enum { END_STALE = -1, END_WAIT = 0, END_FREED = 1, END_RETIRED = 2 };
 #define NOT_A_TICKET (UINT64_MAX - 1) /* past every ticket: a load of it counts nothing */
 
 /* ---- Gen and its DLPack context (lifetime.c) ---- */
@@ -147,7 +150,7 @@ extern const DLPackExchangeAPI *exchange; /* torch.Tensor's exchange API (init_s
 extern PyObject *sharing_error; /* shmreduce.errors.SharingError (RuntimeError until init()) */
 extern PyObject *dtypes;        /* torch dtype -> (code, bits, lanes, itemsize) */
 extern PyObject *published;     /* a receiver's Gens by their refs' (kind, directory, segment, generation) */
-extern PyObject *str_untyped_storage, *str_nbytes;
+extern PyObject *str_untyped_storage, *str_nbytes, *str_data_ptr;
 
 /* ---- what the files call of each other ---- */
 
@@ -163,7 +166,7 @@ PyObject *stored_at(GenObject *gen, PyObject *key);
 int remember(GenObject *gen, PyObject *key, PyObject *storage);
 int loaded_new(GenObject *gen, PyObject *key, PyObject *storage, Py_ssize_t nbytes, uint64_t ticket);
 PyObject *load_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes, uint64_t ticket);
-PyObject *put_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes, const void *source);
+PyObject *put_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes, PyObject *source);
 extern unsigned long long loads, loaded_bytes, loaded_again;
 extern PyMethodDef lifetime_methods[];
 

@@ -26,7 +26,7 @@ static PyObject *exchange_capsule;
 const DLPackExchangeAPI *exchange; /* tensor_type's DLPack exchange API, or NULL: then reduce() hands every tensor on,
                                     * and import_tensor() goes through a capsule */
 static int post_fd = -1;                 /* the post connection to this program's broker, or -1 */
-static _Thread_local PyObject *outgoing; /* the sending scope's header addresses, or NULL */
+static _Thread_local PyObject *outgoing; /* the sending scope's held Gens (one per ref), or NULL */
 static _Thread_local int broker_seen;    /* this message found its broker live */
 static unsigned long long shares, shared_bytes, reuses;
 
@@ -257,8 +257,18 @@ PyDoc_STRVAR(rebuild_doc,
              "Every other case, malformed ones included, goes to the general one, shmreduce.reductions.rebuild_tensor, "
              "which calls rebuild(ref, meta, None) once it published the Gen: None there instead of the general one.");
 
+/* A pickle that calls load() or rebuild() with other arguments than they take is not
+ * one shmreduce made: refused as such, never a TypeError from the general path. */
+static PyObject *malformed_call(const char *name) {
+    PyErr_Format(sharing_error, "not a shmreduce tensor handle: %s() called with the wrong number of arguments "
+                                "(forged or corrupted message)", name);
+    return NULL;
+}
+
 static PyObject *native_rebuild(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs < 2 || nargs > 3 || published == NULL || from_dlpack == NULL)
+    if (nargs < 2 || nargs > 3)
+        return malformed_call("rebuild");
+    if (published == NULL || from_dlpack == NULL)
         return rebuild_general(args, nargs);
     PyObject *ref = args[0], *meta = args[1];
     if (!PyTuple_CheckExact(ref) || PyTuple_GET_SIZE(ref) != 8 || !PyTuple_CheckExact(meta) || PyTuple_GET_SIZE(meta) != 5 ||
@@ -301,7 +311,9 @@ PyDoc_STRVAR(load_doc,
              "the general one, shmreduce.reductions.rebuild_packed.");
 
 static PyObject *native_load(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || published == NULL || from_dlpack == NULL || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != 5)
+    if (nargs != 2)
+        return malformed_call("load");
+    if (published == NULL || from_dlpack == NULL || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != 5)
         return load_general(args, nargs);
     Plain p;
     if (parse_packed(args[1], &p) < 0)
@@ -456,7 +468,7 @@ static GenObject *send_from(PyObject *storage, Py_ssize_t ptr, Py_ssize_t nbytes
     if (at < 0)
         return NULL; /* full, or none yet: the general path makes the next */
     Py_INCREF(slab); /* torch code runs below: a finalizer may drop the thread's slab */
-    PyObject *fresh = put_storage(slab, at, nbytes, (const void *)ptr);
+    PyObject *fresh = put_storage(slab, at, nbytes, storage); /* its address read at the copy, not ptr */
     int moved = fresh != NULL ? move_into(storage, ptr, fresh) : -1;
     Py_XDECREF(fresh);
     PyObject *key = moved > 0 ? PyLong_FromSsize_t(at) : NULL;
@@ -527,13 +539,16 @@ static PyObject *share_plain(PyObject *tensor, PyObject *storage) {
     PyObject *t = gen->template;
     if (t == NULL || gen->ended)
         return NULL;
-    PyObject *packed = NULL, *args = NULL, *header = NULL, *result = NULL;
+    PyObject *packed = NULL, *args = NULL, *result = NULL;
     Py_INCREF(t);
     head.offset = (uint64_t)offset;
     head.nbytes = (uint64_t)nbytes;
     head.ticket = gen->low ? issue_ticket((_Atomic uint64_t *)gen->addr) : 0;
-    if (gen->low && ((header = PyLong_FromVoidPtr(gen->addr)) == NULL || PyList_Append(outgoing, header) < 0))
-        goto error;
+    if (gen->low) {
+        if (PyList_Append(outgoing, (PyObject *)gen) < 0)
+            goto error;
+        add_count(gen); /* held until the scope counts the ref sent (count_sent) */
+    }
     size_t arrays = (size_t)layout.ndim * sizeof(int64_t);
     if ((packed = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(sizeof head + 2 * arrays))) == NULL)
         goto error;
@@ -547,7 +562,6 @@ error:
     Py_DECREF(t);
     Py_XDECREF(packed);
     Py_XDECREF(args);
-    Py_XDECREF(header);
     return result;
 }
 
@@ -557,7 +571,7 @@ PyDoc_STRVAR(reduce_doc,
              "exactly, no grad, no hooks, strided, not nested nor quantized, no conjugate or negative bit; its dtype, sizes, strides "
              "and start read in one call through torch's DLPack exchange API) inside a sending scope (message()) whose broker lives, whose "
              "storage lies in an indexed Gen or fits this thread's slab (copied there and swapped in); counted "
-             "sent when the scope ends (its header's address appended to the scope's list). Every other case "
+             "sent when the scope ends (its Gen appended to the scope's list, held until then). Every other case "
              "goes to reductions.reduce_tensor.");
 
 static PyObject *native_reduce(PyObject *Py_UNUSED(module), PyObject *tensor) {
@@ -579,8 +593,8 @@ static PyObject *native_reduce(PyObject *Py_UNUSED(module), PyObject *tensor) {
     return reduced;
 }
 
-PyDoc_STRVAR(message_doc, "message(addresses)\n\nreduce()'s sending scope on this thread: the list it appends the header "
-                          "address of each ref to, or None (outside any scope). The broker is checked again.");
+PyDoc_STRVAR(message_doc, "message(gens)\n\nreduce()'s sending scope on this thread: the list it appends the Gen of each "
+                          "ref to (acquired once per ref: count_sent), or None (outside any scope). The broker is checked again.");
 
 static PyObject *native_message(PyObject *Py_UNUSED(module), PyObject *list) {
     if (list != Py_None && !PyList_CheckExact(list)) {

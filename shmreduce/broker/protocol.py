@@ -39,7 +39,7 @@ Segments and generations (``shmreduce/pool.py``, ``shmreduce/transfer.py``)
                 no hold.
     drop        the last storage of the generation here dies: the entry becomes
                 DROPPING, holders - 1, the entry is cleared (FREE).
-    owner's end the owner's own storages of it all dead: ``hdr_free`` sets FREEING
+    owner's end the owner's own storages of it all dead: ``hdr_end`` sets FREEING
                 on holders == 0 and ends the generation if sent == loaded and it is
                 not RETIRED (generation 0, counters, tickets, flags cleared); a
                 RETIRED one leaves the pool (closed); else it waits and is looked at
