@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 TORCH ?= 2.13.0
 CONSTRAINTS ?= constraints-dev.txt
 
-.PHONY: install test lint format typecheck pythons suite-python suite-torch bench bench-chart asan clean
+.PHONY: install test lint format typecheck pythons suite-python suite-torch bench bench-chart asan tsan stress clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -88,6 +88,41 @@ asan: $(STAMP)
 	SHMREDUCE_ASAN=1 SHMREDUCE_STRICT_BUILD=1 $(PY) setup.py -q build_ext --inplace --force
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 LD_PRELOAD="$(ASAN_LIB)" $(PY) -m pytest -q --timeout=600 $(PYTEST_ARGS); \
 	status=$$?; SHMREDUCE_STRICT_BUILD=1 $(PY) setup.py -q build_ext --inplace --force; exit $$status
+
+# The threaded tests once with the extension built under ThreadSanitizer (not part of
+# `make test`: about 4 minutes on 2 cores), then the normal build again; the status is
+# the tests' (66: TSan reported a race, in this process or in a child). CPython and torch
+# are not instrumented: TSan sees our C code's accesses, and theirs only through its
+# interceptors (memcpy, free); .ci/tsan.supp silences what torch's OpenMP threads do and
+# names nothing of ours. Each process writes its reports to build/tsan/report.PID; the
+# lines that name shmreduce/_native/ are printed at the end. The loading process of
+# test_threads_stress.py is spawned, not forked: TSan stops checking in a child forked
+# from a process with threads (die_after_fork=0 lets such a child live on, unchecked;
+# it may still abort with "dup thread with used id" when it starts a thread, a TSan
+# limit, not ours): TSAN_SKIP leaves out the tests whose forked children start threads
+# (test_concurrent_sends' queue consumers and first-share children). setarch -R: without ASLR, TSan's fixed shadow layout never meets a
+# mapping made before it started ("FATAL: ThreadSanitizer: unexpected memory mapping"
+# on kernels with more mmap randomisation bits).
+TSAN_LIB = $(shell $(CC) -print-file-name=libtsan.so)
+TSAN_TESTS ?= tests/test_threads_stress.py tests/test_concurrent_sends.py tests/test_native.py
+TSAN_SKIP ?= not several_queues and not first_shares_from_several_threads and not overlapping_tensors
+TSAN_OPTIONS_ALL = suppressions=$(CURDIR)/.ci/tsan.supp:log_path=$(CURDIR)/build/tsan/report:report_signal_unsafe=0:die_after_fork=0:halt_on_error=0:exitcode=66:history_size=7:second_deadlock_stack=1
+tsan: $(STAMP)
+	SHMREDUCE_TSAN=1 SHMREDUCE_STRICT_BUILD=1 $(PY) setup.py -q build_ext --inplace --force
+	rm -rf build/tsan && mkdir -p build/tsan
+	TSAN_OPTIONS="$(TSAN_OPTIONS_ALL)" SHMREDUCE_STRESS_START=spawn setarch "$$(uname -m)" -R \
+		env LD_PRELOAD="$(TSAN_LIB)" $(PY) -m pytest -q --timeout=900 -k "$(TSAN_SKIP)" $(TSAN_TESTS) $(PYTEST_ARGS); \
+	status=$$?; SHMREDUCE_STRICT_BUILD=1 $(PY) setup.py -q build_ext --inplace --force; \
+	echo "ThreadSanitizer: $$(cat build/tsan/report.* 2>/dev/null | grep -c '^WARNING: ThreadSanitizer') reports in build/tsan/, these in shmreduce/_native/:"; \
+	cat build/tsan/report.* 2>/dev/null | grep 'shmreduce/_native/' | sort | uniq -c | sort -rn; \
+	exit $$status
+
+# The threaded stress alone, longer than `make test` runs it (3 s a case there):
+# STRESS_SECONDS=60 a case by default (about 5 minutes in all); `make stress
+# STRESS_SECONDS=600` is the long run (about 45 minutes).
+STRESS_SECONDS ?= 60
+stress: $(STAMP)
+	SHMREDUCE_STRESS_SECONDS=$(STRESS_SECONDS) $(PY) -m pytest -q --timeout=$$(( $(STRESS_SECONDS) + 600 )) tests/test_threads_stress.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache shmreduce/*.so

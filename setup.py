@@ -3,7 +3,8 @@ pyproject.toml.
 
 Plain C against the CPython API and DLPack's C ABI (no torch headers): a C compiler and
 Python's headers are all it needs. ``SHMREDUCE_STRICT_BUILD=1`` (``make``) adds -Werror;
-``SHMREDUCE_ASAN=1`` (``make asan``) builds it with AddressSanitizer.
+``SHMREDUCE_ASAN=1`` (``make asan``) builds it with AddressSanitizer, ``SHMREDUCE_TSAN=1``
+(``make tsan``) with ThreadSanitizer.
 """
 
 import glob
@@ -19,6 +20,9 @@ if os.environ.get("SHMREDUCE_STRICT_BUILD") == "1":
 if os.environ.get("SHMREDUCE_ASAN") == "1":
     compile_args += ["-fsanitize=address", "-fno-omit-frame-pointer", "-O1", "-g"]
     link_args += ["-fsanitize=address"]
+if os.environ.get("SHMREDUCE_TSAN") == "1":
+    compile_args += ["-fsanitize=thread", "-fno-omit-frame-pointer", "-O1", "-g"]
+    link_args += ["-fsanitize=thread"]
 
 
 class BuildNative(build_ext):
