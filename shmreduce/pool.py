@@ -73,6 +73,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import itertools
 import mmap
 import os
 import threading
@@ -95,6 +96,7 @@ SLAB_SIZE = 1 << 20
 POOL_BYTES = int(os.environ.get("SHMREDUCE_POOL_BYTES", str(1 << 30)))
 POOL_IDLE = float(os.environ.get("SHMREDUCE_POOL_IDLE", "10"))
 KEPT_SEGMENTS = int(os.environ.get("SHMREDUCE_KEPT_SEGMENTS", "8"))
+REAP_PER_TAKE = 8  # waiting segments a take() looks at (Pool.reap): its cost, however much is kept
 _PAGE = mmap.PAGESIZE
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -132,6 +134,7 @@ def class_size(nbytes: int) -> int:
 # by its name. Weak: a segment is kept by its live tokens, its pool, the kept list.
 _mapped: weakref.WeakValueDictionary[tuple, Segment] = weakref.WeakValueDictionary()
 _kept: OrderedDict[tuple, Segment] = OrderedDict()
+_kept_lock = threading.Lock()  # a leaf: loader threads keep and look up at once
 # Every mapping is registered by its address in ``_native`` (``segment_at``), which
 # finds the segment a storage lies in, for Python and for ``_native.reduce``.
 
@@ -293,7 +296,9 @@ def lookup(kind: str, key: int | str) -> Segment | None:
     """This process's mapping of a segment, if it has one."""
     seg = _mapped.get((kind, key))
     if seg is not None and (kind, key) in _kept:
-        _kept.move_to_end((kind, key))
+        with _kept_lock:
+            if (kind, key) in _kept:
+                _kept.move_to_end((kind, key))
     return seg
 
 
@@ -302,10 +307,11 @@ def keep(seg: Segment) -> None:
     KEPT_SEGMENTS of them): its owner goes on filling or reusing it."""
     if KEPT_SEGMENTS <= 0:
         return
-    _kept[(seg.kind, seg.key)] = seg
-    _kept.move_to_end((seg.kind, seg.key))
-    while len(_kept) > KEPT_SEGMENTS:
-        _kept.popitem(last=False)
+    with _kept_lock:
+        _kept[(seg.kind, seg.key)] = seg
+        _kept.move_to_end((seg.kind, seg.key))
+        dropped = [_kept.popitem(last=False) for _ in range(len(_kept) - KEPT_SEGMENTS)]
+    del dropped  # a segment that dies here unmaps outside the lock
 
 
 def open_fd(fd: int, ino: int) -> Segment:
@@ -558,7 +564,7 @@ class Pool:
         """A free segment of *size*, else a new one."""
         free = self.free.get(size)
         if not free and self.waiting:
-            self.reap()
+            self.reap(most=REAP_PER_TAKE)
             free = self.free.get(size)
         if free:
             with self.lock:
@@ -572,19 +578,29 @@ class Pool:
         self.made += 1
         return seg
 
-    def reap(self) -> None:
+    def reap(self, most: int | None = None) -> None:
         """Give back the waiting segments that are free now (nobody holds their
         generation and every ref sent in it was loaded: their headers say), close
-        those retired meanwhile."""
-        # A copy made in one C call: list(items()) allocates per item, and a collection
-        # there can run a finalizer, a thread switch, and the collector's settle adding
-        # to waiting ("dictionary changed size during iteration" in a queue's feeder
-        # thread, whose message mp.Queue then drops). Each entry carries the generation
-        # it waits for: another thread may end it, give the segment back and begin the
-        # next one before this loop reaches it, and ``end`` then does nothing.
-        for seg, gen in self.waiting.copy().values():
+        those retired meanwhile. *most*: look at that many only, the longest waiting
+        first, and send each that must still wait to the back of the line: a take()
+        costs the same however much receivers keep, and every waiting segment is
+        looked at in turn (the collector looks at all of them, every PURGE_EVERY)."""
+        # Each entry carries the generation it waits for: another thread may end it,
+        # give the segment back and begin the next one before this loop reaches it,
+        # and ``end`` then does nothing. Taken under the lock, which nothing this
+        # thread could run meanwhile takes (deleters and finalizers never do).
+        with self.lock:
+            if most is None:
+                pairs = list(self.waiting.values())
+            else:
+                pairs = list(itertools.islice(self.waiting.values(), most))
+        for seg, gen in pairs:
             _faults.point("reap.end")
-            self.end(seg, gen, waited=True)
+            if not self.end(seg, gen, waited=True) and most is not None:
+                with self.lock:
+                    if self.waiting.get(seg.key) == (seg, gen):
+                        del self.waiting[seg.key]
+                        self.waiting[seg.key] = (seg, gen)
 
     def wait(self, seg: Segment, gen: int) -> None:
         """*seg*'s generation *gen* is over here but not free: reaped later."""
@@ -849,10 +865,11 @@ def mapped_stats() -> dict[str, int]:
 
 
 def _after_fork_in_child() -> None:
-    global _gen_prefix, _gen_count, _gen_lock
+    global _gen_prefix, _gen_count, _gen_lock, _kept_lock
     _gen_prefix = int.from_bytes(os.urandom(3), "little") << 40
     _gen_count = 0
     _gen_lock = threading.Lock()
+    _kept_lock = threading.Lock()
     live.clear()  # nor theirs to load through: what this process keeps, it holds itself
     _native.unindex_all()  # nor to send from without depositing them itself
     for seg in _mapped_now():

@@ -588,3 +588,35 @@ def test_a_memfd_is_known_by_its_device_and_inode() -> None:
         os.close(memfd)
         os.close(shm)
         os.unlink(path)
+
+
+def test_a_take_looks_at_a_bounded_number_of_waiting_segments(strategy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replay buffer: every segment a receiver keeps waits in its owner's pool. A
+    take() of a new one looks at REAP_PER_TAKE of them, not at all of them (which
+    made a sender's CPU per message grow with what was kept: n^2/2 calls), and each
+    in turn: the longest waiting first, to the back of the line if it still waits."""
+    monkeypatch.setattr(transfer, "PURGE_EVERY", 3600.0)  # the collector's full passes out of the count
+    numel = pool.SLAB_ITEM_MAX // 4 + 1024
+    p = transfer._current_pool()
+    blobs = []
+    for i in range(40):  # in flight, never loaded yet: each segment waits
+        t = torch.full((numel,), float(i))
+        blobs.append(shmreduce.dumps(t))
+        del t
+    gc.collect()
+    transfer._settle(wait=True)
+    assert len(p.waiting) >= 40
+    order = list(p.waiting)
+    calls: list[int] = []
+    real = _native.hdr_end
+    monkeypatch.setattr(_native, "hdr_end", lambda addr, gen: calls.append(gen) or real(addr, gen))
+    kept = torch.full((numel,), -1.0)
+    transfer.share_in_place(kept.untyped_storage())  # a take() of a new segment
+    assert 0 < len(calls) <= pool.REAP_PER_TAKE
+    assert list(p.waiting)[-len(calls) :] == order[: len(calls)], "the ones looked at go to the back of the line"
+    monkeypatch.setattr(_native, "hdr_end", real)
+    for i, blob in enumerate(blobs):
+        assert float(shmreduce.loads(blob)[0]) == float(i)
+    del kept, blobs
+    let_go_now()
+    assert wait_for(lambda: not p.waiting, 10)
