@@ -609,7 +609,12 @@ def test_a_take_looks_at_a_bounded_number_of_waiting_segments(strategy: str, mon
     order = list(p.waiting)
     calls: list[int] = []
     real = _native.hdr_end
-    monkeypatch.setattr(_native, "hdr_end", lambda addr, gen: calls.append(gen) or real(addr, gen))
+
+    def counted(addr: int, gen: int) -> int:
+        calls.append(gen)
+        return real(addr, gen)
+
+    monkeypatch.setattr(_native, "hdr_end", counted)
     kept = torch.full((numel,), -1.0)
     transfer.share_in_place(kept.untyped_storage())  # a take() of a new segment
     assert 0 < len(calls) <= pool.REAP_PER_TAKE
