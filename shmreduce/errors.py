@@ -59,3 +59,20 @@ def out_of_shm(path: str, nbytes: int, detail: str) -> OutOfSharedMemory:
         "SHMREDUCE_SHM_DIR to a larger tmpfs, or use the 'file_descriptor' strategy, "
         "which does not use that mount"
     )
+
+
+# -- a failure sent in place of a message ----------------------------------------------
+
+
+def failed_send(cause: BaseException, pid: int) -> SharingError:
+    """What the receiver of a message whose sharing failed in a queue's feeder thread
+    gets instead of the message (``registry._forking_dumps``): the sender's error,
+    its pid and its message, as the sender's own advice."""
+    return SharingError(
+        f"process {pid} could not share the message it put here, so its queue sent this error in its place: {type(cause).__name__}: {cause}"
+    )
+
+
+def raise_failed_send(message: str) -> None:
+    """Unpickling a message whose sharing failed at its sender raises its error."""
+    raise SharingError(message)

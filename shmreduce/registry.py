@@ -25,8 +25,12 @@ from __future__ import annotations
 
 import copyreg
 import io
+import logging
 import multiprocessing
+import multiprocessing.queues
+import os
 import pickle
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -36,9 +40,11 @@ from typing import Any
 import cloudpickle
 import torch
 
-from shmreduce import _platform, patches, program, reductions, transfer
+from shmreduce import _platform, errors, patches, program, reductions, transfer
 from shmreduce import strategy as _strategy
 from shmreduce.broker import client as broker
+
+log = logging.getLogger("shmreduce")
 
 Reducer = Callable[[Any], tuple]
 
@@ -213,9 +219,73 @@ def _forking_dumps(cls: type, obj: Any, protocol: int | None = None) -> memoryvi
     else:  # a subclass may set up its own table: extend whatever it made
         pickler = cls(buf, protocol)
         pickler.dispatch_table = DispatchTable((pickler.dispatch_table,))
-    with transfer.sending():
-        pickler.dump(obj)
+    try:
+        with transfer.sending():
+            pickler.dump(obj)
+    except errors.SharingError as exc:
+        if not _in_feeder_thread():
+            raise
+        return _failed_send(exc)
     return buf.getbuffer()
+
+
+# -- a failure in a queue's feeder thread (SPEC 16) ----------------------------------
+#
+# ``mp.Queue.put`` only buffers: its feeder thread pickles and writes later, and a
+# pickling error there is printed (a traceback per message) and the message dropped;
+# at the sender's exit, silently, with every message still buffered after it. The
+# receiver, where the user waits, then waits for ever. So a *sharing* failure there
+# (a SharingError: descriptors or shared memory run out, the broker gone, a non-leaf
+# tensor that requires grad) is sent in the message's place, as bytes whose load
+# raises it: the receiver's get() raises, the sender logs it once.
+#
+# Only sharing failures: an object that cannot be pickled at all (a lambda, a lock)
+# fails the same way in every run and with or without shmreduce, and multiprocessing
+# documents where that error goes; registering shmreduce does not change it. Only
+# queues that keep multiprocessing's own ``_on_queue_feeder_error``: a queue that
+# overrides it (ProcessPoolExecutor's call queue fails the future there) hears its
+# errors as before.
+
+# Both private, so absent from typeshed; present from 3.8 to 3.13.
+_FEED = multiprocessing.queues.Queue._feed.__code__  # type: ignore[attr-defined]
+_DEFAULT_ONERROR = multiprocessing.queues.Queue._on_queue_feeder_error  # type: ignore[attr-defined]
+_failures_logged: set[type] = set()
+
+
+def _in_feeder_thread() -> bool:
+    """Whether ``ForkingPickler.dumps`` was called by a multiprocessing queue's feeder
+    thread (``Queue._feed``) whose queue keeps the default error hook."""
+    frame = sys._getframe(2)  # _forking_dumps's caller (the classmethod adds no frame)
+    if frame.f_code is not _FEED:
+        return False
+    onerror = frame.f_locals.get("onerror")  # a staticmethod's function, or an override's bound method
+    return getattr(onerror, "__func__", onerror) is _DEFAULT_ONERROR
+
+
+def _failed_send(exc: errors.SharingError) -> memoryview:
+    pid = os.getpid()
+    level = logging.DEBUG if type(exc) in _failures_logged else logging.WARNING
+    _failures_logged.add(type(exc))
+    log.log(
+        level,
+        "a message put on a multiprocessing queue could not be shared; its receiver's get() raises this instead of loading it%s: %s",
+        "" if level == logging.DEBUG else " (further such failures of this process are logged at DEBUG)",
+        exc,
+    )
+    failure = errors.failed_send(exc, pid)
+    return memoryview(pickle.dumps(_RaiseOnLoad(str(failure))))
+
+
+class _RaiseOnLoad:
+    """Pickles as a call that raises SharingError with *message* when loaded."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def __reduce__(self) -> tuple:
+        return errors.raise_failed_send, (self.message,)
 
 
 def _forking_loads(data: Any, /, **kwargs: Any) -> Any:
