@@ -345,10 +345,40 @@ def register(*, strategy: str | None = None, cloudpickle: bool | None = None) ->
         if not _inheriting():
             program.current()
             _sweep_dead_programs()
+            _warn_of_workers_started_before()
         # The fd strategy holds one descriptor per received storage (#973): raise the
         # soft limit to the hard one, as servers do.
         _platform.raise_nofile_limit()
         _registered = True
+
+
+_workers_warned = False
+
+
+def _warn_of_workers_started_before() -> None:
+    """Warn, once a process, of the children that run without shmreduce: started
+    before the first ``register()`` (no marker in their process config, which
+    multiprocessing copied when it made them), they keep torch's reducers, and what
+    they send back does not go through shmreduce (issue 38, item 2). A user must act
+    on it (SPEC 13): move ``register()`` before the Pool, DataLoader or Process."""
+    global _workers_warned
+    if _workers_warned:
+        return
+    unregistered = [p for p in multiprocessing.active_children() if patches.CONFIG_KEY not in getattr(p, "_config", {})]
+    if not unregistered:
+        return
+    _workers_warned = True
+    names = ", ".join(f"{p.name} (pid {p.pid})" for p in unregistered[:8]) + (
+        f" and {len(unregistered) - 8} more" if len(unregistered) > 8 else ""
+    )
+    log.warning(
+        "shmreduce.register() was called after %d worker process(es) of this process started: %s. "
+        "They run with torch's reducers: what they send does not go through shmreduce. Call "
+        "shmreduce.register() before you create the Pool, ProcessPoolExecutor, DataLoader "
+        "(persistent_workers) or Process, e.g. first thing in your main module",
+        len(unregistered),
+        names,
+    )
 
 
 def _sweep_dead_programs() -> None:
