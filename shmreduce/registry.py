@@ -306,7 +306,11 @@ class _Inherit:
 def _inherit(prog: program.Program, strategy_name: str, use_cloudpickle: bool = False) -> _Inherit:
     if program.peek() is None:
         program.adopt(prog)
-    register(strategy=strategy_name, cloudpickle=use_cloudpickle)
+    if _registered:  # by its main module's top level: the parent's strategy is the program's
+        _strategy.set_sharing_strategy(strategy_name)
+        register(cloudpickle=use_cloudpickle)
+    else:
+        register(strategy=strategy_name, cloudpickle=use_cloudpickle)
     return _Inherit()
 
 
@@ -326,14 +330,16 @@ def register(*, strategy: str | None = None, cloudpickle: bool | None = None) ->
     makes queues and pipes pickle with cloudpickle (lambdas, closures, local
     classes), the way loky lets users choose its pickler; ``unregister()`` undoes it.
     """
-    global _registered, _use_cloudpickle
-    if strategy is not None:
-        _set_strategy(strategy)
-    if cloudpickle is not None:
-        _use_cloudpickle = bool(cloudpickle)
+    global _registered, _use_cloudpickle, _strategy_before
     with _lock:
+        before = _strategy.get_sharing_strategy()
+        if strategy is not None:
+            _register_strategy(strategy, before)
+        if cloudpickle is not None:
+            _use_cloudpickle = bool(cloudpickle)
         if _registered:
             return
+        _strategy_before = before
         import torch.multiprocessing  # noqa: F401  torch's reducers first, so we record them
 
         patches.install(_forking_dumps, _forking_loads, _table(), _Inherit())
@@ -393,17 +399,43 @@ def _sweep_dead_programs() -> None:
         pass  # a base we cannot read: its owner's to clean
 
 
-def _set_strategy(name: str) -> None:
-    _strategy.set_sharing_strategy(name)
+# What register() did to the strategy, for unregister() to undo (issue 38, item 6): the
+# strategy before the first register(), and the one register(strategy=...) set last.
+_strategy_before: str | None = None
+_strategy_set: str | None = None
+
+
+def _register_strategy(name: str, current: str) -> None:
+    """``register(strategy=name)``: set it; said if it switches a registered
+    program's strategy (a second caller overriding the first, silently before)."""
+    global _strategy_set
+    _strategy.set_sharing_strategy(name)  # ValueError first: nothing changed
+    _strategy_set = name
+    if _registered and name != current:
+        log.warning(
+            "shmreduce.register(strategy=%r) switched this registered process's sharing strategy from %r "
+            "(set by an earlier register() or the toggle) to %r: storages shared from now on use %r. To "
+            "switch on purpose, call shmreduce.set_sharing_strategy(); to keep one, pass the same strategy "
+            "to every register()",
+            name,
+            current,
+            name,
+            name,
+        )
 
 
 def unregister() -> None:
-    """Put back exactly the reducers installed before ``register()``. Idempotent."""
-    global _registered, _use_cloudpickle
+    """Put back exactly the reducers installed before ``register()``, and the strategy
+    before it if ``register(strategy=...)`` changed it (one set with the toggle since
+    is the user's and stays). Idempotent."""
+    global _registered, _use_cloudpickle, _strategy_before, _strategy_set
     with _lock:
         if not _registered:
             return
         patches.remove()
+        if _strategy_set is not None and _strategy_before is not None and _strategy.get_sharing_strategy() == _strategy_set:
+            _strategy.set_sharing_strategy(_strategy_before)
+        _strategy_before = _strategy_set = None
         _registered = False
         _use_cloudpickle = False
     broker.close_all()
@@ -420,7 +452,10 @@ def registered(strategy: str | None = None) -> Iterator[None]:
     """Register on enter; restore the previous registration and strategy on exit."""
     was_registered = _registered
     previous_strategy = _strategy.get_sharing_strategy()
-    register(strategy=strategy)
+    if was_registered and strategy is not None:
+        _strategy.set_sharing_strategy(strategy)  # a scoped switch, on purpose: no warning
+    else:
+        register(strategy=strategy)
     try:
         yield
     finally:

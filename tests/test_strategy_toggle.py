@@ -46,6 +46,45 @@ def test_an_invalid_strategy_is_one_error_from_either_toggle():
     assert tmp.set_sharing_strategy.__module__ == "torch.multiprocessing"  # torch's own again
 
 
+def test_unregister_restores_the_strategy_register_changed():
+    shmreduce.register(strategy="file_system")
+    shmreduce.unregister()
+    assert tmp.get_sharing_strategy() == "file_descriptor"
+    shmreduce.register(strategy="file_system")
+    shmreduce.register(strategy="file_descriptor")
+    shmreduce.register(strategy="file_system")
+    shmreduce.unregister()  # what was there before the first register()
+    assert tmp.get_sharing_strategy() == "file_descriptor"
+
+
+def test_unregister_keeps_a_strategy_set_with_the_toggle_since():
+    shmreduce.register()
+    tmp.set_sharing_strategy("file_system")  # the user's own choice, with the toggle
+    shmreduce.unregister()
+    assert tmp.get_sharing_strategy() == "file_system"
+
+
+def test_a_second_register_that_switches_the_strategy_says_so(caplog):
+    caplog.set_level(logging.DEBUG, logger="shmreduce")
+    shmreduce.register(strategy="file_system")
+    shmreduce.register(strategy="file_system")  # the same: nothing to say
+    shmreduce.register()  # no strategy: nothing to say
+    assert not [r for r in caplog.records if "strategy" in r.getMessage()]
+    shmreduce.register(strategy="file_descriptor")
+    said = [r for r in caplog.records if "strategy" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, said
+    assert "'file_system'" in said[0].getMessage() and "'file_descriptor'" in said[0].getMessage()
+
+
+def test_registered_switches_and_restores_without_a_warning(caplog):
+    caplog.set_level(logging.DEBUG, logger="shmreduce")
+    shmreduce.register()
+    with shmreduce.registered(strategy="file_system"):  # a scoped switch, on purpose
+        assert shmreduce.get_sharing_strategy() == "file_system"
+    assert shmreduce.get_sharing_strategy() == "file_descriptor"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 def test_a_spawn_child_runs_the_parents_strategy_and_torchs_toggle_there_is_one_too():
     # A fresh program: a spawn child registered through the parent's marker.
     code = textwrap.dedent(
