@@ -36,6 +36,7 @@ import resource
 import secrets
 import shutil
 import signal
+import sys
 import time
 
 from shmreduce import program
@@ -317,7 +318,18 @@ def doctor(as_json: bool = False) -> int:
         "none" if not stale else f"{len(stale)} ({', '.join(stale[:5])}); run: python -m shmreduce cleanup --yes",
     )
     orphans = orphan_brokers()
-    report(not orphans, "orphan brokers", "none" if not orphans else f"{[p[0] for p in orphans]}; run: python -m shmreduce cleanup --yes")
+    served = [row for row in programs() if not row["root_alive"] and row["broker_pid"] not in {p[0] for p in orphans}]
+    report(
+        not orphans,
+        "orphan brokers",
+        ("none" if not orphans else f"{[p[0] for p in orphans]}; run: python -m shmreduce cleanup --yes")
+        + (
+            f" ({len(served)} broker(s) whose program's root exited still serve the processes of it connected to them: "
+            "not orphans; each exits once none is connected)"
+            if served
+            else ""
+        ),
+    )
     ok, detail = _check_broker(base)
     report(ok, "broker", detail)
     running = programs()
@@ -325,12 +337,18 @@ def doctor(as_json: bool = False) -> int:
         print(json.dumps({"ok": not problems, "checks": checks, "programs": running}, indent=2))
         return 1 if problems else 0
     if running:
+        print("this user's programs on this machine (all of them, not only this shell's):")
         print(f"{'broker':>8} {'root':>8} {'alive':>5} {'conns':>5} {'files':>5} {'file bytes':>10}  directory")
         for row in running:
             print(
                 f"{row['broker_pid']:>8} {row['root_pid']:>8} {'yes' if row['root_alive'] else 'no':>5} {row['connections']:>5} "
                 f"{row['segment_files']:>5} {_fmt(row['segment_bytes']):>10}  {row['directory']}"
             )
+        print(
+            "alive: whether the program's root process lives (the process that shared first); a broker whose "
+            "root exited serves the program's other processes while any is connected (conns), and exits when "
+            "none is. files, file bytes: the program's segment files ('file_system') and the memory they use."
+        )
     else:
         print("no shmreduce program running for this user")
     print("all good" if not problems else f"{problems} problem(s) found")
@@ -373,6 +391,13 @@ def main(argv: list[str] | None = None, prog: str = "shmreduce") -> int:
     c = sub.add_parser("cleanup", help="list (and with --yes remove) stale program dirs and orphan brokers")
     c.add_argument("--yes", action="store_true", help="remove what is listed")
     args = parser.parse_args(argv)
-    if args.command == "doctor":
-        return doctor(as_json=args.json)
-    return cleanup(args.yes)
+    try:
+        code = doctor(as_json=args.json) if args.command == "doctor" else cleanup(args.yes)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader stopped early (doctor --json | head): not a failure to report with
+        # a traceback. What is left to flush at exit goes nowhere (Python's documented
+        # way: "Note on SIGPIPE" in the signal module's docs).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    return code

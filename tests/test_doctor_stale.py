@@ -14,6 +14,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from helpers import broker_procs, gone, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,3 +90,33 @@ def test_a_starting_broker_keeps_its_young_directory():
         launcher.wait()
     out = _cli("cleanup", "--yes")  # its launcher gone: stale at once
     assert f"removed {directory}" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("reader", ["true", "head -c 1"])
+def test_doctor_json_into_a_reader_that_stops_ends_quietly(reader):
+    done = subprocess.run(
+        f"{sys.executable} -m shmreduce doctor --json | {reader}", shell=True, capture_output=True, text=True, env=ENV, timeout=60, cwd=ROOT
+    )
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+
+
+def test_doctor_explains_a_program_whose_root_exited():
+    # A broker whose root exited while a process of its program (this one) is still
+    # connected: "alive: no" in its row, and no orphan; doctor says why.
+    from shmreduce.broker import client
+    from shmreduce.program import shm_base
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    directory = os.path.join(shm_base(), "shmreduce-5566778899aabbcc")
+    c = client.BrokerClient(directory, dead.pid)
+    try:
+        c.ping()
+        out = _cli("doctor")
+    finally:
+        c.close()
+    orphans = next(line for line in out.stdout.splitlines() if "orphan brokers" in line)
+    assert "root exited" in orphans and "connected" in orphans, out.stdout
+    assert "alive: whether the program's root process lives" in out.stdout, out.stdout
+    assert "this user's programs on this machine" in out.stdout, out.stdout
+    assert wait_for(lambda: not os.path.exists(directory), 10)
