@@ -7,11 +7,24 @@ non-zero if something would, then lists the running programs of this user (broke
 pid, root, connections, segment files and their bytes) in a table, or as JSON with
 ``--json``. A program can print its own state, pools included, with
 ``shmreduce.doctor.report()`` (``print_report()`` for the table). ``cleanup`` lists
-the program directories whose broker is
-dead (their lock is free, see ``server.stale_dirs``) and broker processes whose
+the stale program directories (``stale_programs``) and broker processes whose
 program root is gone and that no process uses any more; ``--yes`` removes them.
 Nothing else is touched: not a directory shmreduce did not make, not one that may
 be starting, not a broker still in use.
+
+Stale: a program directory whose lock nobody holds (no broker, janitor or launcher
+of it lives: ``server.lock_is_free``) and whose processes are gone is stale at once:
+no live process of this user names it on its command line (every broker process,
+a launcher between making the directory and locking it included, does) or has a
+file in it open or mapped (``_in_use``). After every process of a program is
+SIGKILLed, ``doctor`` says so and ``cleanup`` removes it at once (issue 38, item 7).
+Also stale, whatever it holds: a directory whose lock is free and that is
+``server.STALE_MIN_AGE`` (10 s) old, which is what the sweep at every
+``register()`` and broker launch removes (``server.sweep_stale``) without looking
+into /proc; those 10 s protect a launcher between making a directory and taking its
+lock (it would find its directory gone and fail its start), which this look sees by
+its command line. A program whose broker died while its processes live and map its
+files is not stale here until then; its next share starts a new broker there.
 """
 
 from __future__ import annotations
@@ -23,11 +36,13 @@ import resource
 import secrets
 import shutil
 import signal
+import sys
 import time
 
 from shmreduce import program
 from shmreduce.broker import protocol as P
-from shmreduce.broker.server import stale_dirs, sweep_stale
+from shmreduce.broker import server
+from shmreduce.broker.server import lock_is_free, remove_program_dir, stale_dirs, sweep_stale
 
 MIN_SHM_BYTES = 1 << 30  # below 1 GiB of free shm, file_system sends of big batches fail
 MIN_NOFILE = 4096
@@ -77,6 +92,73 @@ def orphan_brokers() -> list[tuple[int, str, int]]:
     """Brokers whose program root process is gone and that no process is connected
     to (they normally exit on their own; one still in use serves live processes)."""
     return [p for p in _broker_procs() if not os.path.exists(f"/proc/{p[2]}") and not _connected(os.path.join(p[1], P.SOCKET_NAME))]
+
+
+def _in_use(base: str) -> set[str]:
+    """The program directories under *base* that a live process of this user names on
+    its command line (a broker's launcher, janitor or server: ``... server DIR ROOT``)
+    or has a file of open or mapped (this process aside)."""
+    prefix = base.rstrip("/") + "/"
+    used: set[str] = set()
+
+    def note(path: str) -> None:
+        if path.startswith(prefix):
+            used.add(prefix + path[len(prefix) :].split("/", 1)[0].split(" ", 1)[0])
+
+    me = str(os.getpid())  # the lock we may hold to remove it
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or entry == me:
+            continue
+        proc = f"/proc/{entry}"
+        try:
+            if os.stat(proc).st_uid != os.getuid():
+                continue
+            with open(f"{proc}/cmdline", "rb") as cmdline:
+                for arg in cmdline.read().split(b"\0"):
+                    note(arg.decode(errors="replace"))
+            with open(f"{proc}/maps") as maps:
+                for line in maps:
+                    fields = line.split(None, 5)
+                    if len(fields) == 6:
+                        note(fields[5].strip())
+            for fd in os.listdir(f"{proc}/fd"):
+                try:
+                    note(os.readlink(f"{proc}/fd/{fd}"))
+                except OSError:
+                    pass
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+    return used
+
+
+def stale_programs(base: str) -> list[str]:
+    """The stale program directories of *base* (see the module's docstring): lock free
+    and STALE_MIN_AGE old (``server.stale_dirs``), or lock free and in no live
+    process's use, at any age."""
+    old = stale_dirs(base)
+    try:
+        entries = sorted(os.listdir(base))
+    except OSError:
+        return old
+    used = _in_use(base)
+    young = [
+        path
+        for path in (os.path.join(base, entry) for entry in entries)
+        if path not in old and path not in used and P.is_program_dir(path, base) and lock_is_free(path)
+    ]
+    return sorted(old + young)
+
+
+def _remove_unused(base: str, path: str) -> bool:
+    """Remove *path*, holding its lock, if it is still in nobody's use under it (a
+    launcher that starts meanwhile finds the lock taken, and its client tries again)."""
+    lock_fd = server._lock_if_free(path)  # the one way to take a program directory's lock
+    if lock_fd is None:
+        return False
+    try:
+        return path not in _in_use(base) and remove_program_dir(path, lock_fd)
+    finally:
+        os.close(lock_fd)
 
 
 def _check_broker(base: str) -> tuple[bool, str]:
@@ -229,14 +311,25 @@ def doctor(as_json: bool = False) -> int:
     except (AttributeError, OSError) as exc:
         report(False, "memfd", f"memfd_create failed ({exc}); use the 'file_system' strategy")
     # Stale state first: starting the throwaway broker sweeps stale directories.
-    stale = stale_dirs(base)
+    stale = stale_programs(base)
     report(
         not stale,
         "stale program directories",
         "none" if not stale else f"{len(stale)} ({', '.join(stale[:5])}); run: python -m shmreduce cleanup --yes",
     )
     orphans = orphan_brokers()
-    report(not orphans, "orphan brokers", "none" if not orphans else f"{[p[0] for p in orphans]}; run: python -m shmreduce cleanup --yes")
+    served = [row for row in programs() if not row["root_alive"] and row["broker_pid"] not in {p[0] for p in orphans}]
+    report(
+        not orphans,
+        "orphan brokers",
+        ("none" if not orphans else f"{[p[0] for p in orphans]}; run: python -m shmreduce cleanup --yes")
+        + (
+            f" ({len(served)} broker(s) whose program's root exited still serve the processes of it connected to them: "
+            "not orphans; each exits once none is connected)"
+            if served
+            else ""
+        ),
+    )
     ok, detail = _check_broker(base)
     report(ok, "broker", detail)
     running = programs()
@@ -244,12 +337,18 @@ def doctor(as_json: bool = False) -> int:
         print(json.dumps({"ok": not problems, "checks": checks, "programs": running}, indent=2))
         return 1 if problems else 0
     if running:
+        print("this user's programs on this machine (all of them, not only this shell's):")
         print(f"{'broker':>8} {'root':>8} {'alive':>5} {'conns':>5} {'files':>5} {'file bytes':>10}  directory")
         for row in running:
             print(
                 f"{row['broker_pid']:>8} {row['root_pid']:>8} {'yes' if row['root_alive'] else 'no':>5} {row['connections']:>5} "
                 f"{row['segment_files']:>5} {_fmt(row['segment_bytes']):>10}  {row['directory']}"
             )
+        print(
+            "alive: whether the program's root process lives (the process that shared first); a broker whose "
+            "root exited serves the program's other processes while any is connected (conns), and exits when "
+            "none is. files, file bytes: the program's segment files ('file_system') and the memory they use."
+        )
     else:
         print("no shmreduce program running for this user")
     print("all good" if not problems else f"{problems} problem(s) found")
@@ -258,7 +357,7 @@ def doctor(as_json: bool = False) -> int:
 
 def cleanup(yes: bool) -> int:
     base = program.shm_base()
-    stale = stale_dirs(base)
+    stale = stale_programs(base)
     orphans = orphan_brokers()
     for path in stale:
         print(f"stale program directory: {path}")
@@ -276,7 +375,9 @@ def cleanup(yes: bool) -> int:
             print(f"stopped broker {pid}")
         except OSError:
             pass
-    for path in sweep_stale(base):
+    removed = sweep_stale(base)  # STALE_MIN_AGE old, and what a killed removal left
+    removed += [path for path in stale if path not in removed and os.path.isdir(path) and _remove_unused(base, path)]
+    for path in removed:
         print(f"removed {path}")
     return 0
 
@@ -290,6 +391,13 @@ def main(argv: list[str] | None = None, prog: str = "shmreduce") -> int:
     c = sub.add_parser("cleanup", help="list (and with --yes remove) stale program dirs and orphan brokers")
     c.add_argument("--yes", action="store_true", help="remove what is listed")
     args = parser.parse_args(argv)
-    if args.command == "doctor":
-        return doctor(as_json=args.json)
-    return cleanup(args.yes)
+    try:
+        code = doctor(as_json=args.json) if args.command == "doctor" else cleanup(args.yes)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader stopped early (doctor --json | head): not a failure to report with
+        # a traceback. What is left to flush at exit goes nowhere (Python's documented
+        # way: "Note on SIGPIPE" in the signal module's docs).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    return code

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 
 class SharingError(RuntimeError):
     """A tensor or storage could not be shared or received.
@@ -28,6 +30,15 @@ def stale_message(what: str) -> SharingError:
 
 
 def too_many_files(detail: str) -> SharingError:
+    """Out of descriptors, with the advice of the strategy in use (issue 38, item 4)."""
+    if _strategy() == "file_system":
+        return SharingError(
+            f"out of file descriptors ({detail}): under the 'file_system' strategy a process keeps "
+            "one descriptor open per shared-memory segment it made to send from (a slab of small "
+            "tensors, or one large tensor; receivers keep none), besides its own files and sockets. "
+            "Drop the tensors you sent and no longer need, or raise the limit (ulimit -n / "
+            "resource.RLIMIT_NOFILE)"
+        )
     return SharingError(
         f"out of file descriptors ({detail}): the 'file_descriptor' strategy keeps "
         "one descriptor open per shared-memory segment a process maps (a slab of small "
@@ -35,6 +46,13 @@ def too_many_files(detail: str) -> SharingError:
         "need, raise the limit (ulimit -n / resource.RLIMIT_NOFILE), or call "
         "shmreduce.set_sharing_strategy('file_system')"
     )
+
+
+def _strategy() -> str | None:
+    """The strategy in use, if torch is loaded here (this module never imports it: the
+    broker, which imports the package, never does)."""
+    tmp = sys.modules.get("torch.multiprocessing")
+    return None if tmp is None else tmp.get_sharing_strategy()
 
 
 def deposit_lost() -> SharingError:
@@ -59,3 +77,20 @@ def out_of_shm(path: str, nbytes: int, detail: str) -> OutOfSharedMemory:
         "SHMREDUCE_SHM_DIR to a larger tmpfs, or use the 'file_descriptor' strategy, "
         "which does not use that mount"
     )
+
+
+# -- a failure sent in place of a message ----------------------------------------------
+
+
+def failed_send(cause: BaseException, pid: int) -> SharingError:
+    """What the receiver of a message whose sharing failed in a queue's feeder thread
+    gets instead of the message (``registry._forking_dumps``): the sender's error,
+    its pid and its message, as the sender's own advice."""
+    return SharingError(
+        f"process {pid} could not share the message it put here, so its queue sent this error in its place: {type(cause).__name__}: {cause}"
+    )
+
+
+def raise_failed_send(message: str) -> None:
+    """Unpickling a message whose sharing failed at its sender raises its error."""
+    raise SharingError(message)

@@ -6,7 +6,11 @@ Owns, while installed (between ``register()`` and ``unregister()``):
   of ``ForkingPickler._extra_reducers`` that shmreduce sets;
 * ``torch.UntypedStorage.share_memory_``, ``_new_shared`` and ``is_shared``;
 * the marker in multiprocessing's process config that registers spawn/forkserver
-  children (``registry._Inherit``).
+  children (``registry._Inherit``);
+* ``torch.multiprocessing.set_sharing_strategy``: torch's, after shmreduce's check of
+  the name, so that the one toggle has one error (a ``ValueError`` naming the valid
+  strategies; torch's own raises ``AssertionError``). A reference to torch's function
+  taken before ``register()`` still raises torch's.
 
 ``install`` records exactly what each one replaces and ``remove`` puts it back, so
 afterwards torch and multiprocessing hold their own objects again. Nothing else in
@@ -29,8 +33,9 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
+import torch.multiprocessing as _tmp
 
-from shmreduce import transfer
+from shmreduce import strategy, transfer
 from shmreduce.cache import cache
 
 # ForkingPickler.register's table (exact classes), and the process config that
@@ -39,10 +44,11 @@ EXTRA_REDUCERS: dict[type, Any] = ForkingPickler._extra_reducers  # type: ignore
 CONFIG_KEY = "shmreduce"
 _MISSING = object()
 
-_saved_attrs: dict[tuple[type, str], Any] = {}  # (owner, name) -> what its __dict__ held
+_saved_attrs: dict[tuple[Any, str], Any] = {}  # (owner, name) -> what its __dict__ held
 _saved_reducers: dict[type, Any] = {}  # class -> the _extra_reducers entry before ours
 _torch_is_shared: list[Callable[[torch.UntypedStorage], bool]] = []
 _torch_share_memory: list[Callable[..., torch.UntypedStorage]] = []
+_torch_set_strategy: list[Callable[[str], None]] = []
 
 
 def process_config() -> dict[str, Any]:
@@ -61,6 +67,8 @@ def install(dumps: Callable[..., Any], loads: Callable[..., Any], reducers: dict
     _set(torch.UntypedStorage, "is_shared", _is_shared)
     _set(torch.UntypedStorage, "share_memory_", _share_memory_)
     _set(torch.UntypedStorage, "_new_shared", classmethod(_new_shared))
+    _torch_set_strategy.append(_tmp.set_sharing_strategy)
+    _set(_tmp, "set_sharing_strategy", _set_sharing_strategy)
     process_config()[CONFIG_KEY] = marker
 
 
@@ -77,6 +85,7 @@ def remove() -> None:
         restore_reducer(cls)
     _torch_is_shared.clear()
     _torch_share_memory.clear()
+    _torch_set_strategy.clear()
 
 
 def set_reducer(cls: type, reduce: Any) -> None:
@@ -94,7 +103,7 @@ def restore_reducer(cls: type) -> None:
         EXTRA_REDUCERS[cls] = previous
 
 
-def _set(owner: type, name: str, value: Any) -> None:
+def _set(owner: Any, name: str, value: Any) -> None:
     _saved_attrs[(owner, name)] = owner.__dict__.get(name, _MISSING)
     setattr(owner, name, value)
 
@@ -128,3 +137,13 @@ def _new_shared(cls: type, size: int, *, device: Any = "cpu") -> torch.UntypedSt
     if torch.device(device).type == "cpu":
         return transfer.new_shared(size)
     return cls(size, device=device)
+
+
+# -- the strategy toggle -------------------------------------------------------------
+
+
+def _set_sharing_strategy(new_strategy: str) -> None:
+    """``torch.multiprocessing.set_sharing_strategy`` while installed: the name checked
+    as ``shmreduce.set_sharing_strategy`` checks it, then set by torch's own."""
+    strategy.check(new_strategy)
+    _torch_set_strategy[0](new_strategy)

@@ -25,8 +25,12 @@ from __future__ import annotations
 
 import copyreg
 import io
+import logging
 import multiprocessing
+import multiprocessing.queues
+import os
 import pickle
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -36,9 +40,11 @@ from typing import Any
 import cloudpickle
 import torch
 
-from shmreduce import _platform, patches, program, reductions, transfer
+from shmreduce import _platform, errors, patches, program, reductions, transfer
 from shmreduce import strategy as _strategy
 from shmreduce.broker import client as broker
+
+log = logging.getLogger("shmreduce")
 
 Reducer = Callable[[Any], tuple]
 
@@ -213,9 +219,73 @@ def _forking_dumps(cls: type, obj: Any, protocol: int | None = None) -> memoryvi
     else:  # a subclass may set up its own table: extend whatever it made
         pickler = cls(buf, protocol)
         pickler.dispatch_table = DispatchTable((pickler.dispatch_table,))
-    with transfer.sending():
-        pickler.dump(obj)
+    try:
+        with transfer.sending():
+            pickler.dump(obj)
+    except errors.SharingError as exc:
+        if not _in_feeder_thread():
+            raise
+        return _failed_send(exc)
     return buf.getbuffer()
+
+
+# -- a failure in a queue's feeder thread (SPEC 16) ----------------------------------
+#
+# ``mp.Queue.put`` only buffers: its feeder thread pickles and writes later, and a
+# pickling error there is printed (a traceback per message) and the message dropped;
+# at the sender's exit, silently, with every message still buffered after it. The
+# receiver, where the user waits, then waits for ever. So a *sharing* failure there
+# (a SharingError: descriptors or shared memory run out, the broker gone, a non-leaf
+# tensor that requires grad) is sent in the message's place, as bytes whose load
+# raises it: the receiver's get() raises, the sender logs it once.
+#
+# Only sharing failures: an object that cannot be pickled at all (a lambda, a lock)
+# fails the same way in every run and with or without shmreduce, and multiprocessing
+# documents where that error goes; registering shmreduce does not change it. Only
+# queues that keep multiprocessing's own ``_on_queue_feeder_error``: a queue that
+# overrides it (ProcessPoolExecutor's call queue fails the future there) hears its
+# errors as before.
+
+# Both private, so absent from typeshed; present from 3.8 to 3.13.
+_FEED = multiprocessing.queues.Queue._feed.__code__  # type: ignore[attr-defined]
+_DEFAULT_ONERROR = multiprocessing.queues.Queue._on_queue_feeder_error  # type: ignore[attr-defined]
+_failures_logged: set[type] = set()
+
+
+def _in_feeder_thread() -> bool:
+    """Whether ``ForkingPickler.dumps`` was called by a multiprocessing queue's feeder
+    thread (``Queue._feed``) whose queue keeps the default error hook."""
+    frame = sys._getframe(2)  # _forking_dumps's caller (the classmethod adds no frame)
+    if frame.f_code is not _FEED:
+        return False
+    onerror = frame.f_locals.get("onerror")  # a staticmethod's function, or an override's bound method
+    return getattr(onerror, "__func__", onerror) is _DEFAULT_ONERROR
+
+
+def _failed_send(exc: errors.SharingError) -> memoryview:
+    pid = os.getpid()
+    level = logging.DEBUG if type(exc) in _failures_logged else logging.WARNING
+    _failures_logged.add(type(exc))
+    log.log(
+        level,
+        "a message put on a multiprocessing queue could not be shared; its receiver's get() raises this instead of loading it%s: %s",
+        "" if level == logging.DEBUG else " (further such failures of this process are logged at DEBUG)",
+        exc,
+    )
+    failure = errors.failed_send(exc, pid)
+    return memoryview(pickle.dumps(_RaiseOnLoad(str(failure))))
+
+
+class _RaiseOnLoad:
+    """Pickles as a call that raises SharingError with *message* when loaded."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def __reduce__(self) -> tuple:
+        return errors.raise_failed_send, (self.message,)
 
 
 def _forking_loads(data: Any, /, **kwargs: Any) -> Any:
@@ -236,7 +306,11 @@ class _Inherit:
 def _inherit(prog: program.Program, strategy_name: str, use_cloudpickle: bool = False) -> _Inherit:
     if program.peek() is None:
         program.adopt(prog)
-    register(strategy=strategy_name, cloudpickle=use_cloudpickle)
+    if _registered:  # by its main module's top level: the parent's strategy is the program's
+        _strategy.set_sharing_strategy(strategy_name)
+        register(cloudpickle=use_cloudpickle)
+    else:
+        register(strategy=strategy_name, cloudpickle=use_cloudpickle)
     return _Inherit()
 
 
@@ -256,14 +330,16 @@ def register(*, strategy: str | None = None, cloudpickle: bool | None = None) ->
     makes queues and pipes pickle with cloudpickle (lambdas, closures, local
     classes), the way loky lets users choose its pickler; ``unregister()`` undoes it.
     """
-    global _registered, _use_cloudpickle
-    if strategy is not None:
-        _set_strategy(strategy)
-    if cloudpickle is not None:
-        _use_cloudpickle = bool(cloudpickle)
+    global _registered, _use_cloudpickle, _strategy_before
     with _lock:
+        before = _strategy.get_sharing_strategy()
+        if strategy is not None:
+            _register_strategy(strategy, before)
+        if cloudpickle is not None:
+            _use_cloudpickle = bool(cloudpickle)
         if _registered:
             return
+        _strategy_before = before
         import torch.multiprocessing  # noqa: F401  torch's reducers first, so we record them
 
         patches.install(_forking_dumps, _forking_loads, _table(), _Inherit())
@@ -275,10 +351,40 @@ def register(*, strategy: str | None = None, cloudpickle: bool | None = None) ->
         if not _inheriting():
             program.current()
             _sweep_dead_programs()
+            _warn_of_workers_started_before()
         # The fd strategy holds one descriptor per received storage (#973): raise the
         # soft limit to the hard one, as servers do.
         _platform.raise_nofile_limit()
         _registered = True
+
+
+_workers_warned = False
+
+
+def _warn_of_workers_started_before() -> None:
+    """Warn, once a process, of the children that run without shmreduce: started
+    before the first ``register()`` (no marker in their process config, which
+    multiprocessing copied when it made them), they keep torch's reducers, and what
+    they send back does not go through shmreduce (issue 38, item 2). A user must act
+    on it (SPEC 13): move ``register()`` before the Pool, DataLoader or Process."""
+    global _workers_warned
+    if _workers_warned:
+        return
+    unregistered = [p for p in multiprocessing.active_children() if patches.CONFIG_KEY not in getattr(p, "_config", {})]
+    if not unregistered:
+        return
+    _workers_warned = True
+    names = ", ".join(f"{p.name} (pid {p.pid})" for p in unregistered[:8]) + (
+        f" and {len(unregistered) - 8} more" if len(unregistered) > 8 else ""
+    )
+    log.warning(
+        "shmreduce.register() was called after %d worker process(es) of this process started: %s. "
+        "They run with torch's reducers: what they send does not go through shmreduce. Call "
+        "shmreduce.register() before you create the Pool, ProcessPoolExecutor, DataLoader "
+        "(persistent_workers) or Process, e.g. first thing in your main module",
+        len(unregistered),
+        names,
+    )
 
 
 def _sweep_dead_programs() -> None:
@@ -293,17 +399,43 @@ def _sweep_dead_programs() -> None:
         pass  # a base we cannot read: its owner's to clean
 
 
-def _set_strategy(name: str) -> None:
-    _strategy.set_sharing_strategy(name)
+# What register() did to the strategy, for unregister() to undo (issue 38, item 6): the
+# strategy before the first register(), and the one register(strategy=...) set last.
+_strategy_before: str | None = None
+_strategy_set: str | None = None
+
+
+def _register_strategy(name: str, current: str) -> None:
+    """``register(strategy=name)``: set it; said if it switches a registered
+    program's strategy (a second caller overriding the first, silently before)."""
+    global _strategy_set
+    _strategy.set_sharing_strategy(name)  # ValueError first: nothing changed
+    _strategy_set = name
+    if _registered and name != current:
+        log.warning(
+            "shmreduce.register(strategy=%r) switched this registered process's sharing strategy from %r "
+            "(set by an earlier register() or the toggle) to %r: storages shared from now on use %r. To "
+            "switch on purpose, call shmreduce.set_sharing_strategy(); to keep one, pass the same strategy "
+            "to every register()",
+            name,
+            current,
+            name,
+            name,
+        )
 
 
 def unregister() -> None:
-    """Put back exactly the reducers installed before ``register()``. Idempotent."""
-    global _registered, _use_cloudpickle
+    """Put back exactly the reducers installed before ``register()``, and the strategy
+    before it if ``register(strategy=...)`` changed it (one set with the toggle since
+    is the user's and stays). Idempotent."""
+    global _registered, _use_cloudpickle, _strategy_before, _strategy_set
     with _lock:
         if not _registered:
             return
         patches.remove()
+        if _strategy_set is not None and _strategy_before is not None and _strategy.get_sharing_strategy() == _strategy_set:
+            _strategy.set_sharing_strategy(_strategy_before)
+        _strategy_before = _strategy_set = None
         _registered = False
         _use_cloudpickle = False
     broker.close_all()
@@ -320,7 +452,10 @@ def registered(strategy: str | None = None) -> Iterator[None]:
     """Register on enter; restore the previous registration and strategy on exit."""
     was_registered = _registered
     previous_strategy = _strategy.get_sharing_strategy()
-    register(strategy=strategy)
+    if was_registered and strategy is not None:
+        _strategy.set_sharing_strategy(strategy)  # a scoped switch, on purpose: no warning
+    else:
+        register(strategy=strategy)
     try:
         yield
     finally:

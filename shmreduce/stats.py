@@ -19,10 +19,15 @@ def stats() -> dict[str, Any]:
     costs one per segment this process does not map yet, as a receiver, or has not
     sent from yet, as a sender: its deposit);
     live_segments: segments with a storage (or a hold) alive here;
-    fds_held: descriptors open in this process;
-    segments_mapped / bytes_mapped / descriptors / segments_kept: the shared
-    segments this process maps, the descriptors they keep, those kept mapped for
-    reuse after their last storage died;
+    segments_mapped / bytes_mapped / segments_kept: the shared segments this process
+    maps, their bytes, those kept mapped for reuse after their last storage died;
+    descriptors: the descriptors shmreduce's segments keep open here: one per segment
+    this process made to send from (a memfd, or a file under 'file_system'); a
+    received segment keeps none once mapped. What grows with what you keep;
+    fds_held: every descriptor open in this process (``/proc/self/fd``): those above,
+    the broker connections and their ledger, and everyone else's (stdio, torch, your
+    files and sockets). What ``RLIMIT_NOFILE`` limits: ``descriptors`` is the part of
+    it shmreduce's memory holds;
     {fd,fs}_segments_made / _reused / _free / _waiting, {fd,fs}_free_bytes: this
     process's pools (see ``shmreduce.pool``): segments made, reused, free for reuse,
     waiting until their generation is free, and the bytes of the free ones.

@@ -2,7 +2,9 @@
 
 The value lives in ``torch.multiprocessing`` (its ``_sharing_strategy``), so
 ``shmreduce.set_sharing_strategy`` and ``torch.multiprocessing.set_sharing_strategy``
-are one toggle: setting either changes what both getters return.
+are one toggle: setting either changes what both getters return. While registered,
+torch's setter is ``patches``'s, which checks the name here first: an invalid one is
+the same ``ValueError`` from either (torch's own raises ``AssertionError``).
 """
 
 from __future__ import annotations
@@ -24,9 +26,15 @@ def get_sharing_strategy() -> str:
     return _tmp.get_sharing_strategy()
 
 
-def set_sharing_strategy(name: str) -> None:
-    """Select how new CPU storages are shared: 'file_descriptor' or 'file_system'."""
+def check(name: str) -> None:
+    """ValueError naming the valid strategies unless *name* is one: the one error of
+    both toggles (``patches`` makes torch's raise it too while registered)."""
     valid = get_all_sharing_strategies()
     if name not in valid:
         raise ValueError(f"invalid sharing strategy {name!r}; choose one of {sorted(valid)}")
+
+
+def set_sharing_strategy(name: str) -> None:
+    """Select how new CPU storages are shared: 'file_descriptor' or 'file_system'."""
+    check(name)
     _tmp.set_sharing_strategy(name)

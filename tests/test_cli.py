@@ -146,13 +146,19 @@ def test_cleanup_and_sweep_leave_a_directory_shmreduce_did_not_make():
 
 def test_cleanup_leaves_a_program_directory_that_may_be_starting():
     # Younger than STALE_MIN_AGE, its lock free: a launcher between making it and
-    # taking the lock. Both the sweep and cleanup --yes keep it.
+    # taking the lock, alive (its command line names the directory, as a launcher's
+    # does). Both the sweep and cleanup --yes keep it. (Without a live launcher, the
+    # lock free and nothing using it, cleanup removes it at once: issue 38, item 7,
+    # tests/test_doctor_stale.py.)
     young = _program_dir("shmreduce-00112233445566ff", 0)
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "shmreduce.broker.server", young, "1"])
     try:
         assert server.sweep_stale(shm_base()) == []
         out = _run("cleanup", "--yes")
         assert out.returncode == 0 and os.path.isdir(young), out.stdout
     finally:
+        launcher.kill()
+        launcher.wait()
         shutil.rmtree(young, ignore_errors=True)
 
 
