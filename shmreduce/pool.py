@@ -81,7 +81,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -98,6 +98,7 @@ POOL_IDLE = float(os.environ.get("SHMREDUCE_POOL_IDLE", "10"))
 KEPT_SEGMENTS = int(os.environ.get("SHMREDUCE_KEPT_SEGMENTS", "8"))
 REAP_PER_TAKE = 8  # waiting segments a take() looks at (Pool.reap): its cost, however much is kept
 _PAGE = mmap.PAGESIZE
+_T = TypeVar("_T")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _mmap = _libc.mmap
@@ -518,22 +519,23 @@ class Pool:
             return self.place(nbytes, source)
         seg = self.take(class_size(nbytes))
         offset = HEADER
+        token = self._twice(lambda last: self._begin(seg, retry=not last))
         try:
-            token = self._begin(seg, retry=True)
-        except OutOfSharedMemory:
-            # A full mount may be full of segments nobody uses any more: let go of
-            # them, and try once more.
-            self.full()
-            token = self._begin(seg, retry=False)
-        try:
-            try:
-                storage = seg.fill(token, offset, nbytes, source)
-            except OutOfSharedMemory:
-                self.full()
-                storage = seg.fill(token, offset, nbytes, source)
+            storage = self._twice(lambda last: seg.fill(token, offset, nbytes, source))
         finally:
             token.release()  # the maker's hold: failing, the token's death gives the segment back (settle)
         return seg, seg.gen, offset, storage, token
+
+    def _twice(self, attempt: Callable[[bool], _T]) -> _T:
+        """``attempt(False)``; on a full mount (which may be full of segments nobody
+        uses any more: ``full`` lets go of them) ``attempt(True)`` once more, outside
+        the first one's handler: one exception, its cause chained once."""
+        try:
+            return attempt(False)
+        except OutOfSharedMemory:
+            pass
+        self.full()
+        return attempt(True)
 
     def _begin(self, seg: Segment, retry: bool) -> Any:
         """*seg*'s new generation's token. A segment whose header cannot be written
@@ -551,11 +553,7 @@ class Pool:
         a generation spans many messages and ends only once the slab is full."""
         seg = self.take(SLAB_SIZE)
         if seg.filled < seg.size:
-            try:
-                seg.allocate()
-            except OutOfSharedMemory:
-                self.full()
-                seg.allocate()
+            self._twice(lambda last: seg.allocate())
         self.drop_slab()
         hold = self.local.slab = Hold(seg, self._begin(seg, retry=False), take=False)
         _native.set_slab(self.kind == "fs", hold.token)  # reduce() fills it too, once indexed

@@ -166,10 +166,10 @@ def _make_file(size: int) -> pool.Segment:
     try:
         return _new_file(size)
     except segments.ProgramDirectoryGone:
-        return _new_file(size)
+        pass  # made again by the next broker: once more, outside this handler
     except OutOfSharedMemory:
         _fs_full()
-        return _new_file(size)
+    return _new_file(size)
 
 
 def _fs_full() -> None:

@@ -1,7 +1,7 @@
 """A full file_system mount is one exception with its cause chained once (issue 38,
 item 3): ``OutOfSharedMemory`` was raised twice inside ``pool.place`` (about 45 lines
 per failed send, "During handling of the above exception, another exception
-occurred" included). The fix is in pool.py, by another change: until then, xfail."""
+occurred" included): the second try runs outside the first one's handler (``Pool._twice``)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,6 @@ def tiny_mount(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
-@pytest.mark.xfail(strict=True, reason="pool.py fix pending")
 def test_a_full_mount_is_one_out_of_shared_memory_with_its_cause_once(tiny_mount):
     env = dict(os.environ, SHMREDUCE_SHM_DIR=tiny_mount)
     done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120)
