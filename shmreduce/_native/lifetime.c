@@ -307,22 +307,24 @@ static PyObject *gen_place(GenObject *self, PyObject *const *args, Py_ssize_t na
     return put_storage(self, offset, nbytes, args[2] == Py_None ? NULL : args[2]);
 }
 
-PyDoc_STRVAR(gen_put_doc, "put(nbytes, source) -> (offset, UntypedStorage) | None\n\n"
-                          "place() of source (a storage, or None) at this slab's next free offset (claimed first); None "
-                          "if nbytes do not fit.");
+PyDoc_STRVAR(gen_put_doc, "put(nbytes, source, zero=True) -> (offset, UntypedStorage) | None\n\n"
+                          "place() of source (a storage, or None: zeros, or if not zero the bytes there as they are) at "
+                          "this slab's next free offset (claimed first); None if nbytes do not fit.");
 
 static PyObject *gen_put(GenObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PyLong_CheckExact(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "put(nbytes, source)");
+    if (nargs < 2 || nargs > 3 || !PyLong_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "put(nbytes, source, zero=True)");
         return NULL;
     }
     Py_ssize_t nbytes = PyLong_AsSsize_t(args[0]);
-    if (nbytes == -1 && PyErr_Occurred())
+    int zero = nargs < 3 ? 1 : PyObject_IsTrue(args[2]);
+    if ((nbytes == -1 && PyErr_Occurred()) || zero < 0)
         return NULL;
     Py_ssize_t offset = claim(self, nbytes);
     if (offset < 0)
         Py_RETURN_NONE;
-    PyObject *storage = put_storage(self, offset, nbytes, args[1] == Py_None ? NULL : args[1]);
+    PyObject *storage = args[1] == Py_None && !zero ? make_storage(self, offset, nbytes) /* claim() checked the range */
+                                                    : put_storage(self, offset, nbytes, args[1] == Py_None ? NULL : args[1]);
     return storage == NULL ? NULL : Py_BuildValue("(nN)", offset, storage);
 }
 
