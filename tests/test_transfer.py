@@ -410,7 +410,9 @@ def test_new_shared_in_reused_memory_is_not_zero_filled_and_is_this_programs(str
     s = transfer.new_shared(nbytes)
     assert _pool_stats(strategy)["segments_reused"] == before["segments_reused"] + 1, "the test needs reuse"
     seg = pool.segment_at(s.data_ptr(), nbytes)
-    assert seg is first and seg.pool is transfer._current_pool(), "new_shared() handed out memory this process did not make"
+    assert seg is not None and seg is first and seg.pool is transfer._current_pool(), (
+        "new_shared() handed out memory this process did not make"
+    )
     old = int((_bytes_of(s) == 0xAB).sum())
     transfer.let_go_slabs()
     del s
