@@ -95,6 +95,34 @@ def test_a_storage_aliases_the_mapping(memory, importer) -> None:
     gen.release()
 
 
+@pytest.mark.parametrize("streaming", [True, False])
+def test_large_copies_stream_or_not_with_equal_bytes(streaming: bool) -> None:
+    """Copies of 1 MiB and up into a segment bypass the cache where the CPU can (AVX2
+    non-temporal stores, the head and tail copied plainly): the bytes are those of
+    the plain path, at every alignment of either side and any length."""
+    size = LOW + (4 << 20)
+    m = mmap.mmap(-1, size)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    source = torch.randint(0, 256, ((3 << 20) + 200,), dtype=torch.uint8)
+    was = _native.set_streaming(streaming)
+    gen = _native.Gen(_Owner(), addr, size, 7, LOW)
+    gen.info = _MINE
+    try:
+        for at, skip, nbytes in [(LOW, 0, 1 << 20), (LOW + 1, 3, (1 << 20) + 127), (LOW + 33, 17, 3 << 20), (LOW + 64, 0, (2 << 20) + 1)]:
+            src = source[skip : skip + nbytes].clone()  # its own storage: the copy starts at its first byte
+            placed = gen.place(at, nbytes, src.untyped_storage())
+            got = torch.empty(0, dtype=torch.uint8).set_(placed)
+            assert torch.equal(got, src) and m[at : at + nbytes] == src.numpy().tobytes(), (at, skip, nbytes)
+            del got
+            del placed
+    finally:
+        _native.set_streaming(was)
+        gen.release()
+        with transfer._releases_lock:
+            gc.collect()
+            _drain()
+
+
 def test_place_copies_then_aliases(memory) -> None:
     m, addr = memory
     gen = _gen(addr)
