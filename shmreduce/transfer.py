@@ -315,7 +315,7 @@ def _deposit(seg: pool.Segment, storage: torch.UntypedStorage, gen: int) -> bool
         if fd is None:
             return False
         try:
-            client.segment(fd, header=gen != 0)
+            client.segment(fd, header=gen != 0, forward=True)  # another process made it
         finally:
             os.close(fd)
     seg.deposited = True

@@ -25,6 +25,7 @@ module's leak check (conftest) finds no broker, file or descriptor left.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -38,9 +39,12 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, Dataset
 
 from shmreduce import _native, program, transfer
 from shmreduce.broker import client as broker_client
+
+from helpers import let_go_now, wait_for
 
 FORK = mp.get_context("fork")
 TIMEOUT = 20.0  # any single wait
@@ -134,6 +138,162 @@ def _run_program(script: str, *args: str, env: dict[str, str] | None = None) -> 
         out, err = proc.communicate()
         return subprocess.CompletedProcess(proc.args, -signal.SIGKILL, out, err)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+# -- item 8: messages queued in a retired generation wait while their sender lives -------
+
+_RETIRED_SLAB = textwrap.dedent(
+    """
+    import gc, multiprocessing as mp, os, sys, time
+    import torch, shmreduce
+    from shmreduce import transfer
+
+    def receive(go, conn):
+        go.recv()
+        got = []
+        for i in range(10):
+            try:
+                t = conn.recv()
+                got.append("ok" if float(t.sum()) == 16.0 * i else "wrong bytes")
+            except shmreduce.SharingError as exc:
+                got.append(str(exc)[:120])
+        go.send(got)
+
+    shmreduce.register(strategy=sys.argv[1])
+    ctx = mp.get_context("fork")
+    go, go_r = ctx.Pipe()
+    to_r, r_end = ctx.Pipe()
+    r = ctx.Process(target=receive, args=(go_r, r_end))
+    r.start()  # before any tensor: it maps none of them
+    held = torch.ones(4)
+    held.share_memory_()  # in this thread's current slab
+    helper = ctx.Process(target=os._exit, args=(0,))
+    helper.start()  # retires what this process holds: the slab's generation
+    helper.join(10)
+    for i in range(10):
+        to_r.send(torch.full((16,), float(i)))  # queued in the pipe, in the same slab
+    del held
+    for _ in range(20):  # this sender goes on: its slab fills, and the next one is used
+        torch.zeros(16000).share_memory_()
+    gc.collect()
+    transfer.collect()
+    time.sleep(float(os.environ["SHMREDUCE_ORPHAN_TTL"]) + 1.5)  # this sender lives on
+    transfer.collect()
+    go.send("go")
+    assert go.poll(10), "the receiver did not answer"
+    print("RESULT", go.recv(), flush=True)
+    r.join(10)
+    """
+)
+
+
+@pytest.mark.parametrize("strategy_name", ["file_descriptor", "file_system"])
+def test_messages_queued_in_a_retired_generation_wait_while_their_sender_lives(strategy_name: str) -> None:
+    out = _run_program(_RETIRED_SLAB, strategy_name, env={"SHMREDUCE_ORPHAN_TTL": "1", "SHMREDUCE_BROKER_GRACE": "0.3"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
+    assert lines, out.stdout + out.stderr[-3000:]
+    got = eval(lines[0].removeprefix("RESULT "))  # noqa: S307  our own child's repr of a list of str
+    lost = [g for g in got if g != "ok"]
+    assert not lost, f"{len(lost)} of 10 messages of a live sender lost after SHMREDUCE_ORPHAN_TTL: {lost[:2]}"
+
+
+# -- item 9: forwarding what a finished process made -------------------------------------
+
+
+class _Numbers(Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((1024,), float(i))
+
+
+def test_batches_whose_workers_exited_are_forwarded(strategy: str) -> None:
+    """The main process keeps every 4th batch of an epoch (2 workers, not persistent);
+    once the workers exited it forwards them to a trainer: every one loads there."""
+    with receiver() as (_trainer, ask):
+        loader = DataLoader(_Numbers(), batch_size=2, num_workers=2, persistent_workers=False)
+        kept = [batch for i, batch in enumerate(loader) if i % 4 == 0]
+        del loader
+        gc.collect()
+        client = _client()
+        # The workers are gone and counted out: only this process is a client now.
+        assert wait_for(lambda: client.ping()["clients"] == 1, TIMEOUT), client.ping()
+        answers = [ask(batch) for batch in kept]
+        expected = [("ok", float(batch.sum())) for batch in kept]
+        loaded = sum(a == e for a, e in zip(answers, expected, strict=True))
+        assert loaded == len(kept), f"{loaded} of {len(kept)} forwarded batches loaded: {answers}"
+        del kept
+        let_go_now()
+
+
+# -- item 10: what an exited producer deposited does not stay at the broker --------------
+
+
+def _producer(conn: Any, i: int) -> None:
+    torch.set_num_threads(1)  # as in _loader
+    conn.send(torch.full((MiB_FLOATS,), float(i)))
+
+
+def _relay(source: Any, sink: Any, report: Any) -> None:
+    """Forward each message of *source* to *sink*, wait for its answer, drop it."""
+    torch.set_num_threads(1)  # as in _loader
+    while (t := source.recv()) is not None:
+        sink.send(t)
+        assert sink.poll(TIMEOUT), "the consumer did not answer"
+        answer = sink.recv()
+        del t
+        gc.collect()
+        transfer.collect()
+        report.send(answer)
+
+
+def _consumer(conn: Any) -> None:
+    torch.set_num_threads(1)  # as in _loader
+    while (t := conn.recv()) is not None:
+        total = float(t.sum())
+        del t
+        transfer.collect()
+        conn.send(total)
+
+
+@pytest.mark.parametrize("strategy", ["file_descriptor"], indirect=True)
+def test_a_relay_of_exited_producers_leaves_nothing_at_the_broker(strategy: str) -> None:
+    producers = 12
+    relay_in, to_relay = FORK.Pipe(duplex=False)
+    to_consumer, consumer_end = FORK.Pipe()
+    reports, report_end = FORK.Pipe(duplex=False)
+    consumer = FORK.Process(target=_consumer, args=(consumer_end,))
+    relay = FORK.Process(target=_relay, args=(relay_in, to_consumer, report_end))
+    procs = [consumer, relay]
+    try:
+        consumer.start()
+        relay.start()
+        for i in range(producers):
+            p = FORK.Process(target=_producer, args=(to_relay, i))
+            procs.append(p)
+            p.start()
+            p.join(TIMEOUT)
+            assert p.exitcode == 0, p.exitcode
+            assert reports.poll(TIMEOUT), "the relay did not forward"
+            assert reports.recv() == float(i) * MiB_FLOATS
+        client = _client()
+        assert wait_for(lambda: client.ping()["segments"] == 0, 5.0), (
+            f"memfds kept at the broker after every message was loaded and dropped and their producers exited: {client.ping()}"
+        )
+    finally:
+        to_relay.send(None)
+        relay.join(TIMEOUT)
+        to_consumer.send(None)
+        consumer.join(TIMEOUT)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for conn in (to_relay, relay_in, to_consumer, consumer_end, reports, report_end):
+            conn.close()
+    assert relay.exitcode == 0 and consumer.exitcode == 0, (relay.exitcode, consumer.exitcode)
 
 
 # -- item 11: a fork from a gc callback during the first share ---------------------------

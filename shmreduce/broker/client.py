@@ -448,10 +448,11 @@ class BrokerClient:
                 except OSError as exc:
                     raise self._broken(exc) from exc
 
-    def segment(self, fd: int, header: bool) -> None:
-        """This process sends refs to the memfd *fd* (*header*: a pooled segment): the
-        broker keeps its descriptor, by inode, for the receivers to fetch, while this
-        process lives and then while refs sent in it are not all loaded.
+    def segment(self, fd: int, header: bool, forward: bool = False) -> None:
+        """This process sends refs to the memfd *fd* (*header*: a pooled segment;
+        *forward*: one it received and sends on, not one it made): the broker keeps
+        its descriptor, by inode, for the receivers to fetch, while its maker uses it
+        and then while anything can reach it (protocol.py, "Lifetimes").
 
         A round trip, once per segment this process sends from: a deposit the broker
         could not keep (at its descriptor limit, the kernel dropped the descriptor) is
@@ -459,7 +460,8 @@ class BrokerClient:
         receiver finds it stale (issue 29, item 2)."""
         with self.lock:
             self._post_socket(start=True)  # this identity's ledger at the broker first, as for any record
-            _op, body, fds = self._round_trip(P.SEGMENT, b"h" if header else b"-", P.DEPOSITED, start=True, fds=[fd])
+            kind = (P.SEG_FORWARDED if forward else P.SEG_MADE) if header else P.SEG_TORCH
+            _op, body, fds = self._round_trip(P.SEGMENT, kind, P.DEPOSITED, start=True, fds=[fd])
             for extra in fds:
                 os.close(extra)
             if body == bytes([P.STATUS_LOST]):

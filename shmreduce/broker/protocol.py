@@ -116,10 +116,13 @@ and that every connection of a token comes from the pid of its first)
 
 Records after the handshake: ``op (1 byte) + key (16 bytes, unused: zeros) + body``,
 at most MAX_RECORD bytes. None has a reply but S, F and P.
-    S  segment   one memfd descriptor attached; body ``h`` (a pooled segment: it has
-                 a header) or ``-`` (a storage torch shared itself). This client sends
-                 refs to it: the broker keeps one descriptor per memfd (by inode),
-                 used by every client that deposited it. Reply ``s``: body = status
+    S  segment   one memfd descriptor attached; body ``h`` (a pooled segment this
+                 process made: it has a header), ``f`` (a pooled segment it received
+                 and sends on: it forwards what another process made) or ``-`` (a
+                 storage torch shared itself). This client sends refs to it: the broker
+                 keeps one descriptor per memfd (by inode), used by every client that
+                 deposited it; a forwarder's deposit is no use of it (see Lifetimes:
+                 the segment is kept while anything reaches it). Reply ``s``: body = status
                  (u8): 0 = kept; 2 = lost: the kernel dropped the descriptor, the
                  broker being at its descriptor limit (MSG_CTRUNC). The sender then
                  fails with a SharingError before any ref to it is sent (issue 29,
@@ -174,16 +177,28 @@ Lifetimes
     not map yet, whose descriptor went with it (the receiver's fetch is refused,
     stale). A sender sees its post connection's hang-up at its next message and
     deposits each memfd it keeps again with the new broker, with its next ref
-    (``tests/test_broker_kills.py``). A memfd or file nobody uses any more is closed
-    or unlinked at once if every ref sent in its current generation was loaded, else
-    kept ("draining") until they are, or for ``$SHMREDUCE_ORPHAN_TTL`` seconds
-    (default 60): a receiver can read what an exited sender put, and a program whose
-    workers come and go does not keep their unread messages for its whole life. A
-    memfd without a header whose depositor died is kept ORPHAN_TTL. The broker exits
-    once it has had no client for GRACE seconds and either keeps nothing draining or
-    the program's root process is gone; on exit it closes every descriptor and
-    removes the program directory. One that stays when its last client leaves logs
-    (DEBUG) the segments it stays for, with their headers.
+    (``tests/test_broker_kills.py``).
+
+    What keeps a segment (the rule every timer follows, SPEC 15: a timer frees only
+    what no message or holder can reach any more). A memfd or file is kept while its
+    maker uses it (deposited with ``h``, or held: in its pool); then, nobody using
+    it (``Broker._reach``), while a process holds its generation (the header's
+    holders, each counted out at its death from its ledger: a receiver may forward
+    what an exited maker made, issue 36, item 9), or while refs sent in its
+    generation are not all loaded and one of their senders lives (its maker, a
+    forwarder that deposited it with ``f``: a generation retired by a fork keeps
+    its queued messages however long they wait, item 8), or ``$SHMREDUCE_ORPHAN_TTL``
+    seconds (default 60) after the last such sender died: a receiver can read what
+    an exited sender put, and a program whose workers come and go does not keep
+    their unread messages for its whole life. Else it is closed or unlinked at once:
+    a relay's deposits of what exited producers made go once loaded and dropped
+    (item 10). A memfd without a header whose depositor died is kept ORPHAN_TTL. A
+    hold that is never counted out (its process died while no broker ran) keeps its
+    segment at the broker until the program's root exits. The broker exits once it
+    has had no client for GRACE seconds and either keeps nothing draining or the
+    program's root process is gone; on exit it closes every descriptor and removes
+    the program directory. One that stays when its last client leaves logs (DEBUG)
+    the segments it stays for, with their headers.
 
 Failures
     Any bad record, failed handshake or I/O error costs only the connection it came
@@ -238,6 +253,9 @@ ROLE_REQUEST = b"q"
 ROLE_POST = b"o"
 
 SEGMENT = b"S"
+SEG_MADE = b"h"  # a segment record's body: a pooled segment this process made
+SEG_TORCH = b"-"  # a storage torch shared itself (no header)
+SEG_FORWARDED = b"f"  # a pooled segment this process received and sends on
 DEPOSITED = b"s"
 DROP = b"X"
 FETCH = b"F"
