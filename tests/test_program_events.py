@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from shmreduce import _native, program, transfer
 from shmreduce.broker import client as broker_client
+from shmreduce.cache import cache
 
 from helpers import let_go_now, wait_for
 
@@ -138,6 +139,42 @@ def _run_program(script: str, *args: str, env: dict[str, str] | None = None) -> 
         out, err = proc.communicate()
         return subprocess.CompletedProcess(proc.args, -signal.SIGKILL, out, err)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+# -- item 6: a broker restart forgets nothing a live process holds ------------------------
+
+
+@pytest.mark.parametrize("how", ["exit", "sigkill"])
+def test_a_receiver_holding_across_a_broker_restart_is_counted_out_at_its_death(strategy: str, how: str) -> None:
+    """R keeps a 1 MiB tensor; the broker is SIGKILLed and a new one starts; R loads one
+    more message (its ledger goes to the new broker), then exits or is SIGKILLed still
+    holding the first: the new broker counts it out of the first generation too."""
+    with receiver(keep=True) as (proc, ask):
+        first = torch.full((MiB_FLOATS,), 1.0)
+        assert ask(first) == ("ok", float(MiB_FLOATS))
+        place = cache.place_of(first.untyped_storage())
+        assert place is not None
+        seg = place.segment
+        del place
+        assert _holders(seg.addr) == 1  # R holds it
+        client = _client()
+        old = client.broker_pid
+        os.kill(old, signal.SIGKILL)
+        assert wait_for(lambda: not os.path.exists(program.current().directory), TIMEOUT)
+        second = torch.full((MiB_FLOATS,), 2.0)
+        assert ask(second) == ("ok", 2.0 * MiB_FLOATS)  # a new broker; R's ledger goes there
+        assert client.broker_pid not in (0, old)
+        del first, second
+        let_go_now()
+        if how == "sigkill":
+            assert proc.pid is not None
+            os.kill(proc.pid, signal.SIGKILL)
+        else:
+            ask(EXIT)
+        proc.join(TIMEOUT)
+        assert wait_for(lambda: _holders(seg.addr) == 0, 5.0), (
+            f"R's hold of a generation it took before the broker restart was never counted out: header {_native.hdr_read(seg.addr)}"
+        )
 
 
 # -- item 8: messages queued in a retired generation wait while their sender lives -------

@@ -469,6 +469,19 @@ class BrokerClient:
             if body != bytes([P.STATUS_OK]):
                 raise self._broken(P.ProtocolError(f"bad deposit reply {body[:16]!r}"))
 
+    def segment_file(self, fd: int, name: str) -> None:
+        """This process holds the file *name* it made, which went with a broker that
+        died (its directory removed): the new broker gets its descriptor *fd* (still
+        the caller's), to read its header when a process that holds its generation
+        dies (issue 36, item 6). Let go of as a hold (``release``)."""
+        with self.lock:
+            self._post_socket(start=True)
+            _op, body, fds = self._round_trip(P.SEGMENT, P.SEG_FILE + P.encode_names([name]), P.DEPOSITED, start=True, fds=[fd])
+            for extra in fds:
+                os.close(extra)
+            if body != bytes([P.STATUS_OK]):
+                raise self._broken(P.ProtocolError(f"bad deposit reply {body[:16]!r}"))
+
     def drop(self, inos: list[int]) -> None:
         """This process no longer sends refs to these memfds (closed: out of its pool)."""
         for i in range(0, len(inos), P.INOS_PER_RECORD):

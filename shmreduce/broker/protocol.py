@@ -56,10 +56,16 @@ Segments and generations (``shmreduce/pool.py``, ``shmreduce/transfer.py``)
                 process never loaded keeps its generation from being reused while
                 its owner lives (as torch's file_descriptor strategy keeps it through
                 its sender's resource sharer), and at most ORPHAN_TTL after.
-    broker death the headers live in the segments, not in the broker: clients
-                reconnect and post their ledgers again. A process that dies while
-                no broker runs is never counted out: its holds pin their
-                generations (not reused) for their owners' lifetimes.
+    broker death the headers live in the segments, not in the broker, and the ledgers
+                in memfds their processes own: clients reconnect and post their
+                ledgers again, and every owner brings the new broker the segments it
+                keeps (``transfer._bring_back``): the new broker counts a process out
+                of whatever its ledger holds, taken before the restart or after, as
+                the old one would have (an entry of a segment nobody brought yet waits
+                for it: ``Broker.unreached``). A process that dies while no broker
+                runs, or before it posted its ledger to the new one, is never counted
+                out: its holds pin their generations (not reused) for their owners'
+                lifetimes.
 
     So in a steady stream, where every segment a message uses is known to the broker
     and mapped by its receiver, a message costs no record to the broker from either
@@ -122,7 +128,11 @@ at most MAX_RECORD bytes. None has a reply but S, F and P.
                  storage torch shared itself). This client sends refs to it: the broker
                  keeps one descriptor per memfd (by inode), used by every client that
                  deposited it; a forwarder's deposit is no use of it (see Lifetimes:
-                 the segment is kept while anything reaches it). Reply ``s``: body = status
+                 the segment is kept while anything reaches it). Body ``n`` and a file
+                 name: a file this process made and holds whose directory went with a
+                 broker that died: its descriptor, through which the broker reads its
+                 header (as H otherwise, and nothing to unlink at its release). Reply
+                 ``s``: body = status
                  (u8): 0 = kept; 2 = lost: the kernel dropped the descriptor, the
                  broker being at its descriptor limit (MSG_CTRUNC). The sender then
                  fails with a SharingError before any ref to it is sent (issue 29,
@@ -171,12 +181,18 @@ Lifetimes
     go of). Where a pidfd cannot be had (a kernel before 5.3), a client is counted out
     at its last close, as before.
 
-    A broker killed loses the messages in flight at that moment, no others: under
-    ``file_system`` refs to files its directory took with it (unless the receiver
-    maps them already); under ``file_descriptor`` refs to a memfd the receiver does
-    not map yet, whose descriptor went with it (the receiver's fetch is refused,
-    stale). A sender sees its post connection's hang-up at its next message and
-    deposits each memfd it keeps again with the new broker, with its next ref
+    What a broker killed keeps, and what it loses (issue 36, item 6). Kept: every
+    header (in the segments), every ledger (its process's memfd, posted again on
+    its next connection), every memfd and file a live owner keeps (it brings them
+    to the new broker when it connects: ``transfer._bring_back``), so every hold is
+    counted out exactly at its holder's death. Lost: the messages in flight at that
+    moment whose bytes only it kept: under ``file_system`` refs to files its
+    directory took with it (unless the receiver maps them already: the new broker
+    gets their owner's descriptor, for the headers only); under
+    ``file_descriptor`` refs to a memfd the receiver does not map yet whose owner
+    died, or has not connected to the new broker yet (its fetch is refused,
+    stale); a memfd torch shared itself, until its depositor sends it again. A
+    sender sees its post connection's hang-up at its next message
     (``tests/test_broker_kills.py``).
 
     What keeps a segment (the rule every timer follows, SPEC 15: a timer frees only
@@ -256,6 +272,7 @@ SEGMENT = b"S"
 SEG_MADE = b"h"  # a segment record's body: a pooled segment this process made
 SEG_TORCH = b"-"  # a storage torch shared itself (no header)
 SEG_FORWARDED = b"f"  # a pooled segment this process received and sends on
+SEG_FILE = b"n"  # then a file's name: a file of this process's pool gone with a dead broker
 DEPOSITED = b"s"
 DROP = b"X"
 FETCH = b"F"

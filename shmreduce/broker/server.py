@@ -162,6 +162,9 @@ class Broker:
         self.pidfds: dict[int, int] = {}
         self.pids: dict[int, int] = {}
         self.departed: list[_Client] = []  # gone holding generations: counted out once every post connection is read
+        # Ledger entries of dead processes in segments the broker knows no descriptor or
+        # file of (yet), by segment: counted out when one comes (_count_out_unreached).
+        self.unreached: dict[int | str, list[tuple[int, int]]] = {}
         self.records: dict[str, int] = {}  # records read, by op: how often clients need the broker
         self.ledger_bytes_read = 0  # what it read of ledgers (at deaths; a full ping): a plain ping reads none
         self.reading = False
@@ -206,6 +209,7 @@ class Broker:
         if not forward and ino not in client.segs:
             client.segs.add(ino)
             self._use(seg)
+        self._count_out_unreached(seg)
 
     def _sends(self, client: _Client, seg: _Segment) -> None:
         """*client* sends refs in *seg*: while it lives, they keep *seg* (see ``_reach``)."""
@@ -213,16 +217,34 @@ class Broker:
             seg.senders.add(client)
             client.sent.add(seg)
 
-    def _hold(self, client: _Client, names) -> None:
+    def _hold(self, client: _Client, names, fd: int = -1) -> None:
+        """*client* made these files and holds them. *fd*: one file's descriptor, its
+        file gone (its directory went with a broker that died): its header is read
+        through it, and nothing is unlinked at its close (issue 36, item 6)."""
         for name in names:
             if name in client.holds or not P.is_segment_name(name):
                 continue
             seg = self.files.get(name)
             if seg is None:
                 seg = self.files[name] = _Segment(name, -1, True)
+            if fd >= 0 and seg.fd < 0:
+                _unmap_header(seg)
+                seg.fd, fd, seg.header = fd, -1, True
             client.holds.add(name)
             self._sends(client, seg)
             self._use(seg)
+            self._count_out_unreached(seg)
+        if fd >= 0:
+            os.close(fd)
+
+    def _count_out_unreached(self, seg: _Segment) -> None:
+        """Count out of *seg* what the ledgers of dead processes said they held in it
+        while the broker could not reach it (it knew no descriptor or file of it: a
+        broker restarted, and its owner had not come back yet): exactly as at their
+        deaths (``_let_go_gens``)."""
+        pending = self.unreached.pop(seg.key, None)
+        if pending:
+            self._count_out_entries(seg, pending)
 
     def _use(self, seg: _Segment) -> None:
         seg.users += 1
@@ -348,6 +370,10 @@ class Broker:
             self.memfds.pop(seg.key, None)
             os.close(seg.fd)
             seg.fd = -1
+        elif seg.fd >= 0:  # a file gone with a broker that died: its descriptor
+            self.files.pop(seg.key, None)
+            os.close(seg.fd)
+            seg.fd = -1
         else:
             self.files.pop(seg.key, None)
             try:
@@ -369,13 +395,28 @@ class Broker:
 
     def _let_go_gens(self, client: _Client) -> None:
         """A receiver died: count it out of the holders of every generation its
-        ledger says it holds (a segment the broker no longer keeps is unmapped
-        wherever it was, or went with its owner: nobody reuses it)."""
+        ledger says it holds. An entry of a segment the broker keeps no descriptor or
+        file of waits in ``unreached`` until one comes (its owner, back after a broker
+        restart, deposits what it keeps: issue 36, item 6), and is counted out then,
+        as here; a segment nobody brings again was let go of by its owner (closed, or
+        dead: nobody reuses it)."""
+        found: dict[int | str, list[tuple[int, int]]] = {}
         for key, gen, state in self._ledger_holds(client.ledger):
+            found.setdefault(key, []).append((gen, state))
+        for key, entries in found.items():
             seg = self.memfds.get(key) if isinstance(key, int) else self.files.get(key)
-            if seg is None or self._header(seg) is None:
-                continue
-            try:
+            if seg is None:
+                self.unreached.setdefault(key, []).extend(entries)
+            else:
+                self._count_out_entries(seg, entries)
+        _close_ledger(client)
+
+    def _count_out_entries(self, seg: _Segment, entries: list[tuple[int, int]]) -> None:
+        """Count a dead process out of *seg*: its ledger's (generation, state) entries of it."""
+        if self._header(seg) is None:
+            return
+        try:
+            for gen, state in entries:
                 if state == P.HELD:
                     _native.hdr_unhold(seg.addr, gen)
                 elif state == P.TAKING:
@@ -384,9 +425,8 @@ class Broker:
                     _native.hdr_retire_any(seg.addr)
                 else:  # DROPPING: counted out of its own generation, or not yet
                     _native.hdr_retire(seg.addr, gen)
-            except OSError:
-                self._truncated(seg)
-        _close_ledger(client)
+        except OSError:
+            self._truncated(seg)
 
     def _ledger_holds(self, fd: int) -> list[tuple[int | str, int, int]]:
         """(segment, generation, state) of what the ledger *fd* says its client holds;
@@ -727,8 +767,13 @@ class Broker:
                     raise P.ProtocolError("a segment record comes on the request connection: it is answered")
                 if lost:
                     status = P.STATUS_LOST  # its sender fails, before any ref to it is sent
-                elif len(fds) != 1 or body not in (P.SEG_MADE, P.SEG_TORCH, P.SEG_FORWARDED):
+                elif len(fds) != 1 or not (body in (P.SEG_MADE, P.SEG_TORCH, P.SEG_FORWARDED) or body.startswith(P.SEG_FILE)):
                     raise P.ProtocolError("a segment record carries one descriptor and its kind")
+                elif body.startswith(P.SEG_FILE):
+                    names = P.decode_names(body[len(P.SEG_FILE) :])
+                    if len(names) != 1:
+                        raise P.ProtocolError("a file's segment record names one file")
+                    self._hold(client, names, fds.pop())
                 else:
                     self._deposit(client, fds.pop(), body != P.SEG_TORCH, forward=body == P.SEG_FORWARDED)
                     status = P.STATUS_OK
