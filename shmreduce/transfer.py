@@ -341,7 +341,7 @@ def _deposit(seg: pool.Segment, storage: torch.UntypedStorage, gen: int) -> bool
         if fd is None:
             return False
         try:
-            client.segment(fd, header=gen != 0)
+            client.segment(fd, header=gen != 0, forward=True)  # another process made it
         finally:
             os.close(fd)
     seg.deposited = True
@@ -787,6 +787,31 @@ def _on_connect(client: broker.BrokerClient) -> None:
         client.hold(kept)
     _fs_pool.retire_where(file_gone)
     pool.seal_where(file_gone)
+    if directory == _program_dir():
+        _bring_back(client, file_gone)
+
+
+def _bring_back(client: broker.BrokerClient, file_gone: Callable[[pool.Segment], bool]) -> None:
+    """A new broker: it gets every pooled segment this process keeps that another
+    process may hold or load (its header says so: holders, or refs not all loaded):
+    its memfds, and its files that went with the old broker's directory (by
+    descriptor), so that it reads their headers as the old one did: a process that
+    holds a generation of one and dies is counted out of it, whenever it took its hold
+    (issue 36, item 6: a receiver killed after a restart pinned the segment it held
+    from before for its owner's life). One round trip each, once per restart; a free
+    segment goes to it with its next ref, as before."""
+
+    def reachable(seg: pool.Segment) -> bool:
+        _gen, sent, loaded, holders = _native.hdr_read(seg.addr)
+        return seg.fd is not None and seg.gen != 0 and (holders > 0 or sent > loaded)
+
+    for seg in _fd_pool.owned():
+        if not seg.deposited and reachable(seg):
+            _quietly(client.segment, seg.fd, True)
+            seg.deposited = True
+    for seg in _fs_pool.owned():
+        if file_gone(seg) and reachable(seg):
+            _quietly(client.segment_file, seg.fd, seg.name)
 
 
 def _on_close(client: broker.BrokerClient) -> None:

@@ -27,7 +27,8 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 from shmreduce.broker import protocol as P
 from shmreduce.errors import SharingError, broker_gone, deposit_lost, stale_message, too_many_files
@@ -71,8 +72,36 @@ def _authkey() -> bytes:
 # so a child that forked before the hook ran changes nothing either (issue 19, item 3).
 # Registered and let go of under _launch_lock, which a fork waits for (a few
 # system calls at most): no descriptor of a launch is ever unregistered in a child.
+#
+# Lock order: _launch_lock is the innermost lock of this module (taken under a
+# client's lock, never the other way), and a fork's before-hook takes it. A fork
+# can come from the very thread inside the section: a collection set off by an
+# allocation there (``socket.socketpair``) runs gc callbacks and finalizers, which may
+# fork (issue 36, item 11: it waited for the lock its own thread held, for ever). So
+# the section records its thread (``_launch_owner``), and a fork from that thread
+# takes nothing: what the lock keeps whole is only ever changed by this thread, which
+# is stopped in the fork, so the child sees it as it was before or after one whole
+# step. The child then closes every launch socket registered by then; one made in
+# that very step and not registered yet stays open in it, which costs nothing (no
+# step of a launch waits for an end of file, and every one is close-on-exec).
 _launch_socks: set[socket.socket] = set()
 _launch_lock = threading.Lock()
+_launch_owner = 0  # the thread (threading.get_ident) inside a section under _launch_lock, else 0
+_fork_hold = threading.local()  # .taken: this thread's pending fork took _launch_lock
+
+
+@contextmanager
+def _launch_section() -> Iterator[None]:
+    """Hold _launch_lock, recording this thread as its holder (see above)."""
+    global _launch_owner
+    with _launch_lock:
+        _launch_owner = threading.get_ident()
+        try:
+            yield
+        finally:
+            _launch_owner = 0
+
+
 STATUS_FD = 3  # where the launcher finds its end of the status socket (server.STATUS_FD)
 
 
@@ -91,7 +120,7 @@ def start_broker(directory: str, root_pid: int) -> None:
     deadline = time.monotonic() + START_TIMEOUT
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
-    with _launch_lock:
+    with _launch_section():
         ours, pair = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # Its end for the launcher, away from 0-3, whatever this process has open there.
         theirs = socket.socket(fileno=fcntl.fcntl(pair.fileno(), fcntl.F_DUPFD_CLOEXEC, 10))
@@ -130,7 +159,7 @@ def start_broker(directory: str, root_pid: int) -> None:
 
 
 def _let_go_of_launch_socket(sock: socket.socket) -> None:
-    with _launch_lock:
+    with _launch_section():
         _launch_socks.discard(sock)
         sock.close()
 
@@ -419,10 +448,11 @@ class BrokerClient:
                 except OSError as exc:
                     raise self._broken(exc) from exc
 
-    def segment(self, fd: int, header: bool) -> None:
-        """This process sends refs to the memfd *fd* (*header*: a pooled segment): the
-        broker keeps its descriptor, by inode, for the receivers to fetch, while this
-        process lives and then while refs sent in it are not all loaded.
+    def segment(self, fd: int, header: bool, forward: bool = False) -> None:
+        """This process sends refs to the memfd *fd* (*header*: a pooled segment;
+        *forward*: one it received and sends on, not one it made): the broker keeps
+        its descriptor, by inode, for the receivers to fetch, while its maker uses it
+        and then while anything can reach it (protocol.py, "Lifetimes").
 
         A round trip, once per segment this process sends from: a deposit the broker
         could not keep (at its descriptor limit, the kernel dropped the descriptor) is
@@ -430,11 +460,25 @@ class BrokerClient:
         receiver finds it stale (issue 29, item 2)."""
         with self.lock:
             self._post_socket(start=True)  # this identity's ledger at the broker first, as for any record
-            _op, body, fds = self._round_trip(P.SEGMENT, b"h" if header else b"-", P.DEPOSITED, start=True, fds=[fd])
+            kind = (P.SEG_FORWARDED if forward else P.SEG_MADE) if header else P.SEG_TORCH
+            _op, body, fds = self._round_trip(P.SEGMENT, kind, P.DEPOSITED, start=True, fds=[fd])
             for extra in fds:
                 os.close(extra)
             if body == bytes([P.STATUS_LOST]):
                 raise deposit_lost()
+            if body != bytes([P.STATUS_OK]):
+                raise self._broken(P.ProtocolError(f"bad deposit reply {body[:16]!r}"))
+
+    def segment_file(self, fd: int, name: str) -> None:
+        """This process holds the file *name* it made, which went with a broker that
+        died (its directory removed): the new broker gets its descriptor *fd* (still
+        the caller's), to read its header when a process that holds its generation
+        dies (issue 36, item 6). Let go of as a hold (``release``)."""
+        with self.lock:
+            self._post_socket(start=True)
+            _op, body, fds = self._round_trip(P.SEGMENT, P.SEG_FILE + P.encode_names([name]), P.DEPOSITED, start=True, fds=[fd])
+            for extra in fds:
+                os.close(extra)
             if body != bytes([P.STATUS_OK]):
                 raise self._broken(P.ProtocolError(f"bad deposit reply {body[:16]!r}"))
 
@@ -740,7 +784,7 @@ exiting = False
 
 def _after_fork_in_child() -> None:
     # The inherited sockets are the parent's connections: never write on them.
-    global _clients_lock, _launch_lock, _ledgers_lock
+    global _clients_lock, _launch_lock, _launch_owner, _ledgers_lock
     for ledger in _ledgers.values():
         os.close(ledger.fd)  # the parent's: the child writes its own (its tokens' holds)
     _ledgers.clear()
@@ -754,6 +798,8 @@ def _after_fork_in_child() -> None:
     _close_inherited(list(_launch_socks))
     _launch_socks.clear()
     _launch_lock = threading.Lock()
+    _launch_owner = 0
+    _fork_hold.taken = False
 
 
 def _close_inherited(socks: list[socket.socket]) -> None:
@@ -768,11 +814,18 @@ def _close_inherited(socks: list[socket.socket]) -> None:
 
 
 def _before_fork() -> None:
-    _launch_lock.acquire()
+    # A fork from inside a launch section, on its own thread (a gc callback, a
+    # finalizer), takes nothing: it would wait for itself (see _launch_lock).
+    taken = _launch_owner != threading.get_ident()
+    if taken:
+        _launch_lock.acquire()
+    _fork_hold.taken = taken
 
 
 def _after_fork_in_parent() -> None:
-    _launch_lock.release()
+    if getattr(_fork_hold, "taken", False):
+        _fork_hold.taken = False
+        _launch_lock.release()
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)

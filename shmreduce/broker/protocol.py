@@ -56,10 +56,16 @@ Segments and generations (``shmreduce/pool.py``, ``shmreduce/transfer.py``)
                 process never loaded keeps its generation from being reused while
                 its owner lives (as torch's file_descriptor strategy keeps it through
                 its sender's resource sharer), and at most ORPHAN_TTL after.
-    broker death the headers live in the segments, not in the broker: clients
-                reconnect and post their ledgers again. A process that dies while
-                no broker runs is never counted out: its holds pin their
-                generations (not reused) for their owners' lifetimes.
+    broker death the headers live in the segments, not in the broker, and the ledgers
+                in memfds their processes own: clients reconnect and post their
+                ledgers again, and every owner brings the new broker the segments it
+                keeps (``transfer._bring_back``): the new broker counts a process out
+                of whatever its ledger holds, taken before the restart or after, as
+                the old one would have (an entry of a segment nobody brought yet waits
+                for it: ``Broker.unreached``). A process that dies while no broker
+                runs, or before it posted its ledger to the new one, is never counted
+                out: its holds pin their generations (not reused) for their owners'
+                lifetimes.
 
     So in a steady stream, where every segment a message uses is known to the broker
     and mapped by its receiver, a message costs no record to the broker from either
@@ -116,10 +122,17 @@ and that every connection of a token comes from the pid of its first)
 
 Records after the handshake: ``op (1 byte) + key (16 bytes, unused: zeros) + body``,
 at most MAX_RECORD bytes. None has a reply but S, F and P.
-    S  segment   one memfd descriptor attached; body ``h`` (a pooled segment: it has
-                 a header) or ``-`` (a storage torch shared itself). This client sends
-                 refs to it: the broker keeps one descriptor per memfd (by inode),
-                 used by every client that deposited it. Reply ``s``: body = status
+    S  segment   one memfd descriptor attached; body ``h`` (a pooled segment this
+                 process made: it has a header), ``f`` (a pooled segment it received
+                 and sends on: it forwards what another process made) or ``-`` (a
+                 storage torch shared itself). This client sends refs to it: the broker
+                 keeps one descriptor per memfd (by inode), used by every client that
+                 deposited it; a forwarder's deposit is no use of it (see Lifetimes:
+                 the segment is kept while anything reaches it). Body ``n`` and a file
+                 name: a file this process made and holds whose directory went with a
+                 broker that died: its descriptor, through which the broker reads its
+                 header (as H otherwise, and nothing to unlink at its release). Reply
+                 ``s``: body = status
                  (u8): 0 = kept; 2 = lost: the kernel dropped the descriptor, the
                  broker being at its descriptor limit (MSG_CTRUNC). The sender then
                  fails with a SharingError before any ref to it is sent (issue 29,
@@ -168,22 +181,40 @@ Lifetimes
     go of). Where a pidfd cannot be had (a kernel before 5.3), a client is counted out
     at its last close, as before.
 
-    A broker killed loses the messages in flight at that moment, no others: under
-    ``file_system`` refs to files its directory took with it (unless the receiver
-    maps them already); under ``file_descriptor`` refs to a memfd the receiver does
-    not map yet, whose descriptor went with it (the receiver's fetch is refused,
-    stale). A sender sees its post connection's hang-up at its next message and
-    deposits each memfd it keeps again with the new broker, with its next ref
-    (``tests/test_broker_kills.py``). A memfd or file nobody uses any more is closed
-    or unlinked at once if every ref sent in its current generation was loaded, else
-    kept ("draining") until they are, or for ``$SHMREDUCE_ORPHAN_TTL`` seconds
-    (default 60): a receiver can read what an exited sender put, and a program whose
-    workers come and go does not keep their unread messages for its whole life. A
-    memfd without a header whose depositor died is kept ORPHAN_TTL. The broker exits
-    once it has had no client for GRACE seconds and either keeps nothing draining or
-    the program's root process is gone; on exit it closes every descriptor and
-    removes the program directory. One that stays when its last client leaves logs
-    (DEBUG) the segments it stays for, with their headers.
+    What a broker killed keeps, and what it loses (issue 36, item 6). Kept: every
+    header (in the segments), every ledger (its process's memfd, posted again on
+    its next connection), every memfd and file a live owner keeps (it brings them
+    to the new broker when it connects: ``transfer._bring_back``), so every hold is
+    counted out exactly at its holder's death. Lost: the messages in flight at that
+    moment whose bytes only it kept: under ``file_system`` refs to files its
+    directory took with it (unless the receiver maps them already: the new broker
+    gets their owner's descriptor, for the headers only); under
+    ``file_descriptor`` refs to a memfd the receiver does not map yet whose owner
+    died, or has not connected to the new broker yet (its fetch is refused,
+    stale); a memfd torch shared itself, until its depositor sends it again. A
+    sender sees its post connection's hang-up at its next message
+    (``tests/test_broker_kills.py``).
+
+    What keeps a segment (the rule every timer follows, SPEC 15: a timer frees only
+    what no message or holder can reach any more). A memfd or file is kept while its
+    maker uses it (deposited with ``h``, or held: in its pool); then, nobody using
+    it (``Broker._reach``), while a process holds its generation (the header's
+    holders, each counted out at its death from its ledger: a receiver may forward
+    what an exited maker made, issue 36, item 9), or while refs sent in its
+    generation are not all loaded and one of their senders lives (its maker, a
+    forwarder that deposited it with ``f``: a generation retired by a fork keeps
+    its queued messages however long they wait, item 8), or ``$SHMREDUCE_ORPHAN_TTL``
+    seconds (default 60) after the last such sender died: a receiver can read what
+    an exited sender put, and a program whose workers come and go does not keep
+    their unread messages for its whole life. Else it is closed or unlinked at once:
+    a relay's deposits of what exited producers made go once loaded and dropped
+    (item 10). A memfd without a header whose depositor died is kept ORPHAN_TTL. A
+    hold that is never counted out (its process died while no broker ran) keeps its
+    segment at the broker until the program's root exits. The broker exits once it
+    has had no client for GRACE seconds and either keeps nothing draining or the
+    program's root process is gone; on exit it closes every descriptor and removes
+    the program directory. One that stays when its last client leaves logs (DEBUG)
+    the segments it stays for, with their headers.
 
 Failures
     Any bad record, failed handshake or I/O error costs only the connection it came
@@ -238,6 +269,10 @@ ROLE_REQUEST = b"q"
 ROLE_POST = b"o"
 
 SEGMENT = b"S"
+SEG_MADE = b"h"  # a segment record's body: a pooled segment this process made
+SEG_TORCH = b"-"  # a storage torch shared itself (no header)
+SEG_FORWARDED = b"f"  # a pooled segment this process received and sends on
+SEG_FILE = b"n"  # then a file's name: a file of this process's pool gone with a dead broker
 DEPOSITED = b"s"
 DROP = b"X"
 FETCH = b"F"

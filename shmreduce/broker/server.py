@@ -59,6 +59,8 @@ STALE_MIN_AGE = 10.0  # seconds; a younger directory may be a broker still start
 GRACE = float(os.environ.get("SHMREDUCE_BROKER_GRACE", "1.0"))
 ORPHAN_TTL = float(os.environ.get("SHMREDUCE_ORPHAN_TTL", "60"))  # see Lifetimes in protocol.py
 ACCEPT_PAUSE = 1.0  # seconds the broker stops accepting at its descriptor limit
+DRAIN_EVERY = 0.1  # seconds between two looks at the draining segments' headers
+LEDGER_SCAN_EVERY = 1.0  # seconds between two reads of every ledger (a held RETIRED generation's holders)
 
 log = logging.getLogger("shmreduce.broker")
 
@@ -73,13 +75,14 @@ class _Client:
     whose connections all closed (the broker dropped them: one bad record, an I/O
     error) stays known, and its new connections (same token, same pid) join it."""
 
-    __slots__ = ("token", "pid", "holds", "segs", "ledger", "ledger_key", "conns", "keeps", "watched", "dead")
+    __slots__ = ("token", "pid", "holds", "segs", "sent", "ledger", "ledger_key", "conns", "keeps", "watched", "dead")
 
     def __init__(self, token: bytes, pid: int) -> None:
         self.token = token
         self.pid = pid  # its first connection's peer: every later connection's must be the same
         self.holds: set[str] = set()  # segment files it holds (their owner)
         self.segs: set[int] = set()  # memfds it deposited, by inode
+        self.sent: set[_Segment] = set()  # segments it sends refs in (deposited, forwarded or held), let go of or not
         self.ledger = -1  # its ledger's memfd (protocol.py, "Ledger"), read once it is gone
         self.ledger_key = 0  # that memfd's identity (protocol.identity)
         self.conns = 0
@@ -116,18 +119,20 @@ class _Handshake:
 
 class _Segment:
     """A segment the broker keeps for the program: a memfd (its descriptor, by inode)
-    or a file of the program directory (by name). Kept while a client uses it (a
-    memfd's depositors, a file's holders), then while refs sent in its current
-    generation are not all loaded (read in its shared header), at most ORPHAN_TTL."""
+    or a file of the program directory (by name). Kept while a client uses it (its
+    maker: a memfd's depositor, a file's holder), then while anything can reach it
+    (``Broker._reach``): a process holds its generation, or refs sent in it wait to
+    be loaded while one of their senders lives, or ORPHAN_TTL after the last died."""
 
-    __slots__ = ("key", "fd", "header", "users", "until", "map", "addr")
+    __slots__ = ("key", "fd", "header", "users", "senders", "until", "map", "addr")
 
     def __init__(self, key: int | str, fd: int, header: bool) -> None:
         self.key = key
         self.fd = fd  # a memfd's; -1 for a file
         self.header = header  # pooled: the first HEADER bytes are the generation and its counters
         self.users = 0
-        self.until = 0.0  # once no client uses it: when it goes whatever is in flight
+        self.senders: set[_Client] = set()  # live clients that sent refs in it (its makers and forwarders)
+        self.until = 0.0  # once only refs of dead senders reach it: when it goes, loaded or not; 0: not timed
         self.map: mmap.mmap | None = None  # its header, once read
         self.addr = 0
 
@@ -147,13 +152,19 @@ class Broker:
         self.clients: dict[bytes, _Client] = {}
         self.memfds: dict[int, _Segment] = {}  # inode -> deposited memfd
         self.files: dict[str, _Segment] = {}  # name -> held file
-        self.draining: set[_Segment] = set()  # no user left, refs still in flight
+        self.draining: set[_Segment] = set()  # no user left, still reachable (``_reach``)
+        self.drained_at = float("-inf")
+        self.ledgers_read_at = float("-inf")
+        self.ledger_holds: set[tuple[int | str, int]] = set()  # _held_in_ledgers
         # pid -> pidfd of every client process known here, and back (issue 27: a
         # process is counted out once the kernel says it died, never because a
         # connection of it closed).
         self.pidfds: dict[int, int] = {}
         self.pids: dict[int, int] = {}
         self.departed: list[_Client] = []  # gone holding generations: counted out once every post connection is read
+        # Ledger entries of dead processes in segments the broker knows no descriptor or
+        # file of (yet), by segment: counted out when one comes (_count_out_unreached).
+        self.unreached: dict[int | str, list[tuple[int, int]]] = {}
         self.records: dict[str, int] = {}  # records read, by op: how often clients need the broker
         self.ledger_bytes_read = 0  # what it read of ledgers (at deaths; a full ping): a plain ping reads none
         self.reading = False
@@ -177,8 +188,11 @@ class Broker:
 
     # -- segments --------------------------------------------------------------
 
-    def _deposit(self, client: _Client, fd: int, header: bool) -> None:
-        """*client* sends refs to the memfd *fd* (taken over here): kept by inode."""
+    def _deposit(self, client: _Client, fd: int, header: bool, forward: bool = False) -> None:
+        """*client* sends refs to the memfd *fd* (taken over here): kept by inode.
+        *forward*: a pooled segment it received and sends on (it did not make it):
+        it is one of the segment's senders, not a user (issue 36, item 10: a relay's
+        deposit kept every memfd it forwarded for the relay's life)."""
         try:
             ino = P.identity(os.fstat(fd))
         except OSError:
@@ -187,52 +201,132 @@ class Broker:
         seg = self.memfds.get(ino)
         if seg is None:
             seg = self.memfds[ino] = _Segment(ino, fd, header)
+            if forward:
+                self.draining.add(seg)  # nobody uses it: kept while something reaches it
         else:
             os.close(fd)  # the one kept already serves
-        if ino not in client.segs:
+        self._sends(client, seg)
+        if not forward and ino not in client.segs:
             client.segs.add(ino)
             self._use(seg)
+        self._count_out_unreached(seg)
 
-    def _hold(self, client: _Client, names) -> None:
+    def _sends(self, client: _Client, seg: _Segment) -> None:
+        """*client* sends refs in *seg*: while it lives, they keep *seg* (see ``_reach``)."""
+        if client not in seg.senders:
+            seg.senders.add(client)
+            client.sent.add(seg)
+
+    def _hold(self, client: _Client, names, fd: int = -1) -> None:
+        """*client* made these files and holds them. *fd*: one file's descriptor, its
+        file gone (its directory went with a broker that died): its header is read
+        through it, and nothing is unlinked at its close (issue 36, item 6)."""
         for name in names:
             if name in client.holds or not P.is_segment_name(name):
                 continue
             seg = self.files.get(name)
             if seg is None:
                 seg = self.files[name] = _Segment(name, -1, True)
+            if fd >= 0 and seg.fd < 0:
+                _unmap_header(seg)
+                seg.fd, fd, seg.header = fd, -1, True
             client.holds.add(name)
+            self._sends(client, seg)
             self._use(seg)
+            self._count_out_unreached(seg)
+        if fd >= 0:
+            os.close(fd)
+
+    def _count_out_unreached(self, seg: _Segment) -> None:
+        """Count out of *seg* what the ledgers of dead processes said they held in it
+        while the broker could not reach it (it knew no descriptor or file of it: a
+        broker restarted, and its owner had not come back yet): exactly as at their
+        deaths (``_let_go_gens``)."""
+        pending = self.unreached.pop(seg.key, None)
+        if pending:
+            self._count_out_entries(seg, pending)
 
     def _use(self, seg: _Segment) -> None:
         seg.users += 1
         self.draining.discard(seg)
 
     def _unuse(self, seg: _Segment, died: bool) -> None:
-        """One user less; with none left, *seg* goes once nothing is in flight in it
-        (or ORPHAN_TTL from now). A segment without a header (a storage torch shared)
-        that its depositor *died* with is kept for ORPHAN_TTL: a receiver may still
-        load what that process sent. A file never made (a name held for later) goes."""
+        """One user less; with none left, *seg* goes once nothing reaches it
+        (``_reach``). A segment without a header (a storage torch shared) that its
+        depositor *died* with is kept for ORPHAN_TTL: a receiver may still load what
+        that process sent. A file never made (a name held for later) goes."""
         seg.users -= 1
         if seg.users > 0:
             return
-        if self._in_flight(seg) or (died and seg.fd >= 0 and not seg.header):
-            seg.until = time.monotonic() + ORPHAN_TTL
-            self.draining.add(seg)
-        else:
-            self._close(seg)
+        if isinstance(seg.key, int) and not seg.header:
+            if died:
+                seg.until = time.monotonic() + ORPHAN_TTL
+                self.draining.add(seg)
+            else:
+                self._close(seg)
+            return
+        self.draining.add(seg)
+        self._settle(seg, time.monotonic())
 
-    def _in_flight(self, seg: _Segment) -> bool:
-        """Whether refs sent in *seg*'s current generation are not all loaded yet (a
-        ref loaded again counts once: its ticket). A generation whose tickets ran past
-        the header's bitmap (UNCOUNTED) cannot tell: in flight until ORPHAN_TTL."""
+    # What keeps a segment nobody uses (``_reach``): the rule a timer follows (SPEC 15:
+    # a timer frees only what no message or holder can reach any more).
+    _HELD, _SENT, _ORPHANED, _UNREACHED = 0, 1, 2, 3
+
+    def _reach(self, seg: _Segment) -> int:
+        """What can still reach *seg*, whose users all let go of it:
+
+        _HELD       a process holds its generation (the header's holders: exact, each
+                    counted out at its death from its ledger): it may forward it, so
+                    the segment stays (issue 36, item 9: a file unlinked once sent ==
+                    loaded, under the DataLoader batches the main process forwarded).
+                    In a RETIRED generation the count may be one too many (a process
+                    killed mid-take or mid-let-go): there, a live process's ledger
+                    naming it decides (``_held_in_ledgers``), or a phantom hold would
+                    keep the segment for the program's life;
+        _SENT       refs sent in its generation are not all loaded (a ref loaded again
+                    counts once: its ticket; a generation whose tickets ran past the
+                    bitmap, UNCOUNTED, cannot tell) and one of their senders lives: they
+                    wait for it, however long (issue 36, item 8: a retired slab's
+                    messages were dropped at ORPHAN_TTL while their sender lived);
+        _ORPHANED   such refs, every sender dead: kept ORPHAN_TTL from then;
+        _UNREACHED  nothing: it goes now."""
         header = self._header(seg)
         if header is None:
-            return False
+            return self._UNREACHED
         try:
-            return header[1] > header[2] or bool(_native.hdr_flags(seg.addr) & _native.UNCOUNTED)
+            if header[3] > 0:
+                if not _native.hdr_flags(seg.addr) & _native.RETIRED or (seg.key, header[0]) in self._held_in_ledgers():
+                    return self._HELD
+            if header[1] <= header[2] and not _native.hdr_flags(seg.addr) & _native.UNCOUNTED:
+                return self._UNREACHED
         except OSError:
             self._truncated(seg)
-            return False
+            return self._UNREACHED
+        return self._SENT if seg.senders else self._ORPHANED
+
+    def _held_in_ledgers(self) -> set[tuple[int | str, int]]:
+        """(segment, generation) of every entry of every known client's ledger, read
+        at most every LEDGER_SCAN_EVERY seconds (only a held RETIRED generation asks)."""
+        now = time.monotonic()
+        if now - self.ledgers_read_at >= LEDGER_SCAN_EVERY:
+            self.ledgers_read_at = now
+            self.ledger_holds = {(key, gen) for c in self.clients.values() for key, gen, _state in self._ledger_holds(c.ledger)}
+        return self.ledger_holds
+
+    def _settle(self, seg: _Segment, now: float) -> None:
+        """*seg*, draining (no user), closed if nothing reaches it; timed while only
+        refs of dead senders do."""
+        reach = self._reach(seg)
+        if reach == self._UNREACHED:
+            self._close(seg)
+        elif reach == self._ORPHANED:
+            if not seg.until:
+                seg.until = now + ORPHAN_TTL
+            elif now >= seg.until:
+                log.debug("let go of segment %s: refs sent in it not loaded within %.0f s (SHMREDUCE_ORPHAN_TTL)", seg.key, ORPHAN_TTL)
+                self._close(seg)
+        else:
+            seg.until = 0.0
 
     def _header(self, seg: _Segment) -> tuple[int, int, int, int] | None:
         """(generation, sent, loaded, holders) of *seg*, or None if it has none."""
@@ -268,15 +362,22 @@ class Broker:
 
     def _close(self, seg: _Segment) -> None:
         self.draining.discard(seg)
+        for sender in seg.senders:
+            sender.sent.discard(seg)
+        seg.senders.clear()
         _unmap_header(seg)
-        if seg.fd >= 0:
-            self.memfds.pop(seg.key, None)  # type: ignore[arg-type]
+        if isinstance(seg.key, int):
+            self.memfds.pop(seg.key, None)
+            os.close(seg.fd)
+            seg.fd = -1
+        elif seg.fd >= 0:  # a file gone with a broker that died: its descriptor
+            self.files.pop(seg.key, None)
             os.close(seg.fd)
             seg.fd = -1
         else:
-            self.files.pop(str(seg.key), None)
+            self.files.pop(seg.key, None)
             try:
-                os.unlink(os.path.join(self.dir, str(seg.key)))
+                os.unlink(os.path.join(self.dir, seg.key))
             except FileNotFoundError:
                 pass
 
@@ -294,13 +395,28 @@ class Broker:
 
     def _let_go_gens(self, client: _Client) -> None:
         """A receiver died: count it out of the holders of every generation its
-        ledger says it holds (a segment the broker no longer keeps is unmapped
-        wherever it was, or went with its owner: nobody reuses it)."""
+        ledger says it holds. An entry of a segment the broker keeps no descriptor or
+        file of waits in ``unreached`` until one comes (its owner, back after a broker
+        restart, deposits what it keeps: issue 36, item 6), and is counted out then,
+        as here; a segment nobody brings again was let go of by its owner (closed, or
+        dead: nobody reuses it)."""
+        found: dict[int | str, list[tuple[int, int]]] = {}
         for key, gen, state in self._ledger_holds(client.ledger):
+            found.setdefault(key, []).append((gen, state))
+        for key, entries in found.items():
             seg = self.memfds.get(key) if isinstance(key, int) else self.files.get(key)
-            if seg is None or self._header(seg) is None:
-                continue
-            try:
+            if seg is None:
+                self.unreached.setdefault(key, []).extend(entries)
+            else:
+                self._count_out_entries(seg, entries)
+        _close_ledger(client)
+
+    def _count_out_entries(self, seg: _Segment, entries: list[tuple[int, int]]) -> None:
+        """Count a dead process out of *seg*: its ledger's (generation, state) entries of it."""
+        if self._header(seg) is None:
+            return
+        try:
+            for gen, state in entries:
                 if state == P.HELD:
                     _native.hdr_unhold(seg.addr, gen)
                 elif state == P.TAKING:
@@ -309,9 +425,8 @@ class Broker:
                     _native.hdr_retire_any(seg.addr)
                 else:  # DROPPING: counted out of its own generation, or not yet
                     _native.hdr_retire(seg.addr, gen)
-            except OSError:
-                self._truncated(seg)
-        _close_ledger(client)
+        except OSError:
+            self._truncated(seg)
 
     def _ledger_holds(self, fd: int) -> list[tuple[int | str, int, int]]:
         """(segment, generation, state) of what the ledger *fd* says its client holds;
@@ -326,12 +441,15 @@ class Broker:
         return P.ledger_holds(blob)
 
     def _drain(self, now: float) -> None:
-        """Close the segments nobody uses whose refs are all loaded, or whose time is up."""
+        """Close the segments nobody uses that nothing reaches any more, or whose time
+        is up (``_reach``); at most every DRAIN_EVERY seconds (a header read each)."""
+        if now - self.drained_at < DRAIN_EVERY:
+            return
+        self.drained_at = now
         for seg in list(self.draining):
-            in_flight = self._in_flight(seg) if seg.header else True
-            if not in_flight or now >= seg.until:
-                if in_flight and seg.header:
-                    log.debug("let go of segment %s: refs sent in it not loaded within %.0f s (SHMREDUCE_ORPHAN_TTL)", seg.key, ORPHAN_TTL)
+            if seg.header:
+                self._settle(seg, now)
+            elif now >= seg.until:  # a storage torch shared, its depositor dead
                 self._close(seg)
 
     def counters(self, full: bool = False) -> dict:
@@ -504,6 +622,9 @@ class Broker:
             self._read_posts()
         else:
             _close_ledger(client)  # it counts itself out (K), or holds nothing
+        for seg in client.sent:
+            seg.senders.discard(client)  # its refs still in flight keep their segments ORPHAN_TTL from now
+        client.sent.clear()
         self._drop_deposits(client, list(client.segs), died=True)
         self._release(client, list(client.holds), died=True)
         if client.watched and not any(c.pid == client.pid for c in self.clients.values()):
@@ -569,7 +690,8 @@ class Broker:
         with refs in flight, and its header."""
         parts = []
         for seg in list(self.draining)[:limit]:
-            parts.append(f"segment {seg.key} (header {self._header(seg)}, until {seg.until - time.monotonic():.0f} s from now)")
+            until = f"until {seg.until - time.monotonic():.0f} s from now" if seg.until else "while held or while a sender lives"
+            parts.append(f"segment {seg.key} (header {self._header(seg)}, {until})")
         if len(self.draining) > limit:
             parts.append(f"... {len(self.draining) - limit} more segment(s)")
         return "; ".join(parts) or "nothing"
@@ -645,10 +767,15 @@ class Broker:
                     raise P.ProtocolError("a segment record comes on the request connection: it is answered")
                 if lost:
                     status = P.STATUS_LOST  # its sender fails, before any ref to it is sent
-                elif len(fds) != 1 or body not in (b"h", b"-"):
+                elif len(fds) != 1 or not (body in (P.SEG_MADE, P.SEG_TORCH, P.SEG_FORWARDED) or body.startswith(P.SEG_FILE)):
                     raise P.ProtocolError("a segment record carries one descriptor and its kind")
+                elif body.startswith(P.SEG_FILE):
+                    names = P.decode_names(body[len(P.SEG_FILE) :])
+                    if len(names) != 1:
+                        raise P.ProtocolError("a file's segment record names one file")
+                    self._hold(client, names, fds.pop())
                 else:
-                    self._deposit(client, fds.pop(), body == b"h")
+                    self._deposit(client, fds.pop(), body != P.SEG_TORCH, forward=body == P.SEG_FORWARDED)
                     status = P.STATUS_OK
                 P.send_record(conn.sock, P.DEPOSITED, P.NO_KEY, bytes([status]))
             elif op == P.DROP:
