@@ -711,19 +711,13 @@ class Pool:
                     taken.append(seg)
         self._close_all(taken)
 
-    def _drop_waiting(self) -> None:
-        """Stop waiting for the segments whose generation is over here: each retired in
-        its header, then closed by the one transition that claims it (``end``)."""
-        for seg, gen in self.waiting.copy().values():
-            _native.hdr_retire(seg.addr, gen)
-            self.end(seg, gen, waited=True)
-
     def let_go(self) -> None:
-        """Drop this thread's current slab, every free segment, and those waiting for
-        their generation to be free (never reused: ``unregister()``)."""
+        """Drop this thread's current slab and every free segment (``unregister()``).
+        Those waiting for their generation to be free wait on: a message in flight in
+        one is loaded whenever its receiver gets to it, and each is closed, never
+        reused, once free (``give_back`` of a pool no longer active)."""
         self.drop_slab()
         self.active = False
-        self._drop_waiting()
         with self.lock:
             taken = self._trim_locked(lambda s: True)
         self._close_all(taken)

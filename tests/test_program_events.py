@@ -373,3 +373,99 @@ def test_a_gc_callback_that_forks_during_the_first_share_does_not_hang(strategy_
     assert out.returncode != -signal.SIGKILL, f"hung (killed after {TIMEOUT:.0f} s): {out.stderr[-2000:]}"
     assert out.returncode == 0, out.stderr[-3000:]
     assert "RESULT 1 6.0" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+# -- item 7: unregister() with messages in flight or tensors held ------------------------
+
+_UNREGISTER_IN_FLIGHT = textwrap.dedent(
+    """
+    import gc, multiprocessing as mp, os, sys, time
+    import torch, shmreduce
+
+    def receive(go, conn):
+        go.recv()
+        got = []
+        for i in range(20):
+            try:
+                t = conn.recv()
+                got.append("ok" if float(t.sum()) == float(i) * t.numel() else "wrong bytes")
+            except shmreduce.SharingError as exc:
+                got.append(str(exc)[:120])
+        go.send(got)
+
+    shmreduce.register(strategy=sys.argv[1])
+    ctx = mp.get_context("fork")
+    go, go_r = ctx.Pipe()
+    to_r, r_end = ctx.Pipe()
+    r = ctx.Process(target=receive, args=(go_r, r_end))
+    r.start()  # before any tensor: it maps none of them
+    for i in range(20):  # small ones in a slab, large ones in segments of their own
+        to_r.send(torch.full((16 if i % 2 else 100_000,), float(i)))
+    gc.collect()
+    shmreduce.unregister()  # this process lives on, its messages queued
+    time.sleep(float(os.environ["SHMREDUCE_ORPHAN_TTL"]) + 1.5)
+    go.send("go")
+    assert go.poll(15), "the receiver did not answer"
+    print("RESULT", go.recv(), flush=True)
+    r.join(10)
+    """
+)
+
+
+@pytest.mark.parametrize("strategy_name", ["file_descriptor", "file_system"])
+def test_messages_in_flight_outlive_their_senders_unregister(strategy_name: str) -> None:
+    """A sender unregisters (and lives) while 20 messages are queued: loaded seconds
+    later, every one has its bytes (before: all 20 failed, "no such program directory")."""
+    out = _run_program(_UNREGISTER_IN_FLIGHT, strategy_name, env={"SHMREDUCE_ORPHAN_TTL": "1", "SHMREDUCE_BROKER_GRACE": "0.3"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
+    assert lines, out.stdout + out.stderr[-3000:]
+    got = eval(lines[0].removeprefix("RESULT "))  # noqa: S307  our own child's repr of a list of str
+    lost = [g for g in got if g != "ok"]
+    assert not lost, f"{len(lost)} of 20 messages lost after their sender's unregister(): {lost[:2]}"
+
+
+def _hold_unregister_and(conn: Any, how: str) -> None:
+    torch.set_num_threads(1)
+    import shmreduce
+
+    kept = ForkingPickler.loads(conn.recv_bytes())
+    shmreduce.unregister()  # this process lets go of nothing: it keeps the tensor
+    conn.send(float(kept.sum()))
+    conn.recv()  # until told
+    if how == "exit":
+        os._exit(0)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("how", ["exit", "sigkill"])
+def test_a_receiver_that_unregistered_is_counted_out_at_its_death(strategy: str, how: str) -> None:
+    """R loads and keeps a tensor, unregisters, then exits or is SIGKILLed still
+    holding it: it is counted out, and the owner's segment is free once the owner drops
+    its own (before: holders stayed 1, the segment pinned for the owner's life)."""
+    ours, theirs = FORK.Pipe()
+    proc = FORK.Process(target=_hold_unregister_and, args=(theirs, how))
+    proc.start()
+    theirs.close()
+    try:
+        t = torch.full((MiB_FLOATS,), 3.0)
+        ours.send_bytes(bytes(ForkingPickler.dumps(t)))
+        assert ours.poll(TIMEOUT)
+        assert ours.recv() == 3.0 * MiB_FLOATS
+        place = cache.place_of(t.untyped_storage())
+        assert place is not None
+        seg = place.segment
+        del place
+        assert _holders(seg.addr) == 1  # R holds it, unregistered
+        ours.send("go")
+        proc.join(TIMEOUT)
+        assert wait_for(lambda: _holders(seg.addr) == 0, 5.0), (
+            f"R unregistered, then died holding its tensor: never counted out (header {_native.hdr_read(seg.addr)})"
+        )
+        del t
+        let_go_now()
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        ours.close()

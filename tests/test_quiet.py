@@ -22,7 +22,7 @@ from shmreduce import _native, program
 from shmreduce.broker import client as broker_client
 from shmreduce.cache import cache
 
-from helpers import broker_pids, wait_for
+from helpers import broker_pids, let_go_now, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -205,9 +205,11 @@ def test_what_a_receiver_keeps_is_loaded_in_the_segments_books(strategy, tmp_pat
         assert sent == loaded and holders >= 1, (sent, loaded, holders)
     client = broker_client.client_for(program.current().directory)
     counters = client.ping(full=True)  # a barrier: the broker has read our records
-    assert counters["draining"] == 0, (counters, log.read_text())
+    # What the exited sender made stays while this process holds it (it may forward it),
+    # counted as held, not as in flight.
     assert counters["clients"] == 1 and counters["generations_held"] >= 1, counters
-    del got
+    del got, t, place
+    let_go_now()  # what this process held is let go of: nothing reaches the sender's segments
     broker_client.close_all()
     # Nothing undelivered: the broker goes after SHMREDUCE_BROKER_GRACE, though the
     # program's root (this process) lives.

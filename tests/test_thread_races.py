@@ -317,7 +317,8 @@ def _trim_while_reconnecting() -> bool:
     p = transfer._fs_pool
     t = torch.full((NUMEL,), 1.0)
     transfer.share_in_place(t.untyped_storage())
-    shmreduce.dumps(torch.ones(4))  # connected once: the next connection is a reconnection
+    first = shmreduce.dumps(torch.ones(4))  # connected once: the next connection is a reconnection
+    assert float(shmreduce.loads(first).sum()) == 4.0  # loaded: nothing left in flight
     del t
     let_go_now()
     assert p.free_bytes, "no free segment to trim"

@@ -612,6 +612,17 @@ class Broker:
         it held goes, what it sent stays while in flight."""
         if self.clients.get(client.token) is not client:
             return  # counted out already (meanwhile, by a read this one started)
+        if client.keeps and client.watched and not client.dead and (client.sent or client.ledger >= 0):
+            # K: its process lives on without these connections (``unregister()``).
+            # What it used here goes now (it posts no drop any more); what it sent
+            # stays while in flight, and what it holds is counted out from its ledger
+            # at its death: it stays known until then (issue 36, item 7: its messages
+            # were dropped ORPHAN_TTL after, its holds pinned their segments for good).
+            log.debug("pid %d lives on without connections: known until it dies", client.pid)
+            self._drop_deposits(client, list(client.segs), died=True)
+            self._release(client, list(client.holds), died=True)
+            client.keeps = False  # counted out at its death, as any process
+            return
         log.debug("pid %d disconnected", client.pid)
         del self.clients[client.token]
         if client.ledger >= 0 and not client.keeps:
