@@ -691,14 +691,19 @@ class Pool:
 
     def retire_where(self, gone: Callable[[Segment], bool]) -> None:
         """Never use again the segments *gone* names (their files went with a broker
-        that died): in use, they are filled no further; free, they are closed; any
-        other (waiting until its generation is free, or its last storage dead but not
-        settled yet) is closed once free instead of reused (reused, it would be
-        filled under a name no receiver can open)."""
+        that died): in use, they are filled no further; free, they are closed; one
+        waiting until its generation is free is retired in its header, and closed by
+        the next reap (a ref in flight to it may never be loaded: only a receiver
+        that maps the file already can, and a retired generation keeps its bytes for
+        it); any other (its last storage dead but not settled yet) is closed once free
+        instead of reused (reused, it would be filled under a name no receiver can open)."""
         for seg in _mapped_now():
             if seg.pool is self and gone(seg):
                 seg.retired = True
                 seg.seal()
+        for seg, gen in self.waiting.copy().values():
+            if gone(seg):
+                _native.hdr_retire(seg.addr, gen)
         _native.unindex_all()
         taken = []
         with self.lock:

@@ -185,12 +185,14 @@ class Driver:
         return c.broker_pid
 
     def draining(self):
-        """How many segments the broker keeps for no live process, refs in them in flight."""
+        """How many segments the broker keeps for no live process, refs in them in flight
+        (not those it keeps because a live receiver holds them: it may forward them)."""
         from shmreduce.broker import client
 
         c = client.client_for(self.program.directory, self.program.root_pid)
         c.connect()
-        return c.ping()["draining"]
+        counters = c.ping()
+        return counters["draining"] - counters["draining_held"]
 
     def check(self, cond, what):
         if not cond:

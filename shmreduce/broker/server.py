@@ -467,6 +467,9 @@ class Broker:
             "segments": len(self.memfds),
             "segment_files": len(self.files),
             "draining": len(self.draining),
+            # of those, kept because a live process holds their generation (it may
+            # forward them), not for refs in flight
+            "draining_held": sum(1 for seg in self.draining if self._reach(seg) == self._HELD),
             "handshakes": len(self.handshakes),
             "root_alive": self.root_alive,
             "records": dict(self.records),
