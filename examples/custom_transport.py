@@ -3,8 +3,9 @@
 ``dumps`` is cloudpickle-based (lambdas and closures work) and shares every tensor
 inside instead of copying it: the bytes written to the socket stay tiny however big
 the tensors are, and the child writes straight into the parent's memory. No
-``register()`` is needed for dumps/loads; the bytes are loadable once, by another
-process of this program on this host.
+``register()`` is needed for dumps/loads. The bytes load in any process of this
+program on this host, as many times as you like, while their tensors live somewhere
+in the program (a load after that is a ``SharingError``, never other bytes).
 """
 
 from __future__ import annotations

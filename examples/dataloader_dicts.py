@@ -2,7 +2,14 @@
 
 ``shmreduce.register()`` before building the loader is all it takes: the workers
 (forked or spawned) run registered and every batch -- a dict of many tensors --
-arrives as one message (one broker round trip) instead of one handshake per tensor.
+arrives as one message instead of one handshake per tensor. A batch's 16 small
+tensors share one slab, so a batch costs a broker round trip only when it is the first
+in a slab the main process does not map yet (file_descriptor), and none under
+file_system. A run on 2 cores printed:
+
+    file_descriptor: 16 batches of 16-tensor dicts, 16 messages received, 256 storages mapped, 2 broker round trips
+    file_system: 16 batches of 16-tensor dicts, 16 messages received, 256 storages mapped, 0 broker round trips
+    dataloader_dicts: OK
 """
 
 from __future__ import annotations
@@ -51,7 +58,8 @@ def main() -> None:
             assert total == expected, (total, expected)
             print(
                 f"{strategy}: 16 batches of {N_FIELDS}-tensor dicts, {got} messages received, "
-                f"{after['storages_received'] - before['storages_received']} storages mapped"
+                f"{after['storages_received'] - before['storages_received']} storages mapped, "
+                f"{after['round_trips'] - before['round_trips']} broker round trips"
             )
             assert got >= 16
     finally:

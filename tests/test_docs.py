@@ -1,5 +1,7 @@
-"""The documentation's links: every relative link and ``#anchor`` in README.md and docs/*.md
-resolves (issue 31).
+"""The documentation says only what the program does (issue 38, items 10-13), and its links
+resolve (issue 31).
+
+Links: every relative link and ``#anchor`` in README.md and docs/*.md resolves.
 
 A link's target is a file relative to the page that links it (a folder or a file, as GitHub
 resolves it), and its anchor one of the target page's headings, slugged as GitHub slugs them:
@@ -7,17 +9,31 @@ the heading's text as rendered (inline code and emphasis marks gone), lower-case
 character other than a letter, a digit, ``-``, ``_`` or a space dropped, spaces made ``-``, and
 a repeated slug numbered ``-1``, ``-2``... Links inside fenced code blocks and inline code are
 text, not links. External links (``http:``, ``https:``, ``mailto:``) are not fetched.
+
+Words: the user pages (README.md and docs/*.md but docs/contributing.md) speak of the user's
+machine: no issue numbers, nothing of the project's own machines, and no ``make`` target but
+``test`` and ``bench`` described there (the others are in docs/contributing.md, which they link).
+
+Examples: what an example's docstring (and the README) says it prints is what a run prints, in
+shape (the numbers vary with timing); what ``custom_transport.py`` says of its bytes (they load
+again, in another process) is run.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+CONTRIBUTING = ROOT / "docs" / "contributing.md"
+USER_PAGES = [p for p in PAGES if p != CONTRIBUTING]
+EXAMPLES = ROOT / "examples"
 
 FENCE = re.compile(r"^\s*(```|~~~)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
@@ -116,3 +132,135 @@ def test_a_broken_anchor_is_caught(tmp_path):
     page.write_text("# Title\n\n## Part one\n\n[ok](#part-one) [bad](#part-two) `[code](#not-a-link)`\n\n```\n[fenced](#nope)\n```\n")
     assert anchors(page) == {"title", "part-one"}
     assert [t for _, t in links(page)] == ["#part-one", "#part-two"]
+
+
+# -- words: the user's machine, not the project's ----------------------------------------
+
+# What a user page must not say: an issue by number, the project's own machines and their
+# package indexes. docs/contributing.md is where that belongs.
+PROJECT_WORDS = [
+    re.compile(r"\bissues?\s*#?\d+", re.I),
+    re.compile(r"\b(dev|CI)( and CI| or CI)? machines?\b", re.I),
+    re.compile(r"\bthese machines\b", re.I),
+    re.compile(r"\bour machines?\b", re.I),
+    re.compile(r"\bthis project's CI\b", re.I),
+    re.compile(r"\bpip is capped\b", re.I),
+    re.compile(r"download\.pytorch\.org"),
+    re.compile(r"file:///|/opt/pypi"),
+]
+DEV_TARGETS = ("asan", "tsan", "stress", "pythons", "suite-python", "suite-torch", "bench-chart", "lint", "format", "typecheck", "clean")
+
+
+def test_project_words_are_caught():
+    said = "See issue 38, Issue 30's goals, the dev and CI machines, pip is capped at 2.14.1."
+    assert sum(bool(p.search(said)) for p in PROJECT_WORDS) == 3
+    assert not any(p.search("a Python issue with the GIL; the user's machine; 64 issued refs") for p in PROJECT_WORDS)
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_user_pages_speak_of_the_users_machine(page):
+    text = page.read_text()
+    flat = text.replace("\n", " ")  # a phrase may wrap: "the dev and CI" / "machines"
+    found = [
+        f"{page.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}"
+        for pattern in PROJECT_WORDS
+        for m in pattern.finditer(flat)
+    ]
+    for number, line in enumerate(text.splitlines(), 1):
+        # a row of a table that describes a development target: docs/contributing.md's
+        m = re.match(r"\|\s*`make ([\w-]+)", line)
+        if m and m.group(1) in DEV_TARGETS:
+            found.append(f"{page.relative_to(ROOT)}:{number}: describes `make {m.group(1)}`")
+    assert not found, "words for docs/contributing.md, not a user page:\n" + "\n".join(found)
+
+
+def test_contributing_has_every_target_and_is_linked():
+    text = CONTRIBUTING.read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    phony = re.search(r"^\.PHONY:(.*)$", makefile, re.M)
+    assert phony
+    missing = [t for t in phony.group(1).split() if t != "install" and f"`make {t}" not in text]
+    assert not missing, f"make targets docs/contributing.md does not describe: {missing}"
+    assert "docs/contributing.md" in (ROOT / "README.md").read_text()
+
+
+# -- examples: what their docstrings and the README say they print -----------------------
+
+
+def docstring(name: str) -> str:
+    import ast
+
+    doc = ast.get_docstring(ast.parse((EXAMPLES / name).read_text()))
+    assert doc, f"examples/{name} has no docstring"
+    return doc
+
+
+def printed_block(doc: str) -> list[str]:
+    """The indented block after "printed:" in a docstring: what a run printed."""
+    lines = doc.split("printed:", 1)[1].splitlines()
+    block = [line.strip() for line in lines[1:] if line.startswith("    ")]
+    assert block, "no printed output quoted"
+    return block
+
+
+def shape(line: str) -> str:
+    """A printed line with its counts as a pattern: timing moves them, not the words."""
+    return "^" + re.sub(r"\d[\d,.]*", r"\\d+", re.escape(line)) + "$"
+
+
+def run_example(name: str) -> list[str]:
+    proc = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, timeout=120, cwd=EXAMPLES)
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout.splitlines()
+
+
+def test_shape_ignores_counts_only():
+    assert re.match(shape("received 400 storages in 200 messages"), "received 16 storages in 8 messages")
+    assert not re.match(shape("received 400 storages in 200 messages"), "received 16 storages in 8 batches")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", ["quickstart.py", "dataloader_dicts.py"])
+def test_an_example_prints_what_its_docstring_quotes(name):
+    quoted = printed_block(docstring(name))
+    printed = run_example(name)
+    assert len(printed) == len(quoted), (quoted, printed)
+    for want, got in zip(quoted, printed, strict=True):
+        assert re.match(shape(want), got), f"examples/{name} printed {got!r}; its docstring says {want!r}"
+
+
+def test_readme_quotes_the_quickstarts_output():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### What the quickstart prints", 1)[1]
+    block = section.split("```", 2)[1].strip().splitlines()
+    assert block == printed_block(docstring("quickstart.py"))
+
+
+def test_custom_transport_says_its_bytes_load_again():
+    doc = docstring("custom_transport.py")
+    assert not re.search(r"\bonce\b", doc), "the bytes load again and again, not once"
+    assert "as many times as you like" in doc
+
+
+@pytest.mark.timeout(120)
+def test_custom_transport_bytes_load_again_in_another_process():
+    """What custom_transport.py's docstring says: the bytes of dumps() load in another
+    process of the program, again and again, while their tensors live."""
+    script = """
+import multiprocessing as mp, torch, shmreduce
+def load_twice(data, conn):
+    a, b = shmreduce.loads(data), shmreduce.loads(data)
+    conn.send((a["t"].sum().item(), b["t"].sum().item(), a["t"].data_ptr() == b["t"].data_ptr()))
+if __name__ == "__main__":
+    t = torch.ones(1000)
+    data = shmreduce.dumps({"t": t})
+    r, w = mp.Pipe(duplex=False)
+    p = mp.get_context("fork").Process(target=load_twice, args=(data, w))
+    p.start()
+    print(r.recv())
+    p.join(30)
+    assert p.exitcode == 0
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "(1000.0, 1000.0, True)", proc.stdout
