@@ -5,15 +5,18 @@ in its own environment); unset, nothing changes.
 
 ``pauses[<point>] = hook`` runs *hook* (no arguments) in whatever thread reaches the
 point: a test pauses one thread exactly where another can act (the threads of one
-process are actors too, as its processes are). Empty, it costs one truth test.
+process are actors too, as its processes are). ``pause(<point>)`` marks a point only
+threads are paused at (on a per-message path: empty, it costs one truth test).
 
 Points (``broker/protocol.py``, "Lifetimes", says what each step does):
 ``load.ledger``   a first load's ledger entry written (taking), the header not counted yet
 ``load.hold``     the header's holders counted, the ledger entry not yet held
 ``load.counted``  the ref counted loaded
-``load.token``    a load found no live token of its generation here, before it makes one
 ``letgo.ledger``  a let-go's ledger entry marked (dropping), holders not counted out yet
 ``letgo.unhold``  holders counted out, the ledger entry not cleared yet
+
+Pause points (``pause``):
+``load.token``    a load found no live token of its generation here, before it makes one
 ``send.counted``  a sending scope closes, its refs not yet counted sent
 ``reap.end``      ``Pool.reap`` took its snapshot of the waiting segments, before it ends one
 ``pool.closing``  a pool closes a free segment it trimmed (its memfd dropped, its file released)
@@ -39,3 +42,11 @@ def point(name: str) -> None:
             hook()
     if _environ.get("SHMREDUCE_FAULT_AT") == name:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def pause(name: str) -> None:
+    """Run the hook a test set for *name*, if any (a point no process is killed at)."""
+    if pauses:
+        hook = pauses.get(name)
+        if hook is not None:
+            hook()

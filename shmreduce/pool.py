@@ -599,7 +599,7 @@ class Pool:
             else:
                 pairs = list(itertools.islice(self.waiting.values(), most))
         for seg, gen in pairs:
-            _faults.point("reap.end")
+            _faults.pause("reap.end")
             if not self.end(seg, gen, waited=True) and most is not None:
                 with self.lock:
                     if self.waiting.get(seg.key) == (seg, gen):
@@ -673,7 +673,7 @@ class Pool:
         closing posts to the broker, whose client's lock a reconnection holds while its
         hook takes this pool's lock (the order is written in the module docstring)."""
         for seg in segs:
-            _faults.point("pool.closing")
+            _faults.pause("pool.closing")
             self.closed(seg)
 
     def closed(self, seg: Segment) -> None:

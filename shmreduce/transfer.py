@@ -263,7 +263,7 @@ class sending:
             out, _local.out = _local.out, None
             _native.message(None)
             if out.counted:
-                _faults.point("send.counted")
+                _faults.pause("send.counted")
                 _native.count_sent(out.counted, exc_type is None)  # and lets go of the scope's holds
                 if exc_type is None:
                     _counters["messages_sent"] += 1
@@ -555,9 +555,10 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
     generation is published here (its storage is the storage ``receive`` would
     return, and is cached as such). Counts the ref loaded."""
     kind, directory, segkey, gen, offset, nbytes, tag, ticket = _checked(ref)
-    token = _held_token(kind, directory, segkey, gen)
-    if token is None:
-        _faults.point("load.token")
+    seg = pool.lookup(kind, segkey)
+    token = seg.live_token(gen) if seg is not None and (kind == "fd" or seg.directory == directory) else None
+    if token is None or not token.acquire():
+        _faults.pause("load.token")
         with _tokens_lock:  # one token per (segment, generation) here: found again, or made
             token = _held_token(kind, directory, segkey, gen)
             if token is None:
