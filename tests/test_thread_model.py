@@ -303,9 +303,10 @@ def _free(s: State, lock: str, cfg: Config, me: Me) -> bool:
 
 
 def hdr_free(h: Header, gen: int) -> tuple[Header, bool]:
-    """``hdr_free(addr, gen)``: end *gen* if nobody holds it, it is not retired and every
-    ref sent in it was loaded (every field zeroed: the next ``begin`` writes only the
-    generation)."""
+    """``hdr_free(addr, gen)`` as it was before ``hdr_end`` (which the buggy variants'
+    ``Pool.end`` calls with ``seg.gen``; ``hdr_end`` does this part under FREEING): end
+    *gen* if nobody holds it, it is not retired and every ref sent in it was loaded
+    (every field zeroed: the next ``begin`` writes only the generation)."""
     if h.gen == gen and not h.holders and not h.retired and h.sent == h.loaded:
         return Header(), True
     return h, False
