@@ -555,9 +555,8 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
     generation is published here (its storage is the storage ``receive`` would
     return, and is cached as such). Counts the ref loaded."""
     kind, directory, segkey, gen, offset, nbytes, tag, ticket = _checked(ref)
-    seg = pool.lookup(kind, segkey)
-    token = seg.live_token(gen) if seg is not None and (kind == "fd" or seg.directory == directory) else None
-    if token is None or not token.acquire():
+    token = _held_token(kind, directory, segkey, gen)
+    if token is None:
         _faults.pause("load.token")
         with _tokens_lock:  # one token per (segment, generation) here: found again, or made
             token = _held_token(kind, directory, segkey, gen)
