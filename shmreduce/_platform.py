@@ -66,5 +66,37 @@ def make_undumpable() -> bool:
     return prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0
 
 
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _libc_mm() -> tuple[object, object]:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.restype = ctypes.c_int
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc.mmap, libc.munmap
+
+
+_mmap, _munmap = _libc_mm() if IS_LINUX else (None, None)
+
+
+def map_shared(fd: int, size: int) -> int:
+    """Map the first *size* bytes of *fd* read-write and shared; return the address.
+
+    Unlike ``mmap.mmap`` (which keeps a ``dup()`` of *fd* for as long as the map
+    lives) the map holds no descriptor: a broker that reads the header of every
+    segment it keeps holds one descriptor per memfd, and none per file."""
+    addr = _mmap(None, size, 0x1 | 0x2, 0x01, fd, 0)  # type: ignore[operator]  # PROT_READ|PROT_WRITE, MAP_SHARED
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return int(addr)
+
+
+def unmap(addr: int, size: int) -> None:
+    _munmap(addr, size)  # type: ignore[operator]
+
+
 def open_fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))

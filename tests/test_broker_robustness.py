@@ -445,7 +445,7 @@ def test_a_deposit_the_broker_cannot_keep_fails_at_the_sender(registered_fd, bro
         ours.close()
         theirs.close()
     assert proc.exitcode == 0
-    assert "out of descriptors" in _log_text(broker_log)
+    assert "out of file descriptors" in _log_text(broker_log)
 
 
 def _load_each_as_a_stranger(datas):

@@ -34,12 +34,10 @@ every launcher and by ``python -m shmreduce cleanup``.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import json
 import logging
-import mmap
 import os
 import re
 import resource
@@ -50,15 +48,19 @@ import socket
 import stat
 import sys
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from shmreduce import _native
-from shmreduce._platform import make_undumpable, peer_pid, peer_uid, raise_nofile_limit
+from shmreduce._platform import make_undumpable, map_shared, peer_pid, peer_uid, raise_nofile_limit, unmap
 from shmreduce.broker import protocol as P
 
 STALE_MIN_AGE = 10.0  # seconds; a younger directory may be a broker still starting
 GRACE = float(os.environ.get("SHMREDUCE_BROKER_GRACE", "1.0"))
 ORPHAN_TTL = float(os.environ.get("SHMREDUCE_ORPHAN_TTL", "60"))  # see Lifetimes in protocol.py
 ACCEPT_PAUSE = 1.0  # seconds the broker stops accepting at its descriptor limit
+_T = TypeVar("_T")
+SPARE_DESCRIPTORS = 8  # kept for connections and pidfds: two processes' worth, at the limit
 DRAIN_EVERY = 0.1  # seconds between two looks at the draining segments' headers
 LEDGER_SCAN_EVERY = 1.0  # seconds between two reads of every ledger (a held RETIRED generation's holders)
 
@@ -133,8 +135,12 @@ class _Segment:
         self.users = 0
         self.senders: set[_Client] = set()  # live clients that sent refs in it (its makers and forwarders)
         self.until = 0.0  # once only refs of dead senders reach it: when it goes, loaded or not; 0: not timed
-        self.map: mmap.mmap | None = None  # its header, once read
-        self.addr = 0
+        self.addr = 0  # its header, once read (mapped without a descriptor: map_shared)
+
+
+class _AtLimit(OSError):
+    """A segment's header could not be read for a limit of this process (descriptors,
+    memory): not that it has none. Whatever asked keeps the segment, and asks again."""
 
 
 class Broker:
@@ -165,6 +171,11 @@ class Broker:
         # Ledger entries of dead processes in segments the broker knows no descriptor or
         # file of (yet), by segment: counted out when one comes (_count_out_unreached).
         self.unreached: dict[int | str, list[tuple[int, int]]] = {}
+        self.retry: set[_Segment] = set()  # known segments with unreached entries: their header was unreadable
+        # Descriptors kept for connections (dups of the wake pipe): a deposit may not
+        # take the last SPARE_DESCRIPTORS, so a broker full of segments still accepts
+        # the processes that would load and let them go (_keep_spares, _room).
+        self.spares: list[int] = []
         self.records: dict[str, int] = {}  # records read, by op: how often clients need the broker
         self.ledger_bytes_read = 0  # what it read of ledgers (at deaths; a full ping): a plain ping reads none
         self.reading = False
@@ -185,6 +196,7 @@ class Broker:
         # segment, no client): a signal (SIGTERM: stop) wakes it through this pipe.
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.poller.register(self.wake_r, select.EPOLLIN)
+        self._keep_spares()
 
     # -- segments --------------------------------------------------------------
 
@@ -290,7 +302,10 @@ class Broker:
                     messages were dropped at ORPHAN_TTL while their sender lived);
         _ORPHANED   such refs, every sender dead: kept ORPHAN_TTL from then;
         _UNREACHED  nothing: it goes now."""
-        header = self._header(seg)
+        try:
+            header = self._header(seg)
+        except _AtLimit:
+            return self._SENT  # unknown for now: kept, and settled again
         if header is None:
             return self._UNREACHED
         try:
@@ -332,20 +347,23 @@ class Broker:
         """(generation, sent, loaded, holders) of *seg*, or None if it has none."""
         if not seg.header:
             return None
-        if seg.map is None:
+        if not seg.addr:
+            fd = seg.fd
             try:
-                if seg.fd >= 0:
-                    seg.map = mmap.mmap(seg.fd, _native.HEADER_BYTES)
-                else:
-                    fd = os.open(os.path.join(self.dir, str(seg.key)), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-                    try:
-                        seg.map = mmap.mmap(fd, _native.HEADER_BYTES)
-                    finally:
+                if fd < 0:
+                    fd = self._room(lambda: os.open(os.path.join(self.dir, str(seg.key)), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC))
+                try:
+                    if os.fstat(fd).st_size < _native.HEADER_BYTES:
+                        raise ValueError("smaller than a header")
+                    seg.addr = map_shared(fd, _native.HEADER_BYTES)
+                finally:
+                    if fd != seg.fd:
                         os.close(fd)
-            except (OSError, ValueError):
+            except (OSError, ValueError) as exc:
+                if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+                    raise _AtLimit(exc.errno, exc.strerror) from exc  # still a pooled segment: read it later
                 seg.header = False  # gone, or too small to be a pooled segment
                 return None
-            seg.addr = ctypes.addressof(ctypes.c_char.from_buffer(seg.map))
         try:
             return _native.hdr_read(seg.addr)
         except OSError:  # truncated under its header (_native.guard_faults)
@@ -413,7 +431,14 @@ class Broker:
 
     def _count_out_entries(self, seg: _Segment, entries: list[tuple[int, int]]) -> None:
         """Count a dead process out of *seg*: its ledger's (generation, state) entries of it."""
-        if self._header(seg) is None:
+        try:
+            if self._header(seg) is None:
+                return
+        except _AtLimit:
+            # Its header unreadable for now (at a limit): counted out by the next
+            # drain that can read it (a hold counted too long, never too short).
+            self.unreached.setdefault(seg.key, []).extend(entries)
+            self.retry.add(seg)
             return
         try:
             for gen, state in entries:
@@ -446,6 +471,11 @@ class Broker:
         if now - self.drained_at < DRAIN_EVERY:
             return
         self.drained_at = now
+        for seg in list(self.retry):
+            self.retry.discard(seg)
+            known = self.memfds.get(seg.key) if isinstance(seg.key, int) else self.files.get(seg.key)
+            if known is seg:
+                self._count_out_unreached(seg)
         for seg in list(self.draining):
             if seg.header:
                 self._settle(seg, now)
@@ -490,7 +520,7 @@ class Broker:
         never blocks on a client, so a connection that says nothing stalls no one.
         """
         try:
-            sock, _ = self.listener.accept()
+            sock, _ = self._room(self.listener.accept)
         except BlockingIOError:
             return
         except OSError as exc:
@@ -515,6 +545,39 @@ class Broker:
         fd = sock.fileno()
         self.handshakes[fd] = _Handshake(sock, nonce, time.monotonic() + P.HANDSHAKE_TIMEOUT, pid)
         self.poller.register(fd, select.EPOLLIN)
+
+    def _log_full(self, pid: int) -> None:
+        """A segment of *pid* refused (its sender hears it): said once a minute."""
+        now = time.monotonic()
+        if now - self.limit_logged >= 60.0:
+            self.limit_logged = now
+            log.warning(
+                "out of file descriptors (its limit: %d): refusing new segments (pid %d's first); "
+                "raise the limit (ulimit -n) of the process that starts the broker",
+                resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+                pid,
+            )
+
+    def _keep_spares(self) -> bool:
+        """Top the spare descriptors up; False if this process is at its descriptor
+        limit with fewer than SPARE_DESCRIPTORS of them."""
+        while len(self.spares) < SPARE_DESCRIPTORS:
+            try:
+                self.spares.append(os.dup(self.wake_w))
+            except OSError:
+                return False
+        return True
+
+    def _room(self, make: Callable[[], _T]) -> _T:
+        """``make()``, which opens one descriptor for a connection (its socket, its
+        process's pidfd, a header's file); at the limit, again in a spare's place."""
+        try:
+            return make()
+        except OSError as exc:
+            if exc.errno != errno.EMFILE or not self.spares:
+                raise
+            os.close(self.spares.pop())
+            return make()
 
     def _at_descriptor_limit(self) -> None:
         """Out of descriptors: the listener stays readable (level-triggered), so it
@@ -674,7 +737,7 @@ class Broker:
         if pid <= 0:
             return False
         try:
-            pidfd = os.pidfd_open(pid)
+            pidfd = self._room(lambda: os.pidfd_open(pid))
         except (AttributeError, OSError) as exc:
             log.debug("cannot watch pid %d (%s): counted out at its last close", pid, exc)
             return False
@@ -705,7 +768,11 @@ class Broker:
         parts = []
         for seg in list(self.draining)[:limit]:
             until = f"until {seg.until - time.monotonic():.0f} s from now" if seg.until else "while held or while a sender lives"
-            parts.append(f"segment {seg.key} (header {self._header(seg)}, {until})")
+            try:
+                header = self._header(seg)
+            except _AtLimit:
+                header = None
+            parts.append(f"segment {seg.key} (header {header}, {until})")
         if len(self.draining) > limit:
             parts.append(f"... {len(self.draining) - limit} more segment(s)")
         return "; ".join(parts) or "nothing"
@@ -728,7 +795,7 @@ class Broker:
                 # At the descriptor limit: the record is whole, its descriptors are
                 # not. Keep the connection (the stream is in step).
                 record, lost = exc.record, True
-                log.warning("out of descriptors: a %r record of pid %d came without its descriptors", record[0], conn.pid)
+                self._log_full(conn.pid)
             except ConnectionResetError:
                 # Its process closed the connection with records of ours unread: Linux
                 # reports ECONNRESET once, *before* the records that process sent us
@@ -779,6 +846,12 @@ class Broker:
             if op == P.SEGMENT:
                 if conn.post:
                     raise P.ProtocolError("a segment record comes on the request connection: it is answered")
+                if fds and not lost and not self._keep_spares():
+                    # It took a descriptor kept for connections: the broker is full.
+                    os.close(fds.pop())
+                    self._keep_spares()
+                    lost = True
+                    self._log_full(conn.pid)
                 if lost:
                     status = P.STATUS_LOST  # its sender fails, before any ref to it is sent
                 elif len(fds) != 1 or not (body in (P.SEG_MADE, P.SEG_TORCH, P.SEG_FORWARDED) or body.startswith(P.SEG_FILE)):
@@ -843,7 +916,7 @@ class Broker:
             log.warning("closed a connection of pid %d: no handshake within %.0f s", shake.pid, P.HANDSHAKE_TIMEOUT)
             self.poller.unregister(fd)
             shake.sock.close()
-        if self.draining:
+        if self.draining or self.retry:
             self._drain(now)
 
     # -- main loop -------------------------------------------------------------
@@ -873,7 +946,7 @@ class Broker:
             timeout = -1.0
             if self.handshakes:
                 timeout = max(0.0, min(h.deadline for h in self.handshakes.values()) - now)
-            elif self.draining or not conns:
+            elif self.draining or self.retry or not conns:
                 timeout = 0.25
             if self.accept_paused_until:
                 pause = max(0.0, self.accept_paused_until - now)
@@ -899,8 +972,10 @@ class Broker:
                     if not conns:
                         self.idle_since = time.monotonic()
             now = time.monotonic()
-            if self.handshakes or self.draining:
+            if self.handshakes or self.draining or self.retry:
                 self._expire(now)
+            if len(self.spares) < SPARE_DESCRIPTORS:
+                self._keep_spares()
             self._resume_accepting(now)
 
     def shutdown(self) -> None:
@@ -922,6 +997,9 @@ class Broker:
         self.poller.close()
         os.close(self.wake_r)
         os.close(self.wake_w)
+        for fd in self.spares:
+            os.close(fd)
+        self.spares.clear()
         remove_program_dir(self.dir, self.lock_fd)
 
 
@@ -964,13 +1042,9 @@ def _drain_pipe(fd: int) -> bool:
 
 def _unmap_header(seg: _Segment) -> None:
     """Unmap the header the broker read of *seg*, if it did."""
-    if seg.map is not None:
+    if seg.addr:
+        unmap(seg.addr, _native.HEADER_BYTES)
         seg.addr = 0
-        try:
-            seg.map.close()
-        except BufferError:
-            pass  # an address into it is still referenced: the GC unmaps it
-        seg.map = None
 
 
 def _level(exc: BaseException) -> int:
