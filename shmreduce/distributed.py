@@ -14,7 +14,8 @@ What this module owns, and what it must never do:
   ``obj`` by value, through the engine (``send_object_list``, the group's own pickling),
   to each other host's leader only: one copy crosses the network per host, never one per
   rank. Each leader shares its object into its program (``shmreduce.dumps``, moving
-  tensors in place, SPEC 1); its host's ranks load those bytes.
+  tensors in place, SPEC 1); its host's ranks load those bytes. A leader alone on its host
+  (one rank there) keeps its object as it is: nothing to share, nothing copied.
 * **One program per host.** A rank that loads from its leader joins the leader's program
   (its directory, its root, its ``multiprocessing`` authkey): from then on its own
   DataLoader workers, pools and spawn children share into that program too, and any rank
@@ -24,8 +25,10 @@ What this module owns, and what it must never do:
 * **The key never crosses the engine.** The group's store and its links are reachable by
   whatever can reach their address; the program's key must stay with this user on this
   host (SPEC 9). The leader writes the key into a 0600 file, ``join-<128 random bits>``,
-  inside its program directory (0700, this user's: ``protocol.is_program_dir``); only the
-  file's name goes through the engine. A rank reads it only if the file is a regular file
+  inside its program directory (0700, this user's: ``protocol.is_program_dir``), with the
+  shared bytes after it (handles, and what the object holds besides tensors: of no use on
+  another host either); only the file's name goes through the engine, so what the ranks
+  gather stays a few bytes a rank however many hosts. A rank reads it only if the file is a regular file
   of its own uid, mode 0600, in a program directory of its own shm base. The leader
   removes the file once every rank answered; killed before that, the file goes with the
   program directory when its broker exits. A process of another user cannot read it (nor
@@ -116,9 +119,11 @@ def broadcast_local(obj: Any, src: int = 0, group: Any = None) -> Any:
     failures = _gather(failure, group)
     _raise_failures(ranks, failures, "sending the object to the other hosts")
 
-    # 3. Each leader shares its object into its program and writes the key file.
-    offer: tuple[str, str, bytes] | None = None
-    if rank == leader:
+    # 3. Each leader with other ranks on its host shares its object into its program, and
+    # writes the key and the shared bytes into a private file there (a leader alone on its
+    # host keeps its object as it is).
+    offer: tuple[str, str] | None = None
+    if rank == leader and sum(host_of[r] == host_of[rank] for r in ranks) > 1:
         try:
             offer = _offer(obj)
         except Exception as exc:  # noqa: BLE001  told to every rank, raised on every rank below
@@ -138,7 +143,7 @@ def broadcast_local(obj: Any, src: int = 0, group: Any = None) -> Any:
         _raise_failures(ranks, _gather(failure, group), "joining the host's program and loading the object")
     finally:
         if offer is not None:
-            _remove_key_file(offer[0], offer[1])
+            _remove_key_file(*offer)
     return result
 
 
@@ -215,22 +220,22 @@ def _receive_by_value(src: int, group: Any) -> tuple[Any, str | None]:
 # -- the key, from a leader to the ranks of its host ----------------------------------
 
 
-def _offer(obj: Any) -> tuple[str, str, bytes]:
-    """On a leader: *obj* shared into this process's program; the program directory, the
-    name of the key file written there, and the shared bytes."""
+def _offer(obj: Any) -> tuple[str, str]:
+    """On a leader: *obj* shared into this process's program; the program directory and
+    the name of the file written there: the program's root and key (a line of JSON), then
+    the shared bytes. Host-local, all of it: nothing of it is any use on another host."""
     data = registry.dumps(obj)
     prog = program.current()
     # A live broker keeps the directory (the key file's home) while the ranks read it;
     # a fresh one is started if the object held no tensor.
     broker.client_for(prog.directory, prog.root_pid).connect()
     name = f"{KEY_PREFIX}{secrets.token_hex(16)}"
-    body = json.dumps({"root_pid": prog.root_pid, "authkey": bytes(multiprocessing.current_process().authkey).hex()})
-    fd = os.open(os.path.join(prog.directory, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, body.encode())
-    finally:
-        os.close(fd)
-    return prog.directory, name, data
+    header = json.dumps({"root_pid": prog.root_pid, "authkey": bytes(multiprocessing.current_process().authkey).hex()})
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    with open(os.open(os.path.join(prog.directory, name), flags, 0o600), "wb") as f:
+        f.write(header.encode() + b"\n")
+        f.write(data)
+    return prog.directory, name
 
 
 def _remove_key_file(directory: str, name: str) -> None:
@@ -240,16 +245,16 @@ def _remove_key_file(directory: str, name: str) -> None:
         pass  # the program directory went with its broker, and the file with it
 
 
-def _accept(directory: str, name: str, data: bytes) -> Any:
+def _accept(directory: str, name: str) -> Any:
     """On a rank that is not its host's leader: join the leader's program (read its key
     file), then load the shared bytes."""
-    root_pid, authkey = _read_key(directory, name)
+    root_pid, authkey, data = _read_key(directory, name)
     _join(program.Program(directory, root_pid), authkey)
     return registry.loads(data)
 
 
-def _read_key(directory: str, name: str) -> tuple[int, bytes]:
-    """The root pid and authkey in the key file *name* of the program directory
+def _read_key(directory: str, name: str) -> tuple[int, bytes, bytes]:
+    """The root pid, authkey and shared bytes in the key file *name* of the program directory
     *directory*: only from a program directory of this user in this process's shm base,
     and a regular file of this user that nobody else can read."""
     if not name.startswith(KEY_PREFIX) or os.sep in name or not is_program_dir(directory, program.shm_base()):
@@ -270,12 +275,13 @@ def _read_key(directory: str, name: str) -> tuple[int, bytes]:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
             raise SharingError(f"refused the key file {path}: not a private file of this user (uid {os.getuid()})")
-        body = os.read(fd, 4096)
+        with open(fd, "rb", closefd=False) as f:
+            header, data = f.readline(), f.read()
     finally:
         os.close(fd)
     try:
-        fields = json.loads(body)
-        return int(fields["root_pid"]), bytes.fromhex(fields["authkey"])
+        fields = json.loads(header)
+        return int(fields["root_pid"]), bytes.fromhex(fields["authkey"]), data
     except (ValueError, KeyError, TypeError) as exc:
         raise SharingError(f"refused the key file {path}: it is not one broadcast_local wrote") from exc
 
