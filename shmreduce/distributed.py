@@ -112,12 +112,12 @@ def broadcast_local(obj: Any, src: int = 0, group: Any = None) -> Any:
 
     # 2. By value to each other host's leader (nothing to do on a single host).
     failure: str | None = None
-    if rank == src:
-        failure = _send_by_value(obj, [r for r in leaders.values() if r != src], group)
-    elif rank == leader:
-        obj, failure = _receive_by_value(src, group)
-    failures = _gather(failure, group)
-    _raise_failures(ranks, failures, "sending the object to the other hosts")
+    if len(leaders) > 1:
+        if rank == src:
+            failure = _send_by_value(obj, [r for r in leaders.values() if r != src], group)
+        elif rank == leader:
+            obj, failure = _receive_by_value(src, group)
+        _raise_failures(ranks, _gather(failure, group), "sending the object to the other hosts")
 
     # 3. Each leader with other ranks on its host shares its object into its program, and
     # writes the key and the shared bytes into a private file there (a leader alone on its
