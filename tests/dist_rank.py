@@ -25,6 +25,7 @@ import datetime
 import json
 import multiprocessing as mp
 import os
+import re
 import signal
 import sys
 import time
@@ -46,10 +47,9 @@ TIMEOUT = datetime.timedelta(seconds=60)
 
 def pss_kib() -> int:
     with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("Pss:"):
-                return int(line.split()[1])
-    raise RuntimeError("no Pss in smaps_rollup")
+        found = re.search(r"^Pss:\s+(\d+) kB", f.read(), re.M)
+    assert found, "no Pss line in /proc/self/smaps_rollup"
+    return int(found.group(1))
 
 
 def say(rank: int, step: str, **fields: object) -> None:
