@@ -154,18 +154,24 @@ def share(rank: int, world: int, strategy: str) -> None:
 
 
 def hosts(rank: int, world: int, strategy: str) -> None:
-    def attempt(step: str, obj: object, src: int) -> object:
+    def attempt(step: str, obj: object, src: int, group: object = None) -> object:
         try:
-            got = broadcast_local(obj, src=src)
+            got = broadcast_local(obj, src=src, group=group)
         except shmreduce.SharingError as exc:
             say(rank, step, error=str(exc))
             return None
         say(rank, step, ok=True)
         return got
 
+    own = shmreduce.dumps(torch.ones(4)) if rank == 3 else None  # rank 3 shares through its own program first
     attempt("disagree", torch.ones(4) if rank == 0 else None, src=rank % 2)  # ranks 1, 3 say src=1
     big = torch.ones(8 * 2**20, dtype=torch.uint8) if rank == 1 else None  # more than host B's 4 MiB
     attempt("too_large", big, src=1)
+    attempt("own_program", torch.ones(4) if rank == 1 else None, src=1)  # rank 3 cannot join host B's
+    if rank == 3:
+        del own
+        shmreduce.unregister()  # lets go of its program: the next call joins host B's
+        shmreduce.register(strategy=strategy)
     got = attempt("good", {"x": torch.arange(2**17, dtype=torch.int64)} if rank == 1 else None, src=1)
     assert isinstance(got, dict)
     x = got["x"]
@@ -174,6 +180,13 @@ def hosts(rank: int, world: int, strategy: str) -> None:
     x[rank] = -1
     dist.barrier()
     say(rank, "marks", marks=[int(x[r]) for r in range(world)])
+    # a group of ranks 1-3: rank 1 alone on host A keeps its object, host B gets it by value
+    group = dist.new_group([1, 2, 3])
+    if rank:
+        mine = torch.full((4,), 5.0)
+        sub = attempt("group", {"v": mine} if rank == 1 else None, src=1, group=group)
+        assert isinstance(sub, dict)
+        say(rank, "group_sum", sum=float(sub["v"].sum()), same=sub["v"] is mine, shared=sub["v"].untyped_storage().is_shared())
 
 
 def other_user(rank: int, world: int, strategy: str) -> None:

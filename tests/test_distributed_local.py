@@ -11,8 +11,9 @@ shm base under the session's: afterwards no broker serves it and nothing is left
   works; a rank of another job (its own program) is refused the job's bytes; the source
   and another rank SIGKILLed, the two left keep their bytes and their aliasing.
 * Two hosts (ranks 0-1 and 2-3 see different shm bases): one copy each, aliased within a
-  host only; ranks disagreeing on src, and a host whose shm mount is too small, are a
-  SharingError on every rank, and the next call works.
+  host only; ranks disagreeing on src, a host whose shm mount is too small, and a rank that
+  shares through a program of its own already, are a SharingError on every rank, and the
+  next call works; in a group of ranks 1-3, rank 1 (alone of it on its host) keeps its object.
 * A rank of another user on the host is refused, on every rank; a call before
   ``init_process_group`` is a SharingError.
 """
@@ -167,6 +168,8 @@ def test_two_hosts_each_get_one_copy_and_errors_reach_every_rank(job_base):
             assert "disagree on src" in steps[r]["disagree"]["error"], steps[r]
             too_large = steps[r]["too_large"]["error"]
             assert "rank 2" in too_large and "cannot reserve" in too_large, too_large
+            own_program = steps[r]["own_program"]["error"]
+            assert "rank 3" in own_program and "already shares through a shmreduce program of its own" in own_program, own_program
             assert steps[r]["good"] == {"ok": True}
             assert steps[r]["hosts"]["sum"] == steps[r]["hosts"]["expected"], steps[r]
         host_a = {steps[r]["hosts"]["directory"] for r in (0, 1)}
@@ -176,6 +179,10 @@ def test_two_hosts_each_get_one_copy_and_errors_reach_every_rank(job_base):
         # aliasing within a host, and only there
         assert steps[0]["marks"]["marks"] == steps[1]["marks"]["marks"] == [-1, -1, 2, 3], steps
         assert steps[2]["marks"]["marks"] == steps[3]["marks"]["marks"] == [0, 1, -1, -1], steps
+        # a group of ranks 1-3: rank 1, alone of it on host A, keeps its object; host B shares a copy
+        assert steps[1]["group_sum"] == {"sum": 20.0, "same": True, "shared": False}, steps[1]
+        assert steps[2]["group_sum"] == steps[3]["group_sum"] == {"sum": 20.0, "same": False, "shared": True}, steps
+        assert "group_sum" not in steps[0]
         assert wait_for(lambda: not brokers_under(small) and not _leftovers(small), 15), _leftovers(small)
     finally:
         subprocess.run(["umount", small], capture_output=True)
