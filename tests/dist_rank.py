@@ -45,11 +45,12 @@ N = MIB * 2**20 // 4  # int32 elements
 TIMEOUT = datetime.timedelta(seconds=60)
 
 
-def pss_kib() -> int:
+def pss_kib() -> dict[str, int]:
+    """This process's PSS in KiB: all of it, and its memory's (anonymous and shared memory:
+    the program's text, file pages that grow as code runs for the first time, left out)."""
     with open("/proc/self/smaps_rollup") as f:
-        found = re.search(r"^Pss:\s+(\d+) kB", f.read(), re.M)
-    assert found, "no Pss line in /proc/self/smaps_rollup"
-    return int(found.group(1))
+        fields = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+):\s+(\d+) kB", f.read(), re.M)}
+    return {"all": fields["Pss"], "memory": fields["Pss_Anon"] + fields["Pss_Shmem"]}
 
 
 def say(rank: int, step: str, **fields: object) -> None:
@@ -61,6 +62,11 @@ def program_dir() -> str:
 
     prog = program.peek()
     return prog.directory if prog is not None else ""
+
+
+def wide_sum(x: torch.Tensor) -> int:
+    """The sum of *x*, in int64 as torch sums integers: no int64 copy of it (that would cost PSS)."""
+    return int(x.sum())
 
 
 def expected_sum(n: int) -> int:
@@ -91,7 +97,7 @@ def share(rank: int, world: int, strategy: str) -> None:
     data = {"x": torch.arange(N, dtype=torch.int32), "name": "dataset"} if rank == 0 else None
     got = broadcast_local(data, src=0)
     x = got["x"]
-    total = int(x.sum(dtype=torch.int64))  # reads every page
+    total = wide_sum(x)  # reads every page
     say(rank, "got", name=got["name"], sum=total, expected=expected_sum(N), shared=x.untyped_storage().is_shared(), directory=program_dir())
     dist.barrier()
     say(rank, "pss", before=before, after=pss_kib())
@@ -149,7 +155,7 @@ def share(rank: int, world: int, strategy: str) -> None:
     deadline = time.monotonic() + 10
     while not (int(x[N - 2]) == -2 and int(x[N - 3]) == -3) and time.monotonic() < deadline:
         time.sleep(0.02)
-    say(rank, "after_kill", sum=int(x[: N // 2].sum(dtype=torch.int64)), marks=[int(x[N - 2]), int(x[N - 3])])
+    say(rank, "after_kill", sum=wide_sum(x[: N // 2]), marks=[int(x[N - 2]), int(x[N - 3])])
     os._exit(0)  # the store lived in rank 0: no more collectives, nor the group's teardown
 
 
