@@ -81,6 +81,10 @@ def broadcast_local(obj: Any, src: int = 0, group: Any = None) -> Any:
     its host the same way (one copy per host). Non-tensor parts are pickled with
     cloudpickle on each host.
 
+    Registers the calling process (``shmreduce.register()``, with the strategy set) if it is
+    not registered: its DataLoader workers, pools and spawn children then get the returned
+    tensors as shared memory, not as copies.
+
     Raises ``SharingError`` on every rank when any rank fails (before
     ``init_process_group``, ranks disagreeing on *src*, shared memory too small, a rank of
     another user on the host, a rank that already shares through another program).
@@ -90,6 +94,11 @@ def broadcast_local(obj: Any, src: int = 0, group: Any = None) -> Any:
             "shmreduce.distributed.broadcast_local is a collective of torch.distributed: call "
             "torch.distributed.init_process_group() on every rank first"
         )
+    if not registry.is_registered():
+        # What it returns is shmreduce's memory: only a registered process hands it on to its
+        # workers and pools as it is (torch's reducers would move it into memory of their own,
+        # a copy per rank, and that rank's writes would no longer reach the others).
+        registry.register()
     rank = dist.get_rank()
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     if rank not in ranks:

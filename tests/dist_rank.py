@@ -7,13 +7,15 @@ rank, as torchrun starts them: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the
 * ``share``: rank 0 broadcasts a dataset (``MIB`` MiB of int32 and a string); every rank checks
   its bytes, writes into it and reads the others' writes (aliasing), reports its PSS before
   and after, runs a 2-worker DataLoader over its DistributedSampler shard (the batches summed,
-  all_reduced), rank 1 a spawn child that writes into the shared tensor; rank 0 writes the bytes
-  of ``shmreduce.dumps(dataset)`` to $DIST_PAYLOAD and waits for $DIST_GO (the test loads them in
-  a rank of another job meanwhile); then rank 0 (the source) and rank 3 SIGKILL themselves, and
-  ranks 1 and 2 check their tensors once both are gone.
+  all_reduced), rank 1 a spawn child that writes into the shared tensor; rank 0 writes the
+  bytes of ``shmreduce.dumps(dataset)`` to $DIST_PAYLOAD and waits for $DIST_GO (the test loads
+  them in a rank of another job meanwhile); then rank 0 (the source) and rank 3 SIGKILL
+  themselves, and ranks 1 and 2 check their tensors once both are gone. Rank 2 never calls
+  ``register()``: ``broadcast_local`` does.
 * ``hosts``: ranks 0-1 and 2-3 see different shm bases (two hosts, as shmreduce tells them
   apart): a call with ranks disagreeing on src, a call too large for host B's base
-  (``file_system``: a small tmpfs), then a good one; each rank reports what it got.
+  (``file_system``: a small tmpfs), one that rank 3 (sharing through a program of its own)
+  cannot join, then a good one, then one in a group of ranks 1-3; each rank reports what it got.
 * ``other_user``: rank 1 runs as uid 65534 (nobody): the call fails on both ranks.
 * ``outsider``: one rank of another job (world 1): it loads $DIST_PAYLOAD (refused), after a
   broadcast_local of its own (its own program).
@@ -98,7 +100,17 @@ def share(rank: int, world: int, strategy: str) -> None:
     got = broadcast_local(data, src=0)
     x = got["x"]
     total = wide_sum(x)  # reads every page
-    say(rank, "got", name=got["name"], sum=total, expected=expected_sum(N), shared=x.untyped_storage().is_shared(), directory=program_dir())
+    say(
+        rank,
+        "got",
+        registered=shmreduce.is_registered(),
+        strategy=shmreduce.get_sharing_strategy(),
+        name=got["name"],
+        sum=total,
+        expected=expected_sum(N),
+        shared=x.untyped_storage().is_shared(),
+        directory=program_dir(),
+    )
     dist.barrier()
     say(rank, "pss", before=before, after=pss_kib())
     # aliasing: each rank writes its mark, every rank reads all of them
@@ -221,7 +233,10 @@ def main() -> None:
         os.setuid(65534)
     dist.init_process_group("gloo", timeout=TIMEOUT)
     rank, world = dist.get_rank(), dist.get_world_size()
-    shmreduce.register(strategy=strategy)
+    if scenario == "share" and rank == 2:
+        shmreduce.set_sharing_strategy(strategy)  # not registered: broadcast_local registers it
+    else:
+        shmreduce.register(strategy=strategy)
     globals()[scenario](rank, world, strategy)
     dist.barrier()
     dist.destroy_process_group()

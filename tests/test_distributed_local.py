@@ -125,6 +125,7 @@ def test_ranks_of_one_host_share_one_copy_and_outlive_the_source(strategy, job_b
 
     got = [steps[r]["got"] for r in range(4)]
     assert all(g["sum"] == g["expected"] == _sum(N) and g["name"] == "dataset" and g["shared"] for g in got), got
+    assert all(g["registered"] and g["strategy"] == strategy for g in got), got  # rank 2: by broadcast_local
     directories = {g["directory"] for g in got}
     assert len(directories) == 1 and os.path.dirname(directories.pop()) == job_base, got  # one program
 
