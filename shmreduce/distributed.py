@@ -113,6 +113,14 @@ def broadcast_local(obj: Any, src: int = 0, group: Any = None) -> Any:
     if src not in ranks:
         raise SharingError(f"broadcast_local: src={src} is not a rank of the group (ranks {ranks})")
     host_of = {r: h for r, (h, _s, _u) in zip(ranks, hosts, strict=True)}
+    users = {(h, u) for h, _s, u in hosts}
+    if len(users) != len(set(host_of.values())):
+        said = ", ".join(f"rank {r}: uid {u}" for r, (_h, _s, u) in zip(ranks, hosts, strict=True))
+        raise SharingError(
+            f"broadcast_local: ranks of one host run as different users ({said}); shmreduce shares memory only "
+            "between processes of one user (the others could not read its key, nor reach its memory): run the "
+            "ranks of a host as one user"
+        )
     leaders: dict[str, int] = {}
     for r in ranks:
         leaders.setdefault(host_of[r], r)

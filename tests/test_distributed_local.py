@@ -16,6 +16,9 @@ shm base under the session's: afterwards no broker serves it and nothing is left
   next call works; in a group of ranks 1-3, rank 1 (alone of it on its host) keeps its object.
 * A rank of another user on the host is refused, on every rank; a call before
   ``init_process_group`` is a SharingError.
+* The key file: mode 0600 in the 0700 program directory, the key in nothing that goes
+  through the engine; read from nothing else (another name, another directory, a symlink, a
+  file others can read, as another user).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import pytest
 
 import shmreduce
 
-from helpers import brokers_under, shm_base, wait_for
+from helpers import brokers_under, run_in_child, shm_base, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RANK_SCRIPT = os.path.join(ROOT, "tests", "dist_rank.py")
@@ -225,3 +228,54 @@ def test_example_ddp_shared_dataset(job_base):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=TIMEOUT, cwd=ROOT)
     assert proc.returncode == 0, f"job failed:\n{proc.stdout}\n{proc.stderr}"
     assert "ddp_shared_dataset: OK" in proc.stdout, proc.stdout
+
+
+def test_the_key_file_is_private_and_anything_else_is_refused(registered_fd, tmp_path):
+    """What goes through the engine is a directory and a file name; the key is in the file,
+    mode 0600 in the 0700 program directory, and read from nothing less private."""
+    import multiprocessing as mp
+    import stat
+
+    import torch
+
+    from shmreduce import distributed, program
+
+    directory, name = distributed._offer({"t": torch.ones(4)})
+    path = os.path.join(directory, name)
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and os.stat(path).st_uid == os.getuid()
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+        root_pid, authkey, data = distributed._read_key(directory, name)
+        assert authkey == bytes(mp.current_process().authkey) and root_pid == program.current().root_pid
+        assert float(shmreduce.loads(data)["t"].sum()) == 4.0
+        assert authkey.hex() not in directory + name
+
+        refused = [
+            (directory, "broker.sock"),  # not a key file's name
+            (str(tmp_path), name),  # not a program directory of this user in this shm base
+        ]
+        link = f"{distributed.KEY_PREFIX}{'0' * 32}"
+        os.symlink(path, os.path.join(directory, link))
+        refused.append((directory, link))  # a symlink
+        for where, what in refused:
+            with pytest.raises(shmreduce.SharingError):
+                distributed._read_key(where, what)
+        os.unlink(os.path.join(directory, link))
+        os.chmod(path, 0o640)
+        with pytest.raises(shmreduce.SharingError, match="not a private file"):
+            distributed._read_key(directory, name)
+        os.chmod(path, 0o600)
+
+        if os.getuid() == 0:
+
+            def as_nobody() -> None:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+                distributed._read_key(directory, name)
+
+            kind, message = run_in_child(as_nobody)
+            assert kind == "SharingError" and "uid 65534" in message, (kind, message)
+    finally:
+        distributed._remove_key_file(directory, name)
+    assert not os.path.exists(path)
