@@ -28,12 +28,16 @@ What this module owns, and what it must never do:
   inside its program directory (0700, this user's: ``protocol.is_program_dir``), with the
   shared bytes after it (handles, and what the object holds besides tensors: of no use on
   another host either); only the file's name goes through the engine, so what the ranks
-  gather stays a few bytes a rank however many hosts. A rank reads it only if the file is a regular file
-  of its own uid, mode 0600, in a program directory of its own shm base. The leader
-  removes the file once every rank answered; killed before that, the file goes with the
-  program directory when its broker exits. A process of another user cannot read it (nor
-  reach the broker); a rank of another job never gets its name, and its loads of this
-  job's messages are refused by the broker (another authkey).
+  gather stays a few bytes a rank however many hosts. A rank reads it only if the file is a
+  regular file of its own uid, mode 0600, in a program directory of its own shm base. The
+  leader removes the file once every rank answered; killed before that, the file goes with
+  the program directory when its broker exits. Ranks of one host running as different users
+  are refused before anything is shared (a process of another user could not read the file,
+  nor reach the broker); a rank of another job never gets the file's name, and its loads of
+  this job's messages are refused by the broker (another authkey).
+* **Registration.** A rank that is not registered is registered (``register()``, with the
+  strategy set): what it gets is shmreduce's memory, and torch's reducers would move it
+  into memory of their own when the rank hands it to a worker (a copy, no more aliased).
 * **Errors on every rank, never a hang.** Each step ends in a collective that carries
   every rank's outcome: a failure on one rank (ranks disagreeing on *src*, ``/dev/shm``
   too small for the object, a rank of another user, an object cloudpickle cannot pickle)
