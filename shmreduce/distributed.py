@@ -63,7 +63,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shmreduce import program, registry
+from shmreduce import _platform, program, registry
 from shmreduce.broker import client as broker
 from shmreduce.broker.protocol import is_program_dir
 from shmreduce.errors import SharingError
@@ -175,18 +175,13 @@ def _host_id() -> str:
     """What ranks share memory by: one kernel (``boot_id``, the hostname) and one shm base
     (its path and inode). Ranks with different ``SHMREDUCE_SHM_DIR`` are on different hosts
     for shmreduce: each such group gets its own copy."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "?"
     base = program.shm_base()
     try:
         st = os.stat(base)
         where = f"{st.st_dev}:{st.st_ino}"
     except OSError:
         where = "?"
-    return f"{socket.gethostname()}|{boot}|{base}|{where}"
+    return f"{socket.gethostname()}|{_platform.boot_id()}|{base}|{where}"
 
 
 # -- collectives ---------------------------------------------------------------------
