@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 TORCH ?= 2.13.0
 CONSTRAINTS ?= constraints-dev.txt
 
-.PHONY: install test lint format typecheck pythons suite-python suite-torch bench bench-chart asan tsan stress clean
+.PHONY: install test lint format typecheck pythons suite-python suite-torch bench bench-chart bench-ddp asan tsan stress clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -76,6 +76,13 @@ bench: $(STAMP)
 # after a change to how they are drawn, or to carry them onto rewritten pages.
 bench-chart: $(STAMP)
 	$(PY) benchmarks/bench.py --from-results benchmarks/results/results.json --update-readme
+
+# One copy per host (benchmarks/bench_ddp.py): 4 torchrun ranks sharing a 1 GiB dataset against
+# each rank holding its own, and a rank SIGKILLed mid-run. Not part of `make bench`: about 3
+# minutes on 2 cores, 4.7 GiB of memory and 6 GiB free in /dev/shm. Writes
+# benchmarks/results/ddp.json and prints the table of docs/benchmarks.md.
+bench-ddp: $(STAMP)
+	$(PY) benchmarks/bench_ddp.py
 
 # The whole suite once with the extension built under AddressSanitizer (not part of
 # `make test`: about twice as slow), then the normal build again. Children and the
