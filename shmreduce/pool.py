@@ -557,12 +557,34 @@ class Pool:
                 # already (a slab's when it is made, an arena's a chunk ahead: reserve),
                 # so a plain copy into the mapping cannot fault on a full memory limit.
                 seg, token = current.seg, current.token
-                if tier is _SLAB or self._twice(lambda last: seg.reserve(token.cursor, nbytes)):
+                try:
+                    fits: bool | None = tier is _SLAB or seg.reserve(token.cursor, nbytes)
+                except OutOfSharedMemory:
+                    fits = None  # handled below, outside this handler: one exception if _own fails too
+                if fits is None:
+                    # A full mount: the arena ends (its generation with its last
+                    # storage) and this storage gets a segment of its own, as before
+                    # arenas: a stream through a small /dev/shm reuses one segment.
+                    self.drop_current(tier)
+                    return self._own(nbytes, source, zero)
+                if fits:
                     put = token.put(nbytes, source, zero)
                     if put is not None:
                         return seg, seg.gen, put[0], put[1], token
-            self._new_current(tier)
+            try:
+                self._new_current(tier)
+                made = True
+            except OutOfSharedMemory:
+                if tier is _SLAB:
+                    raise
+                made = False
+            if not made:
+                return self._own(nbytes, source, zero)  # no room for a new arena's header
             return self.place(nbytes, source, zero)
+        return self._own(nbytes, source, zero)
+
+    def _own(self, nbytes: int, source: torch.UntypedStorage | None, zero: bool) -> tuple[Segment, int, int, torch.UntypedStorage, Any]:
+        """*source*'s bytes in a segment of its own (its size class)."""
         seg = self.take(class_size(nbytes))
         offset = HEADER
         token = self._twice(lambda last: self._begin(seg, retry=not last))

@@ -28,7 +28,7 @@ CHILD = textwrap.dedent(
     import gc, sys
     import torch, shmreduce
     shmreduce.register(strategy="file_system")
-    for i in range(40):  # 10 MiB through a 2 MiB mount, 256 KiB at a time
+    for i in range(40):  # 10 MiB through a 2 MiB mount, 256 KiB at a time (in an arena until it is full)
         t = torch.full((1 << 16,), float(i))
         out = shmreduce.loads(shmreduce.dumps(t))
         assert out[0].item() == float(i)
@@ -87,7 +87,7 @@ def _fail_header_writes(monkeypatch, times: int) -> list[int]:
     return left
 
 
-BIG = 1 << 16  # floats: a storage beyond a slab's, in a segment of its own
+BIG = (1 << 16) + 16  # floats: a storage beyond an arena's, in a segment of its own
 
 
 def test_a_full_mount_at_a_header_write_is_out_of_shared_memory(monkeypatch):

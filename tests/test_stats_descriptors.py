@@ -40,7 +40,7 @@ def _segment_memfds() -> int:
 def test_descriptors_are_shmreduces_and_fds_held_are_every_one(registered_fd):
     ctx = mp.get_context("fork")
     q, ack = ctx.Queue(), ctx.Queue()
-    sent = [torch.full((1 << 16,), float(i)) for i in range(3)]  # 256 KiB each: a memfd each, kept to send from
+    sent = [torch.full(((1 << 16) + 16,), float(i)) for i in range(3)]  # over 256 KiB each: a memfd each, kept to send from
     with running(ctx.Process(target=_take, args=(q, ack))):
         q.put(sent)
         assert ack.get(timeout=60) == [0.0, 1.0, 2.0]
