@@ -1,11 +1,11 @@
 /* dlpack.c: storages and tensors over a mapping, made by torch's own DLPack importer.
  *
  * Owns: filling a DLPack context for [addr + offset, ...) of a Gen and handing it to
- * torch (import_tensor), the untyped storage over a byte range (make_storage), the
+ * torch (shm_import_tensor), the untyped storage over a byte range (shm_make_storage), the
  * check that a pickle's sizes and strides describe elements inside their storage
- * (layout_from_tuples, check_layout). DLPack's structs are written from the public spec (native.h): no
+ * (shm_layout_from_tuples, shm_check_layout). DLPack's structs are written from the public spec (native.h): no
  * torch headers, one binary for every torch. Calls: lifetime.c for contexts and counts.
- * The caller checked the range (lifetime.c, check_range) before any of these runs.
+ * The caller checked the range (lifetime.c, shm_check_range) before any of these runs.
  */
 #include "native.h"
 
@@ -15,7 +15,7 @@
  * changes no count, whether torch's importer called the deleter (then ctx->deleted
  * says so) or never took the tensor (the capsule keeps its name; the exchange API
  * calls the deleter of one it took). */
-PyObject *import_tensor(GenObject *gen, Ctx *ctx, Py_ssize_t offset) {
+PyObject *shm_import_tensor(GenObject *gen, Ctx *ctx, Py_ssize_t offset) {
     ctx->gen = gen;
     ctx->managed.version = (DLPackVersion){.major = 1, .minor = 0};
     ctx->managed.flags = 0;
@@ -26,22 +26,23 @@ PyObject *import_tensor(GenObject *gen, Ctx *ctx, Py_ssize_t offset) {
     ctx->managed.dl_tensor.strides = ctx->strides;
     ctx->managed.dl_tensor.byte_offset = 0;
     ctx->managed.manager_ctx = ctx;
-    ctx->managed.deleter = ctx_deleter;
+    ctx->managed.deleter = shm_ctx_deleter;
     atomic_store(&ctx->deleted, 0);
     atomic_store(&ctx->importing, 1);
-    add_count(gen);
+    shm_add_count(gen);
+    shm_state *st = gen->module;
     PyObject *tensor = NULL;
     int consumed = 0;
-    if (exchange != NULL) {
+    if (st->exchange != NULL) {
         void *made = NULL;
-        if (exchange->managed_tensor_to_py_object_no_sync(&ctx->managed, &made) == 0 && made != NULL)
+        if (st->exchange->managed_tensor_to_py_object_no_sync(&ctx->managed, &made) == 0 && made != NULL)
             tensor = made;
         else if (!PyErr_Occurred())
             PyErr_SetString(PyExc_RuntimeError, "torch's DLPack exchange API made no tensor");
     } else {
         PyObject *capsule = PyCapsule_New(&ctx->managed, "dltensor_versioned", NULL);
         if (capsule != NULL) {
-            tensor = PyObject_CallOneArg(from_dlpack, capsule);
+            tensor = PyObject_CallOneArg(st->from_dlpack, capsule);
             consumed = !PyCapsule_IsValid(capsule, "dltensor_versioned"); /* torch renames what it takes */
             Py_DECREF(capsule);
         }
@@ -51,17 +52,17 @@ PyObject *import_tensor(GenObject *gen, Ctx *ctx, Py_ssize_t offset) {
     if (tensor != NULL)
         return tensor; /* torch's storage owns ctx: its deleter recycles it */
     if (deleted) {
-        give_back_ctx(ctx); /* the deleter ran inside the importer: the count went there */
+        shm_give_back_ctx(ctx); /* the deleter ran inside the importer: the count went there */
     } else if (!consumed) {
-        give_back_ctx(ctx); /* never taken */
-        drop_count(gen);
+        shm_give_back_ctx(ctx); /* never taken */
+        shm_drop_count(gen);
     } /* else torch holds it still: its deleter lets go, later */
     return NULL;
 }
 
 /* The untyped storage over [offset, offset + nbytes) of the mapping; range checked. */
-PyObject *make_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes) {
-    Ctx *ctx = take_ctx();
+PyObject *shm_make_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes) {
+    Ctx *ctx = shm_take_ctx(gen->module);
     if (ctx == NULL)
         return NULL;
     ctx->managed.dl_tensor.ndim = 1;
@@ -70,19 +71,19 @@ PyObject *make_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes) {
     ctx->managed.dl_tensor.dtype.lanes = 1;
     ctx->shape[0] = nbytes;
     ctx->strides[0] = 1;
-    PyObject *tensor = import_tensor(gen, ctx, offset);
+    PyObject *tensor = shm_import_tensor(gen, ctx, offset);
     if (tensor == NULL)
         return NULL;
-    PyObject *storage = PyObject_CallMethodNoArgs(tensor, str_untyped_storage);
+    PyObject *storage = PyObject_CallMethodNoArgs(tensor, gen->module->names[S_UNTYPED_STORAGE]);
     Py_DECREF(tensor);
     return storage;
 }
 
 /* A layout from a pickle's two tuples of ints: 0, or 1 for one DLPack cannot carry
  * here (too many dimensions), or -1 (SharingError) for a malformed one. */
-int layout_from_tuples(PyObject *size, PyObject *stride, Layout *out) {
+int shm_layout_from_tuples(shm_state *st, PyObject *size, PyObject *stride, Layout *out) {
     if (!PyTuple_CheckExact(size) || !PyTuple_CheckExact(stride) || PyTuple_GET_SIZE(size) != PyTuple_GET_SIZE(stride)) {
-        PyErr_SetString(sharing_error, "tensor size and stride must be tuples of one length (forged or corrupted message)");
+        PyErr_SetString(st->sharing_error, "tensor size and stride must be tuples of one length (forged or corrupted message)");
         return -1;
     }
     Py_ssize_t n = PyTuple_GET_SIZE(size);
@@ -103,7 +104,7 @@ int layout_from_tuples(PyObject *size, PyObject *stride, Layout *out) {
     out->ndim = (int32_t)n;
     return 0;
 bad:
-    PyErr_SetString(sharing_error, "tensor metadata that does not fit its storage: forged or corrupted message");
+    PyErr_SetString(st->sharing_error, "tensor metadata that does not fit its storage: forged or corrupted message");
     return -1;
 }
 
@@ -111,7 +112,7 @@ bad:
  * end): 0, or 1 for one that has no element, or -1 (SharingError) for a malformed one
  * (a negative size or stride, or a forged count: sizes whose product overflows,
  * whatever the strides: torch's importer would fail on it after taking the tensor). */
-int check_layout(const Layout *layout, Py_ssize_t itemsize, int64_t *extent) {
+int shm_check_layout(shm_state *st, const Layout *layout, Py_ssize_t itemsize, int64_t *extent) {
     int64_t last = 0;  /* the highest element index */
     int64_t count = 1; /* elements */
     int empty = 0;
@@ -136,11 +137,11 @@ int check_layout(const Layout *layout, Py_ssize_t itemsize, int64_t *extent) {
     *extent = bytes;
     return 0;
 bad:
-    PyErr_SetString(sharing_error, "tensor metadata that does not fit its storage: forged or corrupted message");
+    PyErr_SetString(st->sharing_error, "tensor metadata that does not fit its storage: forged or corrupted message");
     return -1;
 }
 
-PyDoc_STRVAR(dltype_doc, "dltype(capsule) -> (code, bits, lanes)\n\nThe dtype of a 'dltensor' capsule (torch's to_dlpack), not consumed.");
+PyDoc_STRVAR(dltype_doc,  "dltype($module, capsule, /)\n--\n\n-> (code, bits, lanes)\n\nThe dtype of a 'dltensor' capsule (torch's to_dlpack), not consumed.");
 
 static PyObject *native_dltype(PyObject *Py_UNUSED(module), PyObject *capsule) {
     DLManagedTensor *managed = PyCapsule_GetPointer(capsule, "dltensor");
@@ -150,7 +151,7 @@ static PyObject *native_dltype(PyObject *Py_UNUSED(module), PyObject *capsule) {
     return Py_BuildValue("(III)", (unsigned int)t.code, (unsigned int)t.bits, (unsigned int)t.lanes);
 }
 
-PyMethodDef dlpack_methods[] = {
+PyMethodDef shm_dlpack_methods[] = {
     {"dltype", native_dltype, METH_O, dltype_doc},
     {NULL, NULL, 0, NULL},
 };

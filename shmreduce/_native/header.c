@@ -53,10 +53,8 @@ static _Atomic uint64_t *header_of(PyObject *addr_obj) {
 }
 
 static int parse_header_gen(PyObject *const *args, Py_ssize_t nargs, const char *name, _Atomic uint64_t **h, uint64_t *gen) {
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "%s(addr, gen)", name);
+    if (shm_check_nargs(name, nargs, 2, 2) < 0)
         return -1;
-    }
     *h = header_of(args[0]);
     if (*h == NULL)
         return -1;
@@ -68,7 +66,7 @@ static int parse_header_gen(PyObject *const *args, Py_ssize_t nargs, const char 
 
 /* A ref's ticket drawn from the header h (the generation is held: by its owner's
  * storage, or by the sender's own hold of a storage it forwards). */
-uint64_t issue_ticket(_Atomic uint64_t *h) {
+uint64_t shm_issue_ticket(_Atomic uint64_t *h) {
     uint64_t ticket = atomic_fetch_add(&h[HDR_ISSUED], 1);
     if (ticket >= TICKETS)
         atomic_fetch_or(&h[HDR_FLAGS], RETIRED | UNCOUNTED);
@@ -77,7 +75,7 @@ uint64_t issue_ticket(_Atomic uint64_t *h) {
 
 /* The ref of ticket t loaded (the generation held here): counted once, at its first
  * load. A ticket never issued (a forged ref) counts nothing. */
-void count_loaded(_Atomic uint64_t *h, uint64_t ticket) {
+void shm_count_loaded(_Atomic uint64_t *h, uint64_t ticket) {
     if (ticket >= atomic_load(&h[HDR_ISSUED]))
         return;
     if (ticket >= TICKETS) {
@@ -101,30 +99,28 @@ static int parse_ticket(PyObject *obj, uint64_t *ticket) {
     return 0;
 }
 
-PyDoc_STRVAR(hdr_issue_doc, "hdr_issue(addr) -> int\n\nA ticket for one ref to the generation of the header at addr.");
+PyDoc_STRVAR(hdr_issue_doc,  "hdr_issue($module, addr, /)\n--\n\n-> int\n\nA ticket for one ref to the generation of the header at addr.");
 
 static PyObject *hdr_issue(PyObject *Py_UNUSED(module), PyObject *addr) {
     _Atomic uint64_t *h = header_of(addr);
-    return h == NULL ? NULL : PyLong_FromUnsignedLongLong(issue_ticket(h));
+    return h == NULL ? NULL : PyLong_FromUnsignedLongLong(shm_issue_ticket(h));
 }
 
-PyDoc_STRVAR(hdr_loaded_doc, "hdr_loaded(addr, ticket)\n\nThe ref of ticket loaded in the generation of the header at addr: "
+PyDoc_STRVAR(hdr_loaded_doc,  "hdr_loaded($module, addr, ticket, /)\n--\n\nThe ref of ticket loaded in the generation of the header at addr: "
                              "counted loaded at its first load only (refs sent: count_sent).");
 
 static PyObject *hdr_loaded(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "hdr_loaded(addr, ticket)");
+    if (shm_check_nargs("hdr_loaded", nargs, 2, 2) < 0)
         return NULL;
-    }
     _Atomic uint64_t *h = header_of(args[0]);
     uint64_t ticket;
     if (h == NULL || parse_ticket(args[1], &ticket) < 0)
         return NULL;
-    count_loaded(h, ticket);
+    shm_count_loaded(h, ticket);
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(hdr_hold_doc, "hdr_hold(addr, gen) -> bool\n\nCount this process a holder of generation gen, then check that the "
+PyDoc_STRVAR(hdr_hold_doc,  "hdr_hold($module, addr, gen, /)\n--\n\n-> bool\n\nCount this process a holder of generation gen, then check that the "
                            "header holds gen: False (holding nothing) if it holds another, or is being freed for good.");
 
 static PyObject *hdr_hold(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
@@ -185,8 +181,11 @@ static PyObject *hdr_hold(PyObject *Py_UNUSED(module), PyObject *const *args, Py
 /* Initial-exec TLS: its first touch in a thread allocates nothing (a dynamic TLS block
  * may be malloc'd on first use, which a signal handler must never do). */
 static _Thread_local sigjmp_buf *fault_jump __attribute__((tls_model("initial-exec")));
-static int faults_guarded;
-static struct sigaction previous_sigbus; /* the handler guard_faults() replaced (faulthandler's, or the default) */
+/* The process's SIGBUS disposition (process-wide: native.h says why). */
+static struct {
+    int on;                    /* guard_faults() was called */
+    struct sigaction previous; /* the handler it replaced (faulthandler's, or the default) */
+} sigbus_guard;
 
 static void on_sigbus(int sig, siginfo_t *info, void *context) {
     (void)context;
@@ -198,7 +197,7 @@ static void on_sigbus(int sig, siginfo_t *info, void *context) {
     /* Not ours: the handler it replaced gets it. A fault is chained by returning: the
      * faulting access runs again and faults into that handler, with its own address
      * and siginfo. A signal sent (kill, raise) has no access to run again: sent anew. */
-    sigaction(sig, &previous_sigbus, NULL);
+    sigaction(sig, &sigbus_guard.previous, NULL);
     if (info == NULL || info->si_code <= 0)
         raise(sig);
 }
@@ -206,7 +205,7 @@ static void on_sigbus(int sig, siginfo_t *info, void *context) {
 typedef void (*header_op)(_Atomic uint64_t *h, uint64_t arg, uint64_t *out);
 
 static int guarded(header_op op, _Atomic uint64_t *h, uint64_t arg, uint64_t *out) {
-    if (!faults_guarded) {
+    if (!sigbus_guard.on) {
         op(h, arg, out);
         return 0;
     }
@@ -222,7 +221,7 @@ static int guarded(header_op op, _Atomic uint64_t *h, uint64_t arg, uint64_t *ou
     return 0;
 }
 
-PyDoc_STRVAR(guard_faults_doc, "guard_faults()\n\nFrom now on the header functions the broker calls raise OSError(EFAULT) "
+PyDoc_STRVAR(guard_faults_doc,  "guard_faults($module, /)\n--\n\nFrom now on the header functions the broker calls raise OSError(EFAULT) "
                                "where a segment was truncated under its header, instead of a SIGBUS ending the process.");
 
 static PyObject *guard_faults(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored)) {
@@ -235,10 +234,10 @@ static PyObject *guard_faults(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(i
     if (sigaction(SIGBUS, NULL, &before) < 0)
         return PyErr_SetFromErrno(PyExc_OSError);
     if (before.sa_sigaction != on_sigbus)
-        previous_sigbus = before; /* known before this handler can run */
+        sigbus_guard.previous = before; /* known before this handler can run */
     if (sigaction(SIGBUS, &action, NULL) < 0)
         return PyErr_SetFromErrno(PyExc_OSError);
-    faults_guarded = 1;
+    sigbus_guard.on = 1;
     Py_RETURN_NONE;
 }
 
@@ -278,7 +277,7 @@ static void op_flags(_Atomic uint64_t *h, uint64_t Py_UNUSED(arg), uint64_t *out
     out[0] = atomic_load(&h[HDR_FLAGS]);
 }
 
-PyDoc_STRVAR(hdr_unhold_doc, "hdr_unhold(addr, gen) -> bool\n\nCount one holder of generation gen less; False (nothing done) if the "
+PyDoc_STRVAR(hdr_unhold_doc,  "hdr_unhold($module, addr, gen, /)\n--\n\n-> bool\n\nCount one holder of generation gen less; False (nothing done) if the "
                              "header holds another generation or no holder.");
 
 /* name(addr, gen) -> bool: a guarded op of one generation. */
@@ -294,8 +293,8 @@ static PyObject *hdr_unhold(PyObject *Py_UNUSED(module), PyObject *const *args, 
     return generation_op(op_unhold, "hdr_unhold", args, nargs);
 }
 
-PyDoc_STRVAR(hdr_end_doc,
-             "hdr_end(addr, gen) -> int\n\nThe owner, its own storages of gen all dead, ends gen: END_FREED if nobody holds "
+PyDoc_STRVAR(hdr_end_doc, 
+             "hdr_end($module, addr, gen, /)\n--\n\n-> int\n\nThe owner, its own storages of gen all dead, ends gen: END_FREED if nobody holds "
              "it, every ref sent was loaded and it is not retired (generation 0, counters, tickets and flags zeroed: a stale "
              "ref is refused; the segment is free for the next); END_RETIRED to the one caller that claims a retired "
              "generation's close; END_WAIT if it must wait (held, a ref in flight, or another thread inside this check); "
@@ -341,7 +340,7 @@ static PyObject *hdr_end(PyObject *Py_UNUSED(module), PyObject *const *args, Py_
     return PyLong_FromLong(result);
 }
 
-PyDoc_STRVAR(hdr_read_doc, "hdr_read(addr) -> (gen, sent, loaded, holders)\n\nThe header at addr, each field read atomically.");
+PyDoc_STRVAR(hdr_read_doc,  "hdr_read($module, addr, /)\n--\n\n-> (gen, sent, loaded, holders)\n\nThe header at addr, each field read atomically.");
 
 static PyObject *hdr_read(PyObject *Py_UNUSED(module), PyObject *addr) {
     _Atomic uint64_t *h = header_of(addr);
@@ -352,14 +351,14 @@ static PyObject *hdr_read(PyObject *Py_UNUSED(module), PyObject *addr) {
                          (unsigned long long)out[3]);
 }
 
-PyDoc_STRVAR(hdr_retire_doc, "hdr_retire(addr, gen) -> bool\n\nNever reuse generation gen (if the header still holds it): "
+PyDoc_STRVAR(hdr_retire_doc,  "hdr_retire($module, addr, gen, /)\n--\n\n-> bool\n\nNever reuse generation gen (if the header still holds it): "
                              "its memory goes back to the system once nothing maps it.");
 
 static PyObject *hdr_retire(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
     return generation_op(op_retire, "hdr_retire", args, nargs);
 }
 
-PyDoc_STRVAR(hdr_retire_any_doc, "hdr_retire_any(addr)\n\nRetire whatever generation the header holds now, a free segment's "
+PyDoc_STRVAR(hdr_retire_any_doc,  "hdr_retire_any($module, addr, /)\n--\n\nRetire whatever generation the header holds now, a free segment's "
                                  "next one included: a process killed inside a stale load's hdr_hold may have counted itself "
                                  "there, and nobody can count it out.");
 
@@ -371,7 +370,7 @@ static PyObject *hdr_retire_any(PyObject *Py_UNUSED(module), PyObject *addr) {
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(hdr_flags_doc, "hdr_flags(addr) -> int\n\nThe header's flags: RETIRED (never reused), UNCOUNTED (a ticket past "
+PyDoc_STRVAR(hdr_flags_doc,  "hdr_flags($module, addr, /)\n--\n\n-> int\n\nThe header's flags: RETIRED (never reused), UNCOUNTED (a ticket past "
                             "the bitmap: its loads were not told from repeats).");
 
 static PyObject *hdr_flags(PyObject *Py_UNUSED(module), PyObject *addr) {
@@ -382,7 +381,7 @@ static PyObject *hdr_flags(PyObject *Py_UNUSED(module), PyObject *addr) {
     return PyLong_FromUnsignedLongLong(out[0]);
 }
 
-PyMethodDef header_methods[] = {
+PyMethodDef shm_header_methods[] = {
     {"hdr_issue", hdr_issue, METH_O, hdr_issue_doc},
     {"hdr_loaded", (PyCFunction)(void (*)(void))hdr_loaded, METH_FASTCALL, hdr_loaded_doc},
     {"hdr_retire", (PyCFunction)(void (*)(void))hdr_retire, METH_FASTCALL, hdr_retire_doc},
