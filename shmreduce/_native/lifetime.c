@@ -183,8 +183,10 @@ Py_ssize_t shm_claim(GenObject *gen, Py_ssize_t nbytes) {
  * a call into torch, may be freed memory by the time it is copied from). -1 on error. */
 static int source_address(shm_state *st, PyObject *source, Py_ssize_t nbytes, const char **ptr) {
     PyObject *size = PyObject_CallMethodNoArgs(source, st->names[S_NBYTES]);
-    Py_ssize_t have = size != NULL ? PyLong_AsSsize_t(size) : -1;
-    Py_XDECREF(size);
+    if (size == NULL)
+        return -1;
+    Py_ssize_t have = PyLong_AsSsize_t(size);
+    Py_DECREF(size);
     if (have == -1 && PyErr_Occurred())
         return -1;
     if (have < nbytes) {
@@ -192,11 +194,16 @@ static int source_address(shm_state *st, PyObject *source, Py_ssize_t nbytes, co
         return -1;
     }
     PyObject *address = PyObject_CallMethodNoArgs(source, st->names[S_DATA_PTR]);
-    *ptr = address != NULL ? PyLong_AsVoidPtr(address) : NULL;
-    Py_XDECREF(address);
-    if (*ptr == NULL && !PyErr_Occurred())
-        PyErr_SetString(PyExc_ValueError, "a copy from a storage with no data");
-    return *ptr == NULL ? -1 : 0;
+    if (address == NULL)
+        return -1;
+    *ptr = PyLong_AsVoidPtr(address);
+    Py_DECREF(address);
+    if (*ptr == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "a copy from a storage with no data");
+        return -1;
+    }
+    return 0;
 }
 
 /* nbytes of storage source (NULL: zeros) copied to offset, then the storage there.
@@ -248,10 +255,12 @@ PyObject *shm_stored_at(GenObject *gen, PyObject *key) {
  * otherwise walk (one lives per storage sent or loaded, while its generation does). */
 int shm_remember(GenObject *gen, PyObject *key, PyObject *storage) {
     PyObject *weak = PyWeakref_NewRef(storage, NULL);
-    if (weak != NULL && PyObject_GC_IsTracked(weak))
+    if (weak == NULL)
+        return -1;
+    if (PyObject_GC_IsTracked(weak))
         PyObject_GC_UnTrack(weak);
-    int done = weak != NULL ? PyDict_SetItem(gen->stored, key, weak) : -1;
-    Py_XDECREF(weak);
+    int done = PyDict_SetItem(gen->stored, key, weak);
+    Py_DECREF(weak);
     return done;
 }
 
@@ -284,8 +293,10 @@ load_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes, uint64_t tick
         goto error;
     if (storage != NULL) {
         PyObject *size = PyObject_CallMethodNoArgs(storage, gen->module->names[S_NBYTES]);
-        Py_ssize_t have = size != NULL ? PyLong_AsSsize_t(size) : -1;
-        Py_XDECREF(size);
+        if (size == NULL)
+            goto error;
+        Py_ssize_t have = PyLong_AsSsize_t(size);
+        Py_DECREF(size);
         if (have == -1 && PyErr_Occurred())
             goto error;
         if (have == nbytes) {
@@ -297,11 +308,14 @@ load_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes, uint64_t tick
         }
         Py_CLEAR(storage); /* another storage at that offset (SPEC 2): this ref's is made */
     }
-    if (shm_check_range(gen, offset, nbytes) < 0 || (storage = shm_make_storage(gen, offset, nbytes)) == NULL ||
-        shm_loaded_new(gen, key, storage, nbytes, ticket) < 0)
+    if (shm_check_range(gen, offset, nbytes) < 0)
+        goto error;
+    storage = shm_make_storage(gen, offset, nbytes);
+    if (storage == NULL || shm_loaded_new(gen, key, storage, nbytes, ticket) < 0)
         goto error;
     Py_DECREF(key);
     return storage;
+
 error:
     Py_DECREF(key);
     Py_XDECREF(storage);
@@ -368,9 +382,14 @@ static PyObject *gen_put(GenObject *self, PyObject *const *args, Py_ssize_t narg
     Py_ssize_t offset = shm_claim(self, nbytes);
     if (offset < 0)
         Py_RETURN_NONE;
-    PyObject *storage = args[1] == Py_None && !zero ? shm_make_storage(self, offset, nbytes) /* shm_claim() checked the range */
-                                                    : shm_put_storage(self, offset, nbytes, args[1] == Py_None ? NULL : args[1]);
-    return storage == NULL ? NULL : Py_BuildValue("(nN)", offset, storage);
+    PyObject *storage;
+    if (args[1] == Py_None && !zero)
+        storage = shm_make_storage(self, offset, nbytes); /* shm_claim() checked the range */
+    else
+        storage = shm_put_storage(self, offset, nbytes, args[1] == Py_None ? NULL : args[1]);
+    if (storage == NULL)
+        return NULL;
+    return Py_BuildValue("(nN)", offset, storage);
 }
 
 PyDoc_STRVAR(gen_seal_doc,  "seal($self, /)\n--\n\nPlace nothing more in this slab (its segment is sealed).");
@@ -404,7 +423,9 @@ PyDoc_STRVAR(gen_stored_doc,  "stored($self, offset, /)\n--\n\n-> UntypedStorage
  * Python passed), or NULL. */
 static PyObject *offset_key(PyObject *obj) {
     Py_ssize_t offset = PyLong_AsSsize_t(obj);
-    return offset == -1 && PyErr_Occurred() ? NULL : PyLong_FromSsize_t(offset);
+    if (offset == -1 && PyErr_Occurred())
+        return NULL;
+    return PyLong_FromSsize_t(offset);
 }
 
 static PyObject *gen_stored(GenObject *self, PyObject *offset_obj) {
@@ -413,7 +434,9 @@ static PyObject *gen_stored(GenObject *self, PyObject *offset_obj) {
         return NULL;
     PyObject *storage = shm_stored_at(self, key);
     Py_DECREF(key);
-    return storage != NULL || PyErr_Occurred() ? storage : Py_NewRef(Py_None);
+    if (storage == NULL && !PyErr_Occurred())
+        Py_RETURN_NONE;
+    return storage;
 }
 
 PyDoc_STRVAR(gen_remember_doc,  "remember($self, offset, storage, /)\n--\n\nstorage lies at offset here: what a ref to offset loads.");
@@ -422,9 +445,13 @@ static PyObject *gen_remember(GenObject *self, PyObject *const *args, Py_ssize_t
     if (shm_check_nargs("remember", nargs, 2, 2) < 0)
         return NULL;
     PyObject *key = offset_key(args[0]);
-    int done = key != NULL ? shm_remember(self, key, args[1]) : -1;
-    Py_XDECREF(key);
-    return done < 0 ? NULL : Py_NewRef(Py_None);
+    if (key == NULL)
+        return NULL;
+    int done = shm_remember(self, key, args[1]);
+    Py_DECREF(key);
+    if (done < 0)
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(gen_acquire_doc,  "acquire($self, /)\n--\n\n-> bool\n\nHold the generation as a storage would (a slab's owner, "

@@ -43,10 +43,12 @@ static int add_constants(PyObject *module) {
         {"CLOSED", (long long)CLOSED}, {"END_STALE", END_STALE}, {"END_WAIT", END_WAIT}, {"END_FREED", END_FREED},
         {"END_RETIRED", END_RETIRED},
     };
-    for (size_t i = 0; i < sizeof(constants) / sizeof(constants[0]); i++) {
+    for (size_t i = 0; i < Py_ARRAY_LENGTH(constants); i++) {
         PyObject *value = PyLong_FromLongLong(constants[i].value);
-        int added = value != NULL ? PyModule_AddObjectRef(module, constants[i].name, value) : -1;
-        Py_XDECREF(value);
+        if (value == NULL)
+            return -1;
+        int added = PyModule_AddObjectRef(module, constants[i].name, value);
+        Py_DECREF(value);
         if (added < 0)
             return -1;
     }
@@ -96,7 +98,7 @@ static int native_exec(PyObject *module) {
         return -1;
     PyMethodDef *tables[] = {shm_lifetime_methods, shm_dlpack_methods, shm_segments_methods, shm_header_methods,
                              shm_pickler_methods};
-    for (size_t i = 0; i < sizeof(tables) / sizeof(tables[0]); i++)
+    for (size_t i = 0; i < Py_ARRAY_LENGTH(tables); i++)
         if (PyModule_AddFunctions(module, tables[i]) < 0)
             return -1;
     if (PyModule_AddObjectRef(module, "Gen", (PyObject *)st->gen_type) < 0 || add_constants(module) < 0)

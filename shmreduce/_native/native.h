@@ -237,8 +237,15 @@ shm_check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t min, Py_ssize_t m
 {
     if (nargs >= min && nargs <= max)
         return 0;
-    Py_ssize_t want = nargs < min ? min : max;
-    const char *how = min == max ? "exactly" : nargs < min ? "at least" : "at most";
+    Py_ssize_t want = max;
+    const char *how = "at most";
+    if (min == max) {
+        how = "exactly";
+    }
+    else if (nargs < min) {
+        want = min;
+        how = "at least";
+    }
     PyErr_Format(PyExc_TypeError, "%s() takes %s %zd argument%s (%zd given)", name, how, want, want == 1 ? "" : "s",
                  nargs);
     return -1;

@@ -114,10 +114,13 @@ bad:
  * once by reductions.dlpack_table): 1 and its DLPack dtype and itemsize, or 0 (no
  * error set) for one that is no such tuple of ints in range. */
 static int table_entry(PyObject *value, DLDataType *t, Py_ssize_t *itemsize) {
-    Py_ssize_t code, bits, lanes, size;
-    if (!PyTuple_CheckExact(value) || PyTuple_GET_SIZE(value) != 4 || (code = small_int(PyTuple_GET_ITEM(value, 0))) < 0 ||
-        code > 255 || (bits = small_int(PyTuple_GET_ITEM(value, 1))) <= 0 || bits > 255 ||
-        (lanes = small_int(PyTuple_GET_ITEM(value, 2))) <= 0 || lanes > 65535 || (size = small_int(PyTuple_GET_ITEM(value, 3))) <= 0)
+    if (!PyTuple_CheckExact(value) || PyTuple_GET_SIZE(value) != 4)
+        return 0;
+    Py_ssize_t code = small_int(PyTuple_GET_ITEM(value, 0));
+    Py_ssize_t bits = small_int(PyTuple_GET_ITEM(value, 1));
+    Py_ssize_t lanes = small_int(PyTuple_GET_ITEM(value, 2));
+    Py_ssize_t size = small_int(PyTuple_GET_ITEM(value, 3));
+    if (code < 0 || code > 255 || bits <= 0 || bits > 255 || lanes <= 0 || lanes > 65535 || size <= 0)
         return 0;
     *t = (DLDataType){.code = (uint8_t)code, .bits = (uint8_t)bits, .lanes = (uint16_t)lanes};
     *itemsize = size;
@@ -166,39 +169,43 @@ static int make_plain(GenObject *gen, const Plain *p, PyObject **out) {
         return checked < 0 ? -1 : 0;
     if (p->storage_offset != 0 || extent != p->nbytes)
         return 0; /* a storage larger than the tensor's elements */
+    PyObject *tensor = NULL, *storage = NULL;
     PyObject *key = PyLong_FromSsize_t(p->offset); /* the identity map's key */
     if (key == NULL)
-        return -1;
+        goto error;
     PyObject *loaded = shm_stored_at(gen, key);
-    if (loaded != NULL || PyErr_Occurred() || shm_check_range(gen, p->offset, p->nbytes) < 0) {
+    if (loaded != NULL) {
+        /* loaded here already: the general case makes a tensor of that storage */
+        Py_DECREF(loaded);
         Py_DECREF(key);
-        Py_XDECREF(loaded); /* loaded here already: the general case makes a tensor of that storage */
-        return loaded != NULL ? 0 : -1;
+        return 0;
     }
+    if (PyErr_Occurred() || shm_check_range(gen, p->offset, p->nbytes) < 0)
+        goto error;
     Ctx *ctx = shm_take_ctx(gen->module);
-    if (ctx == NULL) {
-        Py_DECREF(key);
-        return -1;
-    }
+    if (ctx == NULL)
+        goto error;
+    assert(p->layout.ndim >= 0 && p->layout.ndim <= MAX_DIMS); /* shm_check_layout() said so */
     ctx->managed.dl_tensor.ndim = p->layout.ndim;
     ctx->managed.dl_tensor.dtype = p->dtype;
     memcpy(ctx->shape, p->layout.shape, (size_t)p->layout.ndim * sizeof(int64_t));
     memcpy(ctx->strides, p->layout.strides, (size_t)p->layout.ndim * sizeof(int64_t));
-    PyObject *tensor = shm_import_tensor(gen, ctx, p->offset);
-    if (tensor == NULL) {
-        Py_DECREF(key);
-        return -1;
-    }
-    PyObject *storage = PyObject_CallMethodNoArgs(tensor, gen->module->names[S_UNTYPED_STORAGE]);
-    int done = storage != NULL ? shm_loaded_new(gen, key, storage, p->nbytes, p->ticket) : -1;
+    tensor = shm_import_tensor(gen, ctx, p->offset);
+    if (tensor == NULL)
+        goto error;
+    storage = PyObject_CallMethodNoArgs(tensor, gen->module->names[S_UNTYPED_STORAGE]);
+    if (storage == NULL || shm_loaded_new(gen, key, storage, p->nbytes, p->ticket) < 0)
+        goto error;
+    Py_DECREF(storage);
     Py_DECREF(key);
-    Py_XDECREF(storage);
-    if (done < 0) {
-        Py_DECREF(tensor);
-        return -1;
-    }
     *out = tensor;
     return 1;
+
+error:
+    Py_XDECREF(storage);
+    Py_XDECREF(tensor);
+    Py_XDECREF(key);
+    return -1;
 }
 
 /* make_plain()'s tensor, or what general makes of args where it hands the case on. */
@@ -206,7 +213,11 @@ static PyObject *plain_or(GenObject *gen, const Plain *p, PyObject *(*general)(s
                           PyObject *const *args, Py_ssize_t nargs) {
     PyObject *tensor = NULL;
     int made = make_plain(gen, p, &tensor);
-    return made > 0 ? tensor : made < 0 ? NULL : general(gen->module, args, nargs);
+    if (made < 0)
+        return NULL;
+    if (made == 0)
+        return general(gen->module, args, nargs);
+    return tensor;
 }
 
 /* gen published under key, borrowed; NULL with no error if none. */
@@ -377,6 +388,27 @@ static Py_ssize_t call_int(shm_state *st, PyObject *obj, int name) {
     return n;
 }
 
+/* 1 if tensor is plain (no grad, no hooks, strided, on the CPU, neither nested nor
+ * quantized, no conjugate or negative bit), 0 if not, -1 on error. */
+static int is_plain(shm_state *st, PyObject *tensor) {
+    const struct {
+        int name;
+        PyObject *want;
+    } attributes[] = {
+        {S_REQUIRES_GRAD, Py_False}, {S_BACKWARD_HOOKS, Py_None}, {S_LAYOUT, st->strided},
+        {S_IS_CPU, Py_True},         {S_IS_NESTED, Py_False},     {S_IS_QUANTIZED, Py_False},
+    };
+    for (size_t i = 0; i < Py_ARRAY_LENGTH(attributes); i++) {
+        int is = attr_is(st, tensor, attributes[i].name, attributes[i].want);
+        if (is <= 0)
+            return is;
+    }
+    int is = call_false(st, tensor, S_IS_CONJ);
+    if (is <= 0)
+        return is;
+    return call_false(st, tensor, S_IS_NEG);
+}
+
 /* Swap fresh's memory into storage if storage's data is still at ptr (no other thread
  * moved it meanwhile): 1; 0 if moved; -1 on error. No Python code runs in between. */
 static int move_into(shm_state *st, PyObject *storage, Py_ssize_t ptr, PyObject *fresh) {
@@ -400,8 +432,12 @@ static PyObject *native_move(PyObject *module, PyObject *const *args, Py_ssize_t
         return NULL;
     }
     Py_ssize_t ptr = PyLong_AsSsize_t(args[1]);
-    int moved = (ptr == -1 && PyErr_Occurred()) ? -1 : move_into(shm_get_state(module), args[0], ptr, args[2]);
-    return moved < 0 ? NULL : PyBool_FromLong(moved);
+    if (ptr == -1 && PyErr_Occurred())
+        return NULL;
+    int moved = move_into(shm_get_state(module), args[0], ptr, args[2]);
+    if (moved < 0)
+        return NULL;
+    return PyBool_FromLong(moved);
 }
 
 /* The current slab of this thread for the current strategy, if reduce() may fill it
@@ -440,21 +476,33 @@ static GenObject *send_from(shm_state *st, PyObject *storage, Py_ssize_t ptr, Py
     Py_ssize_t at = slab != NULL ? shm_claim(slab, nbytes) : -1;
     if (at < 0)
         return NULL; /* full, or none yet: the general path makes the next */
+    PyObject *key = NULL;
     Py_INCREF(slab); /* torch code runs below: a finalizer may drop the thread's slab */
     PyObject *fresh = shm_put_storage(slab, at, nbytes, storage); /* its address read at the copy, not ptr */
-    int moved = fresh != NULL ? move_into(st, storage, ptr, fresh) : -1;
-    Py_XDECREF(fresh);
-    PyObject *key = moved > 0 ? PyLong_FromSsize_t(at) : NULL;
-    if (moved > 0 && (key == NULL || shm_remember(slab, key, storage) < 0))
-        moved = -1;
-    Py_XDECREF(key);
-    Py_DECREF(slab); /* its storage holds it now */
-    if (moved <= 0)
+    if (fresh == NULL)
+        goto error;
+    int moved = move_into(st, storage, ptr, fresh);
+    Py_DECREF(fresh);
+    if (moved < 0)
+        goto error;
+    if (moved == 0) {
+        Py_DECREF(slab);
         return NULL; /* moved by another thread meanwhile: the general path finds where */
+    }
+    key = PyLong_FromSsize_t(at);
+    if (key == NULL || shm_remember(slab, key, storage) < 0)
+        goto error;
+    Py_DECREF(key);
+    Py_DECREF(slab); /* its storage holds it now */
     st->shares++;
     st->shared_bytes += (unsigned long long)nbytes;
     *offset = at;
     return slab;
+
+error:
+    Py_XDECREF(key);
+    Py_DECREF(slab);
+    return NULL;
 }
 
 /* The packed head and layout of a plain tensor whose storage's data is at ptr, as
@@ -489,8 +537,11 @@ static int describe(shm_state *st, PyObject *tensor, Py_ssize_t ptr, PackedHead 
 }
 
 static PyObject *share_plain(shm_state *st, PyObject *tensor, PyObject *storage) {
-    Py_ssize_t nbytes = call_int(st, storage, S_NBYTES), ptr = nbytes > 0 ? call_int(st, storage, S_DATA_PTR) : -1;
-    if (nbytes <= 0 || ptr == -1)
+    Py_ssize_t nbytes = call_int(st, storage, S_NBYTES);
+    if (nbytes <= 0)
+        return NULL; /* an error, or nothing to share: the general path */
+    Py_ssize_t ptr = call_int(st, storage, S_DATA_PTR);
+    if (ptr == -1)
         return NULL;
     if (!broker_seen) {
         struct pollfd post = {.fd = st->post_fd, .events = POLLRDHUP};
@@ -510,11 +561,10 @@ static PyObject *share_plain(shm_state *st, PyObject *tensor, PyObject *storage)
      * run finalizers that unindexed gen (unindex_all(), a broker reconnect), so its
      * template is read only now, and held while this builds (issue 28, item 3).
      * Without it, the general path sends the storage from where it lies now. */
-    PyObject *t = gen->template;
-    if (t == NULL || gen->ended)
+    if (gen->template == NULL || gen->ended)
         return NULL;
-    PyObject *packed = NULL, *args = NULL, *result = NULL;
-    Py_INCREF(t);
+    PyObject *packed = NULL, *args = NULL;
+    PyObject *template = Py_NewRef(gen->template);
     head.offset = (uint64_t)offset;
     head.nbytes = (uint64_t)nbytes;
     head.ticket = gen->low ? shm_issue_ticket((_Atomic uint64_t *)gen->addr) : 0;
@@ -524,19 +574,29 @@ static PyObject *share_plain(shm_state *st, PyObject *tensor, PyObject *storage)
         shm_add_count(gen); /* held until the scope counts the ref sent (count_sent) */
     }
     size_t arrays = (size_t)layout.ndim * sizeof(int64_t);
-    if ((packed = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(sizeof head + 2 * arrays))) == NULL)
+    packed = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(sizeof head + 2 * arrays));
+    if (packed == NULL)
         goto error;
     char *out = PyBytes_AS_STRING(packed);
     memcpy(out, &head, sizeof head);
     memcpy(out + sizeof head, layout.shape, arrays);
     memcpy(out + sizeof head + arrays, layout.strides, arrays);
-    if ((args = PyTuple_Pack(2, t, packed)) != NULL)
-        result = PyTuple_Pack(2, st->load_fn, args);
-error:
-    Py_DECREF(t);
-    Py_XDECREF(packed);
-    Py_XDECREF(args);
+    args = PyTuple_Pack(2, template, packed);
+    if (args == NULL)
+        goto error;
+    PyObject *result = PyTuple_Pack(2, st->load_fn, args);
+    if (result == NULL)
+        goto error;
+    Py_DECREF(args);
+    Py_DECREF(packed);
+    Py_DECREF(template);
     return result;
+
+error:
+    Py_XDECREF(args);
+    Py_XDECREF(packed);
+    Py_DECREF(template);
+    return NULL;
 }
 
 PyDoc_STRVAR(reduce_doc, 
@@ -552,12 +612,11 @@ static PyObject *native_reduce(PyObject *module, PyObject *tensor) {
     shm_state *st = shm_get_state(module);
     if (outgoing == NULL || st->load_fn == NULL || Py_TYPE(tensor) != (PyTypeObject *)st->tensor_type)
         return reduce_general(st, tensor);
-    int plain;
-    if ((plain = attr_is(st, tensor, S_REQUIRES_GRAD, Py_False)) <= 0 || (plain = attr_is(st, tensor, S_BACKWARD_HOOKS, Py_None)) <= 0 ||
-        (plain = attr_is(st, tensor, S_LAYOUT, st->strided)) <= 0 || (plain = attr_is(st, tensor, S_IS_CPU, Py_True)) <= 0 ||
-        (plain = attr_is(st, tensor, S_IS_NESTED, Py_False)) <= 0 || (plain = attr_is(st, tensor, S_IS_QUANTIZED, Py_False)) <= 0 ||
-        (plain = call_false(st, tensor, S_IS_CONJ)) <= 0 || (plain = call_false(st, tensor, S_IS_NEG)) <= 0)
-        return plain < 0 ? NULL : reduce_general(st, tensor);
+    int plain = is_plain(st, tensor);
+    if (plain < 0)
+        return NULL;
+    if (plain == 0)
+        return reduce_general(st, tensor);
     PyObject *storage = PyObject_CallMethodNoArgs(tensor, st->names[S_UNTYPED_STORAGE]);
     if (storage == NULL)
         return NULL;
