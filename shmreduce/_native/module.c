@@ -9,15 +9,21 @@
 
 shm_process_state shm_process = {.streaming = -1};
 
-PyDoc_STRVAR(init_doc,  "init($module, from_dlpack, error, dtypes, published, /)\n--\n\nBind torch's DLPack importer, the exception type "
-                       "handles raise, and rebuild()'s dtype table and published Gens (dicts the caller fills).");
+PyDoc_STRVAR(init_doc, "init($module, from_dlpack, error, dtypes, published, /)\n--\n\nBind "
+                       "torch's DLPack importer, the exception type handles raise, and rebuild()'s "
+                       "dtype table and published Gens (dicts the caller fills).");
 
-static PyObject *native_init(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *
+native_init(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
     shm_state *st = shm_get_state(module);
-    if (shm_check_nargs("init", nargs, 4, 4) < 0)
+    if (shm_check_nargs("init", nargs, 4, 4) < 0) {
         return NULL;
+    }
     PyObject *importer = args[0], *error = args[1], *table = args[2], *gens = args[3];
-    if (!PyDict_Check(table) || !PyDict_Check(gens) || !PyCallable_Check(importer) || !PyType_Check(error) || !PyType_IsSubtype((PyTypeObject *)error, (PyTypeObject *)PyExc_Exception)) {
+    if (!PyDict_Check(table) || !PyDict_Check(gens) || !PyCallable_Check(importer) ||
+        !PyType_Check(error) ||
+        !PyType_IsSubtype((PyTypeObject *)error, (PyTypeObject *)PyExc_Exception)) {
         PyErr_SetString(PyExc_TypeError, "init(callable, exception type, dict, dict)");
         return NULL;
     }
@@ -33,24 +39,35 @@ static PyMethodDef module_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static int add_constants(PyObject *module) {
+static int
+add_constants(PyObject *module)
+{
     const struct {
         const char *name;
         long long value;
     } constants[] = {
-        {"ALIGN", ALIGN}, {"HEADER_BYTES", HEADER_BYTES}, {"SLAB_ITEM_MAX", SLAB_ITEM_MAX},
-        {"TICKETS", (long long)TICKETS}, {"RETIRED", (long long)RETIRED}, {"UNCOUNTED", (long long)UNCOUNTED},
-        {"CLOSED", (long long)CLOSED}, {"END_STALE", END_STALE}, {"END_WAIT", END_WAIT}, {"END_FREED", END_FREED},
+        {"ALIGN", ALIGN},
+        {"HEADER_BYTES", HEADER_BYTES},
+        {"SLAB_ITEM_MAX", SLAB_ITEM_MAX},
+        {"TICKETS", (long long)TICKETS},
+        {"RETIRED", (long long)RETIRED},
+        {"UNCOUNTED", (long long)UNCOUNTED},
+        {"CLOSED", (long long)CLOSED},
+        {"END_STALE", END_STALE},
+        {"END_WAIT", END_WAIT},
+        {"END_FREED", END_FREED},
         {"END_RETIRED", END_RETIRED},
     };
     for (size_t i = 0; i < Py_ARRAY_LENGTH(constants); i++) {
         PyObject *value = PyLong_FromLongLong(constants[i].value);
-        if (value == NULL)
+        if (value == NULL) {
             return -1;
+        }
         int added = PyModule_AddObjectRef(module, constants[i].name, value);
         Py_DECREF(value);
-        if (added < 0)
+        if (added < 0) {
             return -1;
+        }
     }
     return 0;
 }
@@ -76,40 +93,52 @@ static const char *const name_text[N_NAMES] = {
     [S_DLPACK_EXCHANGE_API] = "__dlpack_c_exchange_api__",
 };
 
-static int native_exec(PyObject *module) {
+static int
+native_exec(PyObject *module)
+{
     shm_state *st = shm_get_state(module);
     /* The process-wide state (native.h) is one per process: a second interpreter would
      * share it. Refused here too, where Python has no slot to say so (before 3.12). */
     if (PyInterpreterState_Get() != PyInterpreterState_Main()) {
-        PyErr_SetString(PyExc_ImportError, "shmreduce._native does not support sub-interpreters: its segment table, "
-                                           "dead stack and SIGBUS handler are the process's");
+        PyErr_SetString(PyExc_ImportError,
+                        "shmreduce._native does not support sub-interpreters: its segment table, "
+                        "dead stack and SIGBUS handler are the process's");
         return -1;
     }
     for (int i = 0; i < N_NAMES; i++) {
         st->names[i] = PyUnicode_InternFromString(name_text[i]);
-        if (st->names[i] == NULL)
+        if (st->names[i] == NULL) {
             return -1;
+        }
     }
     st->sharing_error = Py_NewRef(PyExc_RuntimeError); /* until init() */
     st->by_code_from = -1;
     st->post_fd = -1;
     st->gen_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &shm_gen_spec, NULL);
-    if (st->gen_type == NULL)
+    if (st->gen_type == NULL) {
         return -1;
-    PyMethodDef *tables[] = {shm_lifetime_methods, shm_dlpack_methods, shm_segments_methods, shm_header_methods,
-                             shm_pickler_methods};
-    for (size_t i = 0; i < Py_ARRAY_LENGTH(tables); i++)
-        if (PyModule_AddFunctions(module, tables[i]) < 0)
+    }
+    PyMethodDef *tables[] = {shm_lifetime_methods, shm_dlpack_methods, shm_segments_methods,
+                             shm_header_methods, shm_pickler_methods};
+    for (size_t i = 0; i < Py_ARRAY_LENGTH(tables); i++) {
+        if (PyModule_AddFunctions(module, tables[i]) < 0) {
             return -1;
-    if (PyModule_AddObjectRef(module, "Gen", (PyObject *)st->gen_type) < 0 || add_constants(module) < 0)
+        }
+    }
+    if (PyModule_AddObjectRef(module, "Gen", (PyObject *)st->gen_type) < 0 ||
+        add_constants(module) < 0) {
         return -1;
+    }
     return 0;
 }
 
-static int native_traverse(PyObject *module, visitproc visit, void *arg) {
+static int
+native_traverse(PyObject *module, visitproc visit, void *arg)
+{
     shm_state *st = PyModule_GetState(module);
-    if (st == NULL)
+    if (st == NULL) {
         return 0;
+    }
     Py_VISIT(st->gen_type);
     Py_VISIT(st->from_dlpack);
     Py_VISIT(st->sharing_error);
@@ -124,18 +153,23 @@ static int native_traverse(PyObject *module, visitproc visit, void *arg) {
     Py_VISIT(st->general_rebuild);
     Py_VISIT(st->general_load);
     Py_VISIT(st->general_reduce);
-    for (int i = 0; i < BY_CODE_MAX; i++)
+    for (int i = 0; i < BY_CODE_MAX; i++) {
         Py_VISIT(st->by_code[i].dtype);
+    }
     return 0;
 }
 
-static int native_clear(PyObject *module) {
+static int
+native_clear(PyObject *module)
+{
     shm_state *st = PyModule_GetState(module);
-    if (st == NULL)
+    if (st == NULL) {
         return 0;
+    }
     Py_CLEAR(st->gen_type);
-    for (int i = 0; i < N_NAMES; i++)
+    for (int i = 0; i < N_NAMES; i++) {
         Py_CLEAR(st->names[i]);
+    }
     Py_CLEAR(st->from_dlpack);
     Py_CLEAR(st->sharing_error);
     Py_CLEAR(st->dtypes);
@@ -150,14 +184,17 @@ static int native_clear(PyObject *module) {
     Py_CLEAR(st->general_rebuild);
     Py_CLEAR(st->general_load);
     Py_CLEAR(st->general_reduce);
-    for (int i = 0; i < BY_CODE_MAX; i++)
+    for (int i = 0; i < BY_CODE_MAX; i++) {
         Py_CLEAR(st->by_code[i].dtype);
+    }
     st->by_code_count = 0;
     st->by_code_from = -1;
     return 0;
 }
 
-static void native_free(void *module) {
+static void
+native_free(void *module)
+{
     (void)native_clear((PyObject *)module);
 }
 
@@ -176,7 +213,8 @@ static PyModuleDef_Slot native_slots[] = {
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "shmreduce._native",
-    .m_doc = PyDoc_STR("shmreduce's per-storage hot path: checked storages over shared memory, native lifetimes."),
+    .m_doc = PyDoc_STR(
+        "shmreduce's per-storage hot path: checked storages over shared memory, native lifetimes."),
     .m_size = sizeof(shm_state),
     .m_methods = module_methods,
     .m_slots = native_slots,
@@ -185,6 +223,8 @@ static struct PyModuleDef native_module = {
     .m_free = native_free,
 };
 
-PyMODINIT_FUNC PyInit__native(void) {
+PyMODINIT_FUNC
+PyInit__native(void)
+{
     return PyModuleDef_Init(&native_module);
 }

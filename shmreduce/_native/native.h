@@ -80,30 +80,32 @@ typedef struct {
     DLPackExchangeAPIHeader header;
     void *managed_tensor_allocator;
     void *managed_tensor_from_py_object_no_sync;
-    int (*managed_tensor_to_py_object_no_sync)(DLManagedTensorVersioned *tensor, void **out_py_object);
+    int (*managed_tensor_to_py_object_no_sync)(DLManagedTensorVersioned *tensor,
+                                               void **out_py_object);
     int (*dltensor_from_py_object_no_sync)(void *py_object, DLTensor *out); /* may be NULL */
     void *current_work_stream;
 } DLPackExchangeAPI;
 
 /* ---- constants: defined here once; module.c exports those Python reads ---- */
 
-#define ALIGN 64              /* a slab places each storage on a cache line, as torch's allocator does */
-#define SLAB_ITEM_MAX 65536   /* larger storages get a segment of their own (pool.py) */
-#define MAX_DIMS 8            /* rebuild()'s; more dimensions take the general path */
+#define ALIGN         64 /* a slab places each storage on a cache line, as torch's allocator does */
+#define SLAB_ITEM_MAX 65536 /* larger storages get a segment of their own (pool.py) */
+#define MAX_DIMS      8     /* rebuild()'s; more dimensions take the general path */
 
 /* A pooled segment's shared header (header.c says what each word means). */
 #define HEADER_BYTES 4096
-#define HDR_GEN 0
-#define HDR_SENT 1
-#define HDR_LOADED 2
-#define HDR_HOLDERS 3
-#define HDR_ISSUED 4
-#define HDR_FLAGS 5
-#define HDR_BITS 8
-#define TICKETS ((uint64_t)(HEADER_BYTES / 8 - HDR_BITS) * 64)
-#define RETIRED 1ULL
-#define UNCOUNTED 2ULL
-#define CLOSED 4ULL /* a retired generation's close was claimed (hdr_end answered END_RETIRED once) */
+#define HDR_GEN      0
+#define HDR_SENT     1
+#define HDR_LOADED   2
+#define HDR_HOLDERS  3
+#define HDR_ISSUED   4
+#define HDR_FLAGS    5
+#define HDR_BITS     8
+#define TICKETS      ((uint64_t)(HEADER_BYTES / 8 - HDR_BITS) * 64)
+#define RETIRED      1ULL
+#define UNCOUNTED    2ULL
+#define CLOSED                                                                                     \
+    4ULL /* a retired generation's close was claimed (hdr_end answered END_RETIRED once) */
 /* What hdr_end did (module.c exports them). */
 enum { END_STALE = -1, END_WAIT = 0, END_FREED = 1, END_RETIRED = 2 };
 #define NOT_A_TICKET (UINT64_MAX - 1) /* past every ticket: a load of it counts nothing */
@@ -131,16 +133,16 @@ struct GenObject {
     shm_state *module;      /* its module's state (the type keeps the module alive) */
     PyObject *owner;        /* the Segment (keeps the mapping) */
     PyObject *info;         /* Python's bookkeeping, opaque here */
-    PyObject *stored;       /* offset -> a weak reference to the storage made or loaded there (the identity map) */
+    PyObject *stored;       /* the identity map: offset -> a weak reference to its storage */
     PyObject *weakrefs;
     char *addr;
     Py_ssize_t size;
-    Py_ssize_t low;       /* first byte a storage may use: past the header if pooled, else 0 */
-    PyObject *number;     /* the generation, an int (0: not pooled) */
-    PyObject *key;        /* its key in the published dict, or NULL */
-    PyObject *template;   /* indexed for reduce(): its refs' (kind, directory, segment, generation, tag), or NULL */
-    Py_ssize_t cursor;    /* a slab's next free offset (shm_claim() alone moves it) */
-    int ended;            /* dead() reported it: no storage is made from it any more */
+    Py_ssize_t low;     /* first byte a storage may use: past the header if pooled, else 0 */
+    PyObject *number;   /* the generation, an int (0: not pooled) */
+    PyObject *key;      /* its key in the published dict, or NULL */
+    PyObject *template; /* indexed: its refs' (kind, directory, segment, generation, tag) */
+    Py_ssize_t cursor;  /* a slab's next free offset (shm_claim() alone moves it) */
+    int ended;          /* dead() reported it: no storage is made from it any more */
 };
 
 /* ---- the module's state (PEP 489: one per module object, found from the module or a Gen) ---- */
@@ -183,14 +185,15 @@ struct shm_state {
     PyObject *from_dlpack;   /* torch._C._from_dlpack, or NULL before init() */
     PyObject *sharing_error; /* shmreduce.errors.SharingError (RuntimeError until init()) */
     PyObject *dtypes;        /* torch dtype -> (code, bits, lanes, itemsize) */
-    PyObject *published;     /* a receiver's Gens by their refs' (kind, directory, segment, generation) */
+    PyObject
+        *published; /* a receiver's Gens by their refs' (kind, directory, segment, generation) */
     /* bound by init_send(): what reduce() returns to load with, what it takes (torch.Tensor
      * exactly, torch.strided), torch.multiprocessing's globals (the strategy), torch's own
      * UntypedStorage.is_shared, and the type's DLPack exchange API with its capsule */
     PyObject *load_fn, *tensor_type, *strided, *strategy_globals, *torch_is_shared;
     PyObject *exchange_capsule;
-    const DLPackExchangeAPI *exchange; /* NULL: reduce() hands every tensor on, and
-                                        * import_tensor() goes through a capsule */
+    /* NULL: reduce() hands every tensor on, and import_tensor() goes through a capsule */
+    const DLPackExchangeAPI *exchange;
     /* the general paths, imported on first use: reductions.rebuild_tensor,
      * rebuild_packed, reduce_tensor */
     PyObject *general_rebuild, *general_load, *general_reduce;
@@ -235,8 +238,9 @@ extern shm_process_state shm_process;
 static inline int
 shm_check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t min, Py_ssize_t max)
 {
-    if (nargs >= min && nargs <= max)
+    if (nargs >= min && nargs <= max) {
         return 0;
+    }
     Py_ssize_t want = max;
     const char *how = "at most";
     if (min == max) {
@@ -246,8 +250,8 @@ shm_check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t min, Py_ssize_t m
         want = min;
         how = "at least";
     }
-    PyErr_Format(PyExc_TypeError, "%s() takes %s %zd argument%s (%zd given)", name, how, want, want == 1 ? "" : "s",
-                 nargs);
+    PyErr_Format(PyExc_TypeError, "%s() takes %s %zd argument%s (%zd given)", name, how, want,
+                 want == 1 ? "" : "s", nargs);
     return -1;
 }
 
@@ -273,7 +277,8 @@ int shm_check_range(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes);
 Py_ssize_t shm_claim(GenObject *gen, Py_ssize_t nbytes);
 PyObject *shm_stored_at(GenObject *gen, PyObject *key);
 int shm_remember(GenObject *gen, PyObject *key, PyObject *storage);
-int shm_loaded_new(GenObject *gen, PyObject *key, PyObject *storage, Py_ssize_t nbytes, uint64_t ticket);
+int shm_loaded_new(GenObject *gen, PyObject *key, PyObject *storage, Py_ssize_t nbytes,
+                   uint64_t ticket);
 PyObject *shm_put_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes, PyObject *source);
 extern PyMethodDef shm_lifetime_methods[];
 
@@ -305,11 +310,14 @@ extern PyMethodDef shm_header_methods[];
 extern PyMethodDef shm_pickler_methods[];
 
 /* A weak reference's referent (a new reference), or NULL (no error set) if it died. */
-static inline PyObject *referent(PyObject *weak) {
+static inline PyObject *
+referent(PyObject *weak)
+{
 #if PY_VERSION_HEX >= 0x030D0000
     PyObject *obj = NULL;
-    if (PyWeakref_GetRef(weak, &obj) < 0)
+    if (PyWeakref_GetRef(weak, &obj) < 0) {
         PyErr_Clear();
+    }
     return obj;
 #else
     PyObject *obj = PyWeakref_GetObject(weak);
