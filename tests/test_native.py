@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import importlib.util
 import inspect
 import math
 import mmap
@@ -752,23 +753,28 @@ def test_a_held_gen_is_never_collected(memory) -> None:
 
 def test_a_sub_interpreter_is_refused_cleanly() -> None:
     # The segment table, the dead stack and the SIGBUS handler are the process's: the
-    # module says it supports no sub-interpreter, and one that imports it gets an
-    # ImportError (the main interpreter is unaffected).
-    pytest.importorskip("_xxsubinterpreters", reason="this Python has no _xxsubinterpreters")
+    # module says it supports no sub-interpreter (3.12 on, for isolated ones), and its
+    # exec refuses any interpreter but the main one (legacy ones, and before 3.12).
+    if all(importlib.util.find_spec(name) is None for name in ("_xxsubinterpreters", "_interpreters")):
+        pytest.skip("this Python has no sub-interpreter module")
+    load = (
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('shmreduce._native', {_native.__file__!r})\n"
+        "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+    )
     code = f"""
-import _xxsubinterpreters as interpreters
+try:
+    import _xxsubinterpreters as interpreters
+except ImportError:
+    import _interpreters as interpreters  # 3.13
 interp = interpreters.create()
 try:
-    interpreters.run_string(interp, '''
-import importlib.util
-spec = importlib.util.spec_from_file_location("shmreduce._native", {_native.__file__!r})
-module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
-''')
+    run = getattr(interpreters, "run_string", None) or interpreters.exec
+    failed = run(interp, {load!r})
 except Exception as exc:
     print("refused:", exc)
 else:
-    print("imported")
+    print("refused:", failed.formatted if failed is not None else "imported")
 finally:
     interpreters.destroy(interp)
 """

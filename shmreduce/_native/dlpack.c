@@ -51,13 +51,13 @@ shm_import_tensor(GenObject *gen, Ctx *ctx, Py_ssize_t offset)
         PyObject *capsule = PyCapsule_New(&ctx->managed, "dltensor_versioned", NULL);
         if (capsule != NULL) {
             tensor = PyObject_CallOneArg(st->from_dlpack, capsule);
-            consumed =
-                !PyCapsule_IsValid(capsule, "dltensor_versioned"); /* torch renames what it takes */
+            /* torch renames what it takes */
+            consumed = !PyCapsule_IsValid(capsule, "dltensor_versioned");
             Py_DECREF(capsule);
         }
     }
-    int deleted = atomic_load(
-        &ctx->deleted); /* read before importing goes: a later deleter recycles ctx itself */
+    /* read before importing goes: a later deleter recycles ctx itself */
+    int deleted = atomic_load(&ctx->deleted);
     atomic_store(&ctx->importing, 0);
     if (tensor != NULL) {
         return tensor; /* torch's storage owns ctx: its deleter recycles it */

@@ -280,9 +280,8 @@ guard_faults(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
     struct sigaction action;
     memset(&action, 0, sizeof(action));
     action.sa_sigaction = on_sigbus;
-    action.sa_flags =
-        SA_SIGINFO |
-        SA_NODEFER; /* not blocked in the handler: a sigsetjmp(, 0) needs no mask back */
+    /* not blocked in the handler: a sigsetjmp(, 0) needs no mask back */
+    action.sa_flags = SA_SIGINFO | SA_NODEFER;
     sigemptyset(&action.sa_mask);
     struct sigaction before;
     if (sigaction(SIGBUS, NULL, &before) < 0) {
@@ -397,8 +396,8 @@ hdr_end(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     uint64_t n = atomic_load(&h[HDR_HOLDERS]);
     do {
         if (n & FREEING) {
-            return PyLong_FromLong(
-                END_WAIT); /* another thread or process is deciding: ask again later */
+            /* another thread or process is deciding: ask again later */
+            return PyLong_FromLong(END_WAIT);
         }
     } while (!atomic_compare_exchange_weak(&h[HDR_HOLDERS], &n, n | FREEING));
     long result = END_WAIT;

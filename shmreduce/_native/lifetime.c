@@ -643,8 +643,10 @@ gen_get_ended(GenObject *self, void *Py_UNUSED(closure))
 static PyObject *
 gen_get_info(GenObject *self, void *Py_UNUSED(closure))
 {
-    return Py_NewRef(self->info != NULL ? self->info
-                                        : Py_None); /* NULL once the collector cleared it */
+    if (self->info == NULL) { /* the collector cleared it */
+        Py_RETURN_NONE;
+    }
+    return Py_NewRef(self->info);
 }
 
 static int
@@ -929,6 +931,7 @@ native_count_sent(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                      Py_TYPE(args[0])->tp_name);
         return NULL;
     }
+    PyTypeObject *gen_type = shm_get_state(module)->gen_type;
     PyObject *gens = args[0];
     int sent = PyObject_IsTrue(args[1]);
     if (sent < 0) {
@@ -936,8 +939,7 @@ native_count_sent(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(gens); i++) {
         PyObject *item = PyList_GET_ITEM(gens, i);
-        if (Py_TYPE(item) != shm_get_state(module)->gen_type ||
-            (atomic_load(&((GenObject *)item)->state) & COUNT) == 0) {
+        if (Py_TYPE(item) != gen_type || (atomic_load(&((GenObject *)item)->state) & COUNT) == 0) {
             PyErr_SetString(PyExc_TypeError,
                             "count_sent() of something not a held Gen: nothing counted");
             return NULL;

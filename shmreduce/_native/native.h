@@ -185,8 +185,7 @@ struct shm_state {
     PyObject *from_dlpack;   /* torch._C._from_dlpack, or NULL before init() */
     PyObject *sharing_error; /* shmreduce.errors.SharingError (RuntimeError until init()) */
     PyObject *dtypes;        /* torch dtype -> (code, bits, lanes, itemsize) */
-    PyObject
-        *published; /* a receiver's Gens by their refs' (kind, directory, segment, generation) */
+    PyObject *published;     /* a receiver's Gens by their refs' template */
     /* bound by init_send(): what reduce() returns to load with, what it takes (torch.Tensor
      * exactly, torch.strided), torch.multiprocessing's globals (the strategy), torch's own
      * UntypedStorage.is_shared, and the type's DLPack exchange API with its capsule */

@@ -325,10 +325,10 @@ native_rebuild(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                                            "dtype (forged or corrupted message)");
         return NULL;
     }
+    /* the template the Gen is published by */
     PyObject *key =
         PyTuple_Pack(5, PyTuple_GET_ITEM(ref, 0), PyTuple_GET_ITEM(ref, 1),
-                     PyTuple_GET_ITEM(ref, 2), PyTuple_GET_ITEM(ref, 3),
-                     PyTuple_GET_ITEM(ref, 6)); /* the template the Gen is published by */
+                     PyTuple_GET_ITEM(ref, 2), PyTuple_GET_ITEM(ref, 3), PyTuple_GET_ITEM(ref, 6));
     if (key == NULL) {
         return NULL;
     }
@@ -596,18 +596,22 @@ send_from(shm_state *st, PyObject *storage, Py_ssize_t ptr, Py_ssize_t nbytes, P
     if (nbytes > SLAB_ITEM_MAX) {
         return NULL;
     }
-    PyObject *shared = PyObject_CallOneArg(
-        st->torch_is_shared, storage); /* torch's own: a storage it shared is adopted */
-    Py_XDECREF(shared);
-    GenObject *slab = shared == Py_False ? current_slab(st) : NULL;
+    /* torch's own: a storage it shared is adopted */
+    PyObject *shared = PyObject_CallOneArg(st->torch_is_shared, storage);
+    if (shared == NULL) {
+        return NULL;
+    }
+    int adopted = shared != Py_False;
+    Py_DECREF(shared);
+    GenObject *slab = adopted ? NULL : current_slab(st);
     Py_ssize_t at = slab != NULL ? shm_claim(slab, nbytes) : -1;
     if (at < 0) {
         return NULL; /* full, or none yet: the general path makes the next */
     }
     PyObject *key = NULL;
     Py_INCREF(slab); /* torch code runs below: a finalizer may drop the thread's slab */
-    PyObject *fresh =
-        shm_put_storage(slab, at, nbytes, storage); /* its address read at the copy, not ptr */
+    /* its address read at the copy, not ptr */
+    PyObject *fresh = shm_put_storage(slab, at, nbytes, storage);
     if (fresh == NULL) {
         goto error;
     }

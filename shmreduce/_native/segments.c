@@ -37,11 +37,12 @@ shm_range_at(uintptr_t ptr, Py_ssize_t nbytes)
     if (i < 0) {
         return NULL;
     }
-    uintptr_t at = ptr - (uintptr_t)shm_process.ranges[i].addr;
-    return nbytes >= 0 && at <= (uintptr_t)shm_process.ranges[i].size &&
-                   (uintptr_t)nbytes <= (uintptr_t)shm_process.ranges[i].size - at
-               ? &shm_process.ranges[i]
-               : NULL;
+    Range *r = &shm_process.ranges[i];
+    uintptr_t at = ptr - (uintptr_t)r->addr;
+    if (nbytes < 0 || at > (uintptr_t)r->size || (uintptr_t)nbytes > (uintptr_t)r->size - at) {
+        return NULL;
+    }
+    return r;
 }
 
 /* The range starting exactly at addr, or NULL. */
