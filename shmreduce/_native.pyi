@@ -1,7 +1,7 @@
 """Types of shmreduce._native (shmreduce/_native/: one file per job, native.h says which)."""
 
 from collections.abc import Callable
-from typing import Any, overload
+from typing import Any, final, overload
 
 import torch
 
@@ -17,6 +17,7 @@ END_FREED: int
 END_RETIRED: int
 UNCOUNTED: int
 
+@final
 class Gen:
     """A generation of a mapped segment in this process; made held once (release() it)."""
 
@@ -27,7 +28,7 @@ class Gen:
     def live(self) -> int: ...
     @property
     def ended(self) -> bool: ...
-    def __init__(self, owner: object, addr: int, size: int, number: int, low: int) -> None: ...
+    def __new__(cls, owner: object, addr: int, size: int, number: int, low: int) -> Gen: ...
     def storage(self, offset: int, nbytes: int, /) -> torch.UntypedStorage: ...
     def place(self, offset: int, nbytes: int, source: torch.UntypedStorage | None, /) -> torch.UntypedStorage: ...
     def put(self, nbytes: int, source: torch.UntypedStorage | None, zero: bool = True, /) -> tuple[int, torch.UntypedStorage] | None: ...
