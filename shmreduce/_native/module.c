@@ -106,6 +106,7 @@ native_exec(PyObject *module)
         return -1;
     }
     for (int i = 0; i < N_NAMES; i++) {
+        assert(name_text[i] != NULL); /* every S_* has its text */
         st->names[i] = PyUnicode_InternFromString(name_text[i]);
         if (st->names[i] == NULL) {
             return -1;

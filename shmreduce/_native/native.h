@@ -1,6 +1,7 @@
 /* shmreduce._native: what its files share. One extension module, one file per job:
  *
- *   module.c    the module: its functions' tables gathered, constants exported, init()
+ *   module.c    the module: its state and multi-phase init, its functions' tables
+ *               gathered, constants exported, init(), the process-wide state
  *   lifetime.c  Gen (one generation of a mapped segment here), the DLPack contexts and
  *               their deleter, the dead stack: native lifetimes
  *   dlpack.c    storages and tensors over a mapping, through torch's DLPack importer
@@ -11,7 +12,8 @@
  * Mechanism only: which storage goes where, what is an error, when the broker is
  * asked, is decided in Python (pool.py, transfer.py, reductions.py), which calls in.
  * Each file opens with what it owns and what it calls. Every symbol below is shared
- * inside the extension only (-fvisibility=hidden): PyInit__native is its one export.
+ * inside the extension only (-fvisibility=hidden), under the shm_ prefix:
+ * PyInit__native is its one export.
  *
  * Needs a GIL build of CPython: the lock-free stacks have one consumer, the GIL holder.
  */
@@ -213,7 +215,8 @@ struct shm_state {
  * process; whether the CPU has streaming stores is a fact of the machine. Thread-local
  * data (pickler.c's sending scope, header.c's fault jump) is per thread by nature.
  * Hence the module declares it does not support sub-interpreters: two interpreters
- * would share these and see each other's Gens. */
+ * would share these and see each other's Gens. The header's SIGBUS guard keeps its own
+ * named struct beside its handler (header.c), for the same reason. */
 typedef struct {
     char *addr;
     Py_ssize_t size;
