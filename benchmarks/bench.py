@@ -118,6 +118,7 @@ STRATEGY = {
 }
 REGISTERED = {"shmreduce-fd", "shmreduce-fs", "tensordict-shmreduce"}  # rows with shmreduce.register()
 BASELINE = {"shmreduce-fd": "torch-fd", "shmreduce-fs": "torch-fs", "torch-fs": "torch-fs"}  # others: torch-fd
+BASELINE_OF = {"7": "by-value"}  # scenarios whose ratio column is against another row than torch
 TENSORDICT_ROWS = {"tensordict-torch", "tensordict-shmreduce"}
 
 
@@ -525,7 +526,9 @@ def dev_shm_bytes() -> int:
     return total
 
 
-def broker_pids() -> list[int]:
+def broker_pids(root: int | None = None) -> list[int]:
+    """Every shmreduce broker process on the machine; with *root*, only those of the
+    program whose root process that is (the last argument of a broker's command line)."""
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -533,7 +536,7 @@ def broker_pids() -> list[int]:
                 cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
             except OSError:
                 continue
-            if b"shmreduce" in cmd and b"broker" in cmd:
+            if b"shmreduce" in cmd and b"broker" in cmd and (root is None or cmd.split(b"\0")[-2:-1] == [str(root).encode()]):
                 pids.append(int(entry))
     return pids
 
@@ -561,6 +564,15 @@ def holding_consumer(q: Any, ctl: Any, count: int) -> None:
     del kept
 
 
+def keeping_reports(impl: str, cons_ctl: Any, prod_ctl: Any, timeout: float) -> tuple[dict, dict]:
+    """What the consumer reports once it keeps everything, then the producer's."""
+    if not cons_ctl.poll(timeout):
+        raise RuntimeError(f"{impl}: the consumer did not receive everything in {timeout:.0f} s")
+    consumer = cons_ctl.recv()
+    prod_ctl.send("report")
+    return consumer, (prod_ctl.recv() if prod_ctl.poll(JOIN_TIMEOUT) else {})
+
+
 def holding_trial(impl: str, count: int) -> dict:
     q = CTX.Queue()
     prod_ctl, prod_end = CTX.Pipe()
@@ -572,11 +584,7 @@ def holding_trial(impl: str, count: int) -> dict:
     ]
     run_children(*procs)
     try:
-        if not cons_ctl.poll(JOIN_TIMEOUT + count * 0.02):
-            raise RuntimeError(f"{impl}: consumer did not receive {count} tensors in time")
-        consumer = cons_ctl.recv()
-        prod_ctl.send("report")
-        producer = prod_ctl.recv() if prod_ctl.poll(JOIN_TIMEOUT) else {}
+        consumer, producer = keeping_reports(impl, cons_ctl, prod_ctl, JOIN_TIMEOUT + count * 0.02)
         brokers = [p for p in broker_pids() if p not in brokers0]
         result = {
             "consumer": consumer,
@@ -589,6 +597,101 @@ def holding_trial(impl: str, count: int) -> dict:
         return result
     finally:
         join_all(procs)
+
+
+# -- scenario 7: a consumer that keeps every message (a replay buffer) -----------------------
+
+KEEP_WARM = 200  # messages before the first window: the broker started, the first segments made
+KEEP_WINDOW = 600  # messages per timed window (the first after warm-up, and the last)
+
+
+def keeper_message(seq: int) -> dict[str, torch.Tensor]:
+    """128 KiB of observations and 1 KiB of the rest, fresh each message."""
+    return {"obs": torch.full((32 * KIB,), float(seq)), "meta": torch.full((256,), float(seq))}
+
+
+def program_cpu(pids: list[int]) -> float:
+    """CPU seconds of every thread of *pids* (``schedstat``), those gone left out."""
+    total = 0.0
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for t in tids:
+            try:
+                with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                    total += int(f.read().split()[0]) / 1e9
+            except OSError:
+                continue
+    return total
+
+
+def keeper_producer(impl: str, q: Any, count: int, ctl: Any) -> None:
+    for seq in range(count):
+        q.put(encode(impl, keeper_message(seq), seq))
+    if ctl.poll(JOIN_TIMEOUT + count * 0.05):  # the consumer keeps everything now
+        ctl.recv()
+        report = process_report()
+        if shmreduce.is_registered():
+            stats = shmreduce.stats()
+            report["pinned_bytes"] = stats["fd_pinned_bytes"] + stats["fs_pinned_bytes"]
+        ctl.send(report)
+        ctl.poll(JOIN_TIMEOUT)
+    q.close()
+    q.join_thread()
+
+
+def keeper_consumer(q: Any, count: int, marks: list[int], producer: int, ctl: Any) -> None:
+    """Keep every message; at each mark, the CPU the whole program spent so far (this
+    process, the producer, the program's broker: every thread)."""
+    kept, cpu = [], {}
+    for seq in range(count):
+        kept.append(decode(q.get(timeout=GET_TIMEOUT)))
+        if seq + 1 in marks:
+            cpu[seq + 1] = program_cpu([os.getpid(), producer, *broker_pids(root=os.getppid())])
+    assert float(kept[-1]["obs"][0]) == count - 1 and float(kept[0]["meta"][-1]) == 0
+    report = process_report()
+    report["cpu"] = cpu
+    report["broker_fds"] = max([fd_count(b) for b in broker_pids(root=os.getppid())] or [0])
+    ctl.send(report)
+    ctl.poll(JOIN_TIMEOUT)
+    del kept
+
+
+def keeper_trial(impl: str, count: int) -> dict:
+    """Whole-program CPU per message over the first KEEP_WINDOW messages after warm-up
+    and over the last KEEP_WINDOW, while the consumer keeps all *count*."""
+    q = CTX.Queue(8)
+    prod_ctl, prod_end = CTX.Pipe()
+    cons_ctl, cons_end = CTX.Pipe()
+    marks = [KEEP_WARM, KEEP_WARM + KEEP_WINDOW, count - KEEP_WINDOW, count]
+    producer = CTX.Process(target=keeper_producer, args=(impl, q, count, prod_end), daemon=True)
+    producer.start()
+    consumer = CTX.Process(target=keeper_consumer, args=(q, count, marks, producer.pid, cons_end), daemon=True)
+    consumer.start()
+    try:
+        cons, prod = keeping_reports(impl, cons_ctl, prod_ctl, JOIN_TIMEOUT + count * 0.05)
+        cpu = cons["cpu"]
+        first = (cpu[marks[1]] - cpu[marks[0]]) / KEEP_WINDOW * 1e6
+        last = (cpu[marks[3]] - cpu[marks[2]]) / KEEP_WINDOW * 1e6
+        kept_bytes = count * sum(t.nbytes for t in keeper_message(0).values())
+        result = {
+            "max_fds": max(prod.get("fds", -1), cons["fds"], cons["broker_fds"]),
+            "first_us": first,
+            "last_us": last,
+            "growth": last / first,
+            "producer_fds": prod.get("fds", -1),
+            "consumer_fds": cons["fds"],
+            "broker_fds": cons["broker_fds"],
+        }
+        if "pinned_bytes" in prod:
+            result["mapped_per_kept"] = prod["pinned_bytes"] / kept_bytes
+        prod_ctl.send("exit")
+        cons_ctl.send("exit")
+        return result
+    finally:
+        join_all([producer, consumer])
 
 
 # -- scenarios table ----------------------------------------------------------------------
@@ -610,6 +713,7 @@ class Budget:
     seconds: float  # timed wall time per throughput trial
     busy_msgs: int  # messages per busy-sender trial
     held: int  # tensors kept in scenario 6
+    keep: int = 3000  # messages kept in scenario 7
 
 
 ALL = tuple(IMPLS)
@@ -670,6 +774,15 @@ SCENARIOS = [
         ALL[:-1],
         lambda impl, b: flatten_holding(holding_trial(impl, b.held)),
     ),
+    Scenario(
+        "7",
+        "keep 3,000 x (128 KiB + 1 KiB): CPU/msg, last 600",
+        "last_us",
+        "us/msg",
+        False,
+        ("shmreduce-fd", "shmreduce-fs", "by-value"),
+        lambda impl, b: keeper_trial(impl, b.keep),
+    ),
 ]
 
 
@@ -696,6 +809,7 @@ class Goal:
     versus: str | None
     bound: float
     text: str
+    metric: str = "median"  # a row's figure other than its scenario's metric (lower is better)
 
 
 GOALS = [  # scenarios 1 and 2 against by value: issue 30's restated goals (the mechanism's own are mechanism.GOALS)
@@ -713,6 +827,13 @@ GOALS = [  # scenarios 1 and 2 against by value: issue 30's restated goals (the 
     Goal("5a", "shmreduce-fd", "torch-fd", 5, ">= 5x stock"),
     Goal("5b", "shmreduce-fd", "torch-fd", 1.8, ">= 1.8x stock"),
     Goal("6", "shmreduce-fd", None, 64, "<= 64 consumer fds"),
+    # Issue 37: keeping costs less than copying, and no more the more is kept.
+    Goal("7", "shmreduce-fd", "by-value", 1 / 0.7, "CPU <= 0.7x by-value (>= 1.43x)"),
+    Goal("7", "shmreduce-fs", "by-value", 1 / 0.7, "CPU <= 0.7x by-value (>= 1.43x)"),
+    Goal("7", "shmreduce-fd", None, 1.1, "last 600 <= 1.1x first 600", "growth"),
+    Goal("7", "shmreduce-fs", None, 1.1, "last 600 <= 1.1x first 600", "growth"),
+    Goal("7", "shmreduce-fd", None, 64, "<= 64 fds, each process", "max_fds"),
+    Goal("7", "shmreduce-fs", None, 64, "<= 64 fds, each process", "max_fds"),
 ]
 
 
@@ -787,12 +908,17 @@ def summarize(raw: dict[str, dict[str, list[dict]]]) -> dict[str, dict[str, dict
                 "consumer_memfd_bytes",
                 "dev_shm_bytes",
                 "broker_fds",
+                "consumer_fds",
+                "first_us",
+                "growth",
+                "mapped_per_kept",
+                "max_fds",
             ):
                 if any(extra in t for t in trials):
                     row[extra] = median_of(trials, extra)
             rows[impl] = row
         for impl, row in rows.items():
-            base = rows.get(BASELINE.get(impl, "torch-fd"))
+            base = rows.get(BASELINE_OF.get(scenario.key) or BASELINE.get(impl, "torch-fd"))
             row["ratio"] = ratio(row["median"], base["median"] if base else float("nan"), scenario.higher_is_better)
         if rows:
             summary[scenario.key] = rows
@@ -817,9 +943,9 @@ def evaluate_goals(summary: dict, only: set[str] | None = None, absent: frozense
             continue
         rows = summary.get(g.scenario, {})
         row = rows.get(g.impl)
-        value = row["median"] if row else float("nan")
+        value = row.get(g.metric, float("nan")) if row else float("nan")
         if g.versus is None:
-            achieved, unit = value, units[g.scenario]
+            achieved, unit = value, (units[g.scenario] if g.metric == "median" else g.metric)
             ok: bool | None = achieved <= g.bound
         else:
             other = rows.get(g.versus)
@@ -1093,7 +1219,7 @@ def main(argv: list[str] | None = None) -> int:
         render(json.loads(args.from_results.read_text()), args.out, args.update_readme)
         return 0
     rounds = args.rounds or (1 if args.quick else 3)
-    budget = Budget(0.25, 60, 200) if args.quick else Budget(1.0, 250, 1000)
+    budget = Budget(0.25, 60, 200, 1400) if args.quick else Budget(1.0, 250, 1000)
     only = set(args.only.split(",")) if args.only else None
     command = " ".join(["python", "benchmarks/bench.py"] + (sys.argv[1:] if argv is None else argv))
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

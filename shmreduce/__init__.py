@@ -32,10 +32,15 @@ _EXPORTS = {
     "unshare_numpy": "shmreduce.numpy_support",
 }
 
+# Submodules reached as attributes, loaded on first access as the names above:
+# ``shmreduce.distributed.broadcast_local`` after ``import shmreduce``, as ``torch.distributed``.
+_SUBMODULES = {"distributed"}
+
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     # For type checkers and IDEs: the names __getattr__ loads lazily ("X as X" marks a re-export).
+    from shmreduce import distributed as distributed
     from shmreduce.errors import SharingError as SharingError
     from shmreduce.numpy_support import share_numpy as share_numpy
     from shmreduce.numpy_support import unshare_numpy as unshare_numpy
@@ -56,6 +61,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"shmreduce.{name}")  # the import binds it here too
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'shmreduce' has no attribute {name!r}")

@@ -100,3 +100,13 @@ def unmap(addr: int, size: int) -> None:
 
 def open_fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+def boot_id() -> str:
+    """This boot of the running kernel (random at each boot, the same in every container on
+    it); "" where the kernel does not say."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""

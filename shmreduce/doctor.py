@@ -90,8 +90,15 @@ def _connected(socket_path: str) -> int:
 
 def orphan_brokers() -> list[tuple[int, str, int]]:
     """Brokers whose program root process is gone and that no process is connected
-    to (they normally exit on their own; one still in use serves live processes)."""
-    return [p for p in _broker_procs() if not os.path.exists(f"/proc/{p[2]}") and not _connected(os.path.join(p[1], P.SOCKET_NAME))]
+    to (they normally exit on their own; one still in use serves live processes). One
+    whose directory is not there is not this machine's to judge from here: it is
+    exiting (it removes its directory last), or runs in another mount namespace
+    (another container, or ``unshare``) where that directory lies."""
+    return [
+        p
+        for p in _broker_procs()
+        if not os.path.exists(f"/proc/{p[2]}") and os.path.isdir(p[1]) and not _connected(os.path.join(p[1], P.SOCKET_NAME))
+    ]
 
 
 def _in_use(base: str) -> set[str]:

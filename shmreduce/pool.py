@@ -5,8 +5,9 @@ A ``Segment`` is one piece of shared memory mapped in this process: a memfd
 its mapping, its bounds and, for a memfd, its descriptor. A sending process keeps a
 ``Pool`` of the segments it made, one per strategy: small storages (up to
 ``SLAB_ITEM_MAX``) are packed at offsets into its thread's current *slab*
-(``SLAB_SIZE`` bytes), across messages; a larger storage gets a segment of its size
-class (eight classes per doubling).
+(``SLAB_SIZE`` bytes), across messages; mid-size ones (up to ``ARENA_ITEM_MAX``) the
+same way into its current *arena* (``ARENA_SIZE``); a larger storage gets a segment of
+its size class (eight classes per doubling).
 
 Generations. A segment is filled anew in *generations*. A generation is a number
 unique in the program, written into the segment's first ``HEADER`` bytes with its
@@ -93,6 +94,15 @@ HEADER = _native.HEADER_BYTES  # a pooled segment's shared header (generation, c
 ALIGN = _native.ALIGN  # a slab places each storage on a cache line, as torch's CPU allocator aligns (Gen.put)
 SLAB_ITEM_MAX = _native.SLAB_ITEM_MAX  # storages up to this size share their thread's current slab
 SLAB_SIZE = 1 << 20
+# Storages above SLAB_ITEM_MAX up to ARENA_ITEM_MAX share their thread's current arena
+# (ARENA_SIZE bytes, at least 64 of them, its pages allocated ARENA_CHUNK at a time as
+# it fills), as small ones share slabs: a kept 128 KiB tensor costs no new segment, no
+# descriptor, no broker record. An arena (a slab) is free once every storage placed in
+# it is gone: a kept storage keeps its whole arena, at most ARENA_SIZE per storage kept
+# (a buffer that keeps a run of messages: ARENA_SIZE at most beyond what it keeps).
+ARENA_ITEM_MAX = 1 << 18
+ARENA_SIZE = 16 << 20
+ARENA_CHUNK = 1 << 20
 POOL_BYTES = int(os.environ.get("SHMREDUCE_POOL_BYTES", str(1 << 30)))
 POOL_IDLE = float(os.environ.get("SHMREDUCE_POOL_IDLE", "10"))
 KEPT_SEGMENTS = int(os.environ.get("SHMREDUCE_KEPT_SEGMENTS", "8"))
@@ -119,6 +129,18 @@ live: dict[tuple, Any] = {}
 # (``reductions`` fills it on first use).
 dtypes: dict[torch.dtype, tuple[int, int, int, int]] = {}
 _native.init(_torch.from_dlpack, SharingError, dtypes, live)
+
+
+class _Tier:
+    """Where a thread packs storages of one size range: its current slab or arena."""
+
+    __slots__ = ("name", "size")
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name, self.size = name, size
+
+
+_SLAB, _ARENA = _Tier("slab", SLAB_SIZE), _Tier("arena", ARENA_SIZE)
 
 
 def class_size(nbytes: int) -> int:
@@ -256,6 +278,22 @@ class Segment:
         if source is None and zero and written > offset:
             token.place(offset, written - offset, None)  # the storage it returns goes at once
         return token.storage(offset, nbytes)
+
+    def reserve(self, cursor: int, nbytes: int) -> bool:
+        """Allocate the pages a storage of *nbytes* placed after *cursor* (a token's)
+        would take, a chunk ahead; False if it does not fit (a new arena is due)."""
+        end = -(-cursor // ALIGN) * ALIGN + nbytes
+        if end > self.size:
+            return False
+        if end > self.filled:
+            assert self.fd is not None
+            upto = min(self.size, -(-max(end, self.filled + ARENA_CHUNK) // _PAGE) * _PAGE)
+            try:
+                os.posix_fallocate(self.fd, self.filled, upto - self.filled)
+            except OSError as exc:
+                raise self._write_error(exc, upto - self.filled, "allocating a shared segment") from exc
+            self.filled = upto
+        return True
 
     def allocate(self) -> None:
         """Allocate every page of the segment now (a slab, once): later copies into
@@ -510,18 +548,20 @@ class Pool:
         there) in a segment: (segment, generation, offset, the new storage there, the
         generation's token)."""
         self.active = True
-        if nbytes <= SLAB_ITEM_MAX:
-            slab = self.local.__dict__.get("slab")
-            if slab is not None:
-                # The slab's pages are allocated already (see _new_slab), so a plain
-                # copy into the mapping cannot fault on a full memory limit. put()
-                # claims the place first: the one placement routine, which
-                # ``_native.reduce`` uses for the same slab.
-                seg, token = slab.seg, slab.token
-                put = token.put(nbytes, source, zero)
-                if put is not None:
-                    return seg, seg.gen, put[0], put[1], token
-            self._new_slab()
+        if nbytes <= ARENA_ITEM_MAX:
+            tier = _SLAB if nbytes <= SLAB_ITEM_MAX else _ARENA
+            current = self.local.__dict__.get(tier.name)
+            if current is not None:
+                # put() claims the place first: the one placement routine, which
+                # ``_native.reduce`` uses for the same slab. The pages are allocated
+                # already (a slab's when it is made, an arena's a chunk ahead: reserve),
+                # so a plain copy into the mapping cannot fault on a full memory limit.
+                seg, token = current.seg, current.token
+                if tier is _SLAB or self._twice(lambda last: seg.reserve(token.cursor, nbytes)):
+                    put = token.put(nbytes, source, zero)
+                    if put is not None:
+                        return seg, seg.gen, put[0], put[1], token
+            self._new_current(tier)
             return self.place(nbytes, source, zero)
         seg = self.take(class_size(nbytes))
         offset = HEADER
@@ -554,15 +594,19 @@ class Pool:
                 self.closed(seg)
             raise
 
-    def _new_slab(self) -> None:
-        """This thread's next slab, its pages allocated: the thread keeps its token, so
-        a generation spans many messages and ends only once the slab is full."""
-        seg = self.take(SLAB_SIZE)
-        if seg.filled < seg.size:
+    def _new_current(self, tier: _Tier) -> None:
+        """This thread's next slab or arena: the thread keeps its token, so a
+        generation spans many messages and ends only once the segment is full (and
+        every storage in it is gone). A slab's pages are allocated at once, an arena's
+        as it fills (``Segment.reserve``)."""
+        seg = self.take(tier.size)
+        if tier is _SLAB and seg.filled < seg.size:
             self._twice(lambda last: seg.allocate())
-        self.drop_slab()
-        hold = self.local.slab = Hold(seg, self._begin(seg, retry=False), take=False)
-        _native.set_slab(self.kind == "fs", hold.token)  # reduce() fills it too, once indexed
+        self.drop_current(tier)
+        hold = Hold(seg, self._begin(seg, retry=False), take=False)
+        self.local.__dict__[tier.name] = hold
+        if tier is _SLAB:
+            _native.set_slab(self.kind == "fs", hold.token)  # reduce() fills it too, once indexed
 
     def take(self, size: int) -> Segment:
         """A free segment of *size*, else a new one."""
@@ -728,14 +772,23 @@ class Pool:
         self._close_all(taken)
 
     def drop_slab(self) -> None:
-        """This thread's current slab is over: its generation ends with its last storage."""
-        self.local.__dict__.pop("slab", None)
-        _native.set_slab(self.kind == "fs", None)
+        """This thread's current slab and arena are over: their generations end with
+        their last storages."""
+        self.drop_current(_SLAB)
+        self.drop_current(_ARENA)
+
+    def drop_current(self, tier: _Tier) -> None:
+        self.local.__dict__.pop(tier.name, None)
+        if tier is _SLAB:
+            _native.set_slab(self.kind == "fs", None)
 
     def stats(self) -> dict[str, int]:
+        owned = sum(seg.size for seg in self.owned())
         with self.lock:
             free = sum(len(s) for s in self.free.values())
+            pinned = max(0, owned - self.free_bytes)
         return {
+            "pinned_bytes": pinned,
             "segments_made": self.made,
             "segments_reused": self.reused,
             "segments_free": free,

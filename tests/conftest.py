@@ -21,12 +21,23 @@ os.close(_log_fd)
 os.environ.setdefault("SHMREDUCE_BROKER_LOG", _broker_log)
 os.environ.setdefault("SHMREDUCE_LOG_LEVEL", "DEBUG")
 
+# One intra-op thread, in this process and every child: libgomp's thread pool, once a
+# parallel region started it here (a fill or a sum of 32 Ki elements and more), hangs a
+# forked child's first parallel region (torch's DataLoader workers run one thread for
+# the same reason). The suite forks children after tensors of 256 KiB and more.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 try:
     import torch.multiprocessing as tmp
 except ModuleNotFoundError:  # a venv without torch (make pythons): only the torch-free modules run
     tmp = None  # type: ignore[assignment]
 
 import shmreduce  # noqa: E402
+
+if tmp is not None:
+    import torch  # noqa: E402
+
+    torch.set_num_threads(1)  # whatever OMP_NUM_THREADS said before
 
 from helpers import open_fds, shutdown_and_check_leaks  # noqa: E402
 

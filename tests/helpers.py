@@ -93,6 +93,19 @@ def broker_pids() -> list[int]:
     return list(broker_procs())
 
 
+def brokers_under(base: str) -> list[int]:
+    """Live broker processes serving a program directory in *base* (a job's own shm base)."""
+    pids = []
+    for pid in broker_pids():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if base.encode() + b"/" in f.read():
+                    pids.append(pid)
+        except OSError:
+            pass
+    return pids
+
+
 def open_fds() -> set[str]:
     fds = set()
     for fd in os.listdir("/proc/self/fd"):

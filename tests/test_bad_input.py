@@ -58,7 +58,7 @@ from helpers import (
 )
 
 TIMEOUT = 20.0
-LARGE = pool.SLAB_ITEM_MAX // 4 + 1024  # float32 elements: a storage with a segment of its own
+LARGE = pool.ARENA_ITEM_MAX // 4 + 1024  # float32 elements: a storage with a segment of its own
 
 
 @pytest.fixture(autouse=True)

@@ -216,9 +216,9 @@ def test_a_receiver_fetches_once_per_slab_and_holds_one_descriptor_per_slab(regi
 
 
 def test_large_storages_cost_a_round_trip_each(registered_fd):
-    from shmreduce.pool import SLAB_ITEM_MAX
+    from shmreduce.pool import ARENA_ITEM_MAX
 
-    proc, conn, datas = _sent_from_a_child(5, numel=SLAB_ITEM_MAX // 4 + 1)
+    proc, conn, datas = _sent_from_a_child(5, numel=ARENA_ITEM_MAX // 4 + 1)
     try:
         before = shmreduce.stats()
         assert [_load(d)[0].item() for d in datas] == [float(i) for i in range(5)]
@@ -295,11 +295,11 @@ def test_a_memfd_whose_sender_exited_right_after_pickling_is_still_fetched(regis
     # posted before the close (its memfds), and keeps them, draining, for the receiver.
     import multiprocessing as mp
 
-    from shmreduce.pool import SLAB_ITEM_MAX
+    from shmreduce.pool import ARENA_ITEM_MAX
 
     ctx = mp.get_context("fork")
     ours, theirs = ctx.Pipe()
-    numel = SLAB_ITEM_MAX // 4 + 1  # a segment of its own, beside the slab of the small one
+    numel = ARENA_ITEM_MAX // 4 + 1  # a segment of its own, beside the slab of the small one
     proc = ctx.Process(target=_send_and_exit, args=(theirs, numel))
     proc.start()
     try:

@@ -26,13 +26,13 @@ from shmreduce import _native, program, transfer
 from shmreduce.broker import client as broker_client
 from shmreduce.broker import protocol as P
 from shmreduce.cache import cache
-from shmreduce.pool import SLAB_ITEM_MAX
+from shmreduce.pool import ARENA_ITEM_MAX
 
 from helpers import let_go_now, wait_for
 
 TIMEOUT = 10.0
 CTX = mp.get_context("fork")
-NUMEL = SLAB_ITEM_MAX // 4 + 16  # a float32 tensor this long gets a segment of its own
+NUMEL = ARENA_ITEM_MAX // 4 + 16  # a float32 tensor this long gets a segment of its own
 STREAM = 20  # messages of the same size after the cut
 
 

@@ -17,7 +17,7 @@ import shmreduce
 from shmreduce import _native, program, transfer
 from shmreduce.broker import client as broker_client
 from shmreduce.cache import cache
-from shmreduce.pool import SLAB_ITEM_MAX
+from shmreduce.pool import ARENA_ITEM_MAX
 
 from helpers import broker_pids, broker_procs, forget_mappings, gone, run_in_child, wait_for
 
@@ -128,7 +128,7 @@ def test_a_segment_whose_file_went_with_the_broker_is_never_reused():
     # is killed: its file goes with the broker's directory. Once the ref is loaded (by
     # a receiver that maps the segment already), the owner must not fill the segment
     # again: refs to it would name a file no other receiver can open.
-    numel = SLAB_ITEM_MAX // 4 + 16  # a segment of its own
+    numel = ARENA_ITEM_MAX // 4 + 16  # a segment of its own
     with shmreduce.registered(strategy="file_system"):
         ours, theirs = CTX.Pipe()
         proc = CTX.Process(target=_load_and_keep, args=(theirs,))
@@ -256,7 +256,7 @@ def test_connect_replaces_a_broker_that_was_killed():
 
 # -- what a receiver holds reaches the new broker --------------------------------------
 
-NUMEL = SLAB_ITEM_MAX // 4 + 16  # a float32 tensor this long gets a segment of its own
+NUMEL = ARENA_ITEM_MAX // 4 + 16  # a float32 tensor this long gets a segment of its own
 
 
 def test_a_receiver_killed_after_a_restart_is_counted_out_of_what_it_held_before(registered_fd):

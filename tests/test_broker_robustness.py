@@ -114,7 +114,7 @@ def _spin(stop):
 
 
 def test_message_of_300_segments_is_delivered_whole_under_load(registered_fd):
-    # 300 storages above SLAB_ITEM_MAX: a segment (a memfd) each, so 300 S records on
+    # 300 storages above ARENA_ITEM_MAX: a segment (a memfd) each, so 300 S records on
     # the sender's post connection, which the broker reads in batches. Spinning
     # processes keep the broker late, a spinning thread slows the sender: the
     # receiver's fetches race the S records of their memfds.
@@ -412,7 +412,7 @@ def test_a_deposit_the_broker_cannot_keep_fails_at_the_sender(registered_fd, bro
     # gets a SharingError that says what to do, nothing is sent, the broker and the
     # sender's connections go on, and the same tensors are sent and received whole
     # once the limit is lifted.
-    from shmreduce.pool import SLAB_ITEM_MAX
+    from shmreduce.pool import ARENA_ITEM_MAX
 
     assert shmreduce.loads(shmreduce.dumps(torch.ones(2))).sum().item() == 2
     pid = _client().broker_pid
@@ -426,7 +426,7 @@ def test_a_deposit_the_broker_cannot_keep_fails_at_the_sender(registered_fd, bro
         assert ours.poll(TIMEOUT) and ours.recv() == "connected"
         before = _client().ping()
         resource.prlimit(pid, resource.RLIMIT_NOFILE, (_lowest_free_fd_of_broker(), hard))  # no descriptor more
-        tensors = [torch.full((SLAB_ITEM_MAX // 4 + 16,), float(i)) for i in range(3)]  # a segment each
+        tensors = [torch.full((ARENA_ITEM_MAX // 4 + 16,), float(i)) for i in range(3)]  # a segment each
         with pytest.raises(shmreduce.SharingError, match="limit of open file descriptors"):
             shmreduce.dumps(tensors)
         counters = _client().ping()

@@ -633,7 +633,7 @@ def test_a_receiver_killed_at_each_step_of_a_load_pins_nothing_and_costs_no_hold
     its first load). A live witness W holding the same generation keeps its bytes while
     the owner streams (no count too few); once W drops too, the owner's segment is free
     within seconds (no count too many)."""
-    nbytes = 50 * KiB  # twice this: a segment of its own
+    nbytes = 50 * KiB  # twice this: in the owner's arena
     with crew() as c:
         to_w, w_end = c.pipe()
         to_l, l_end = c.pipe()
@@ -798,7 +798,7 @@ def _orphaned_program(strategy: str) -> dict[str, Any]:
     r = FORK.Process(target=_never_reads, args=(r_end,))
     r.start()
     for i in range(3):
-        to_r.send(torch.full((25 * KiB,), i, dtype=torch.int32))  # 100 KiB: a segment each
+        to_r.send(torch.full((75 * KiB,), i, dtype=torch.int32))  # 300 KiB: a segment each
     assert r.pid is not None
     os.kill(r.pid, signal.SIGKILL)
     r.join(TIMEOUT)

@@ -31,10 +31,10 @@ PROGRAM = textwrap.dedent(
 
     def items(cause):
         if cause == "descriptors":
-            return [torch.full((1 << 16,), float(i)) for i in range(200)]  # 256 KiB: a segment each
+            return [torch.full(((1 << 16) + 16,), float(i)) for i in range(200)]  # over 256 KiB: a segment each
         if cause == "non_leaf":
             return [torch.ones(3), torch.ones(3, requires_grad=True) * 2, torch.ones(3)]
-        return [torch.full((1 << 16,), float(i)) for i in range(40)]  # 10 MiB into a 2 MiB mount
+        return [torch.full(((1 << 16) + 16,), float(i)) for i in range(40)]  # 10 MiB into a 2 MiB mount
 
     def produce(q, cause):
         if cause == "descriptors":  # ulimit -n, low: hard too, as register() raises soft to hard
@@ -111,7 +111,7 @@ FULL_BROKER = textwrap.dedent(
         n = len(os.listdir("/proc/self/fd")) + 24  # the broker, started here, inherits it
         resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
         for i in range(40):
-            q.put(torch.full((1 << 16,), float(i)))
+            q.put(torch.full(((1 << 16) + 16,), float(i)))  # over 256 KiB: a segment each
         deadline = time.monotonic() + 60
         while q._buffer and time.monotonic() < deadline:  # every message pickled: the broker is full
             time.sleep(0.01)

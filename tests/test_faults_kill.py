@@ -145,12 +145,12 @@ class Driver:
         import shmreduce
         from shmreduce import _native, program
         from shmreduce.cache import cache
-        from shmreduce.pool import SLAB_ITEM_MAX
+        from shmreduce.pool import ARENA_ITEM_MAX
 
         self.torch = torch
         self.native = _native
         self.cache = cache
-        self.large = SLAB_ITEM_MAX // 4 + 1024  # float32 elements: a storage with a segment of its own
+        self.large = ARENA_ITEM_MAX // 4 + 1024  # float32 elements: a storage with a segment of its own
         self.shmreduce = shmreduce
         self.FP = ForkingPickler
         self.ctx = mp.get_context(method)

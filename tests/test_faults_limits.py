@@ -134,11 +134,11 @@ def _send_to_limited_receiver(messages):
 
 
 def _forty_storages():
-    # 40 new storages a message, each above SLAB_ITEM_MAX: a segment, so a descriptor, each
+    # 40 new storages a message, each above ARENA_ITEM_MAX: a segment, so a descriptor, each
     # (small storages share one slab a message, and would never reach the limit)
-    from shmreduce.pool import SLAB_ITEM_MAX
+    from shmreduce.pool import ARENA_ITEM_MAX
 
-    return [torch.full((SLAB_ITEM_MAX // 4 + 16,), float(i)) for i in range(40)]
+    return [torch.full((ARENA_ITEM_MAX // 4 + 16,), float(i)) for i in range(40)]
 
 
 @pytest.mark.timeout(120)
@@ -147,7 +147,7 @@ def _open_fds() -> int:
 
 
 def test_a_receiver_keeps_more_segments_than_its_descriptor_limit(registered_fd):
-    # 240 segments kept (each storage above SLAB_ITEM_MAX has one) under a limit of
+    # 240 segments kept (each storage above ARENA_ITEM_MAX has one) under a limit of
     # 128 descriptors: a mapping needs no descriptor once it exists (issue 27, item 4;
     # torch's file_descriptor strategy keeps one per storage, and fails here).
     outcomes, exitcode = _send_to_limited_receiver([_forty_storages() for _ in range(6)])

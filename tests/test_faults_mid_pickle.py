@@ -23,7 +23,7 @@ from shmreduce.broker.client import client_for
 from helpers import wait_for
 
 CTX = mp.get_context("fork")
-LARGE = pool.SLAB_ITEM_MAX // 4 + 1024  # float32 elements: a storage with a segment of its own
+LARGE = pool.ARENA_ITEM_MAX // 4 + 1024  # float32 elements: a storage with a segment of its own
 
 
 class _DieHere:

@@ -596,7 +596,7 @@ def test_a_take_looks_at_a_bounded_number_of_waiting_segments(strategy: str, mon
     made a sender's CPU per message grow with what was kept: n^2/2 calls), and each
     in turn: the longest waiting first, to the back of the line if it still waits."""
     monkeypatch.setattr(transfer, "PURGE_EVERY", 3600.0)  # the collector's full passes out of the count
-    numel = pool.SLAB_ITEM_MAX // 4 + 1024
+    numel = pool.ARENA_ITEM_MAX // 4 + 1024
     p = transfer._current_pool()
     blobs = []
     for i in range(40):  # in flight, never loaded yet: each segment waits

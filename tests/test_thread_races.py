@@ -38,7 +38,7 @@ from shmreduce import _faults, _native, pool, transfer
 
 from helpers import gone, let_go_now, run_in_child, wait_for
 
-NUMEL = pool.SLAB_ITEM_MAX // 4 + 1024  # float32: a segment of its own, not a slab
+NUMEL = pool.ARENA_ITEM_MAX // 4 + 1024  # float32: a segment of its own, not a slab
 PAUSE = 5.0  # the longest a paused thread waits for the other (never reached when all is well)
 
 

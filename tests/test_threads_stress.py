@@ -3,7 +3,8 @@ process and across two (issue 36, "threaded stress").
 
 Senders send fresh tensors and views (slices, strided, transposed, at offsets) of bases
 that several senders send at the same time, of every width of dtype, with storages of
-1 KiB, just under, at and just over ``SLAB_ITEM_MAX`` (the slab's limit) and 200 KiB.
+1 KiB, just under, at and just over ``SLAB_ITEM_MAX`` (the slab's limit), 200 KiB (an arena's)
+and just over ``ARENA_ITEM_MAX`` (a segment of its own).
 Loaders check every element, load some messages twice (one after the other, or two
 threads at once), keep some tensors for a while (checked again when dropped) and drop
 the others. Every expected value follows from an identity carried beside the message
@@ -39,7 +40,7 @@ import torch
 
 import shmreduce
 from shmreduce import pool, transfer
-from shmreduce.pool import SLAB_ITEM_MAX
+from shmreduce.pool import ARENA_ITEM_MAX, SLAB_ITEM_MAX
 
 from helpers import wait_for
 
@@ -55,7 +56,7 @@ BASE_SENDS = 200  # a base is replaced after about this many sends: no generatio
 # SHMREDUCE_ORPHAN_TTL seconds, longer than the end of a test waits)
 KEEP = 48  # tensors a loader keeps at most
 # Storage sizes in bytes (every one a multiple of 8: a whole number of elements of any dtype).
-SIZES = [1 << 10] * 3 + [SLAB_ITEM_MAX - 64, SLAB_ITEM_MAX, SLAB_ITEM_MAX + 64] * 2 + [200 << 10]
+SIZES = [1 << 10] * 3 + [SLAB_ITEM_MAX - 64, SLAB_ITEM_MAX, SLAB_ITEM_MAX + 64] * 2 + [200 << 10, ARENA_ITEM_MAX + 64]
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"]
 # Values stay below each dtype's exact integer range (float16 to 2048, bfloat16 to 256).
 _MODULUS = {"bool": 2, "uint8": 251, "int8": 127, "bfloat16": 251, "float16": 2039, "int16": 32749}

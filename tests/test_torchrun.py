@@ -27,7 +27,7 @@ import tempfile
 
 import torch
 
-from helpers import broker_pids, shm_base, wait_for
+from helpers import brokers_under, shm_base, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "torchrun_job.py")
@@ -38,18 +38,6 @@ def _job_base(tag: str) -> str:
     # Under the session's base: conftest's module leak check (brokers, files) covers it,
     # and broker_pids() finds brokers serving it.
     return tempfile.mkdtemp(prefix=f"{tag}-", dir=shm_base())
-
-
-def _brokers_under(base: str) -> list[int]:
-    pids = []
-    for pid in broker_pids():
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if base.encode() + b"/" in f.read():
-                    pids.append(pid)
-        except OSError:
-            pass
-    return pids
 
 
 def _expected_checksum() -> int:
@@ -83,7 +71,7 @@ def test_torchrun_job_ranks_are_separate_programs():
         assert not set(ranks[0][3].split(", ")) & set(ranks[1][3].split(", ")), ranks  # two brokers
         assert "2 ranks, 2 program directories and brokers, none shared" in proc.stdout
         # every rank's broker leaves with its rank and takes its directory along
-        assert wait_for(lambda: not _brokers_under(base), 15), _brokers_under(base)
+        assert wait_for(lambda: not brokers_under(base), 15), brokers_under(base)
         assert wait_for(lambda: not os.listdir(base), 15), os.listdir(base)
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -220,6 +208,6 @@ def test_handle_reaching_another_host_is_a_clear_sharing_error(tmp_path):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        wait_for(lambda: not _brokers_under(host_a) and not _brokers_under(host_b), 15)
+        wait_for(lambda: not brokers_under(host_a) and not brokers_under(host_b), 15)
         shutil.rmtree(host_a, ignore_errors=True)
         shutil.rmtree(host_b, ignore_errors=True)

@@ -6,7 +6,10 @@ dead segment back to its pool."""
 
 from __future__ import annotations
 
+import gc
+import multiprocessing as mp
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +21,8 @@ from helpers import forget_mappings, let_go_now, run_in_child, wait_for, without
 
 MIB = 1 << 20
 SMALL_SIZES = (100, 4000, pool.SLAB_ITEM_MAX)  # packed in the thread's slab
-LARGE_SIZE = 4 * pool.SLAB_ITEM_MAX  # a segment of its own
+MID_SIZES = (pool.SLAB_ITEM_MAX + 1, 128 << 10, pool.ARENA_ITEM_MAX)  # packed in the thread's arena
+LARGE_SIZE = 2 * pool.ARENA_ITEM_MAX  # a segment of its own
 
 
 def _storage(nbytes: int, value: int) -> torch.UntypedStorage:
@@ -91,9 +95,11 @@ def fresh_slab() -> Iterator[None]:
 
 def test_one_scope_is_one_message_small_storages_share_a_slab(strategy: str, fresh_slab: None) -> None:
     smalls = [_storage(n, i + 1) for i, n in enumerate(SMALL_SIZES)]
+    mids = [_storage(n, i + 5) for i, n in enumerate(MID_SIZES)]
     large = _storage(LARGE_SIZE, 9)
     before = transfer.counters()
     with transfer.sending():
+        mid_refs = [transfer.SegmentRef(*transfer.share(s)) for s in mids]
         refs = [transfer.SegmentRef(*transfer.share(s)) for s in [*smalls, large]]
         assert _delta(before, "storages_reused") == {"storages_reused": 0}
         with transfer.sending():  # a nested scope joins the outer message
@@ -103,8 +109,8 @@ def test_one_scope_is_one_message_small_storages_share_a_slab(strategy: str, fre
         assert _delta(before, "messages_sent") == {"messages_sent": 0}, "sent before the scope closed"
         assert _counts(refs[0]) == (0, 0), "counted sent before the scope closed"
     assert _delta(before, "storages_shared", "bytes_shared", "messages_sent", "storages_reused") == {
-        "storages_shared": 4,
-        "bytes_shared": sum(SMALL_SIZES) + LARGE_SIZE,
+        "storages_shared": 7,
+        "bytes_shared": sum(SMALL_SIZES) + sum(MID_SIZES) + LARGE_SIZE,
         "messages_sent": 1,
         "storages_reused": 1,
     }
@@ -122,6 +128,12 @@ def test_one_scope_is_one_message_small_storages_share_a_slab(strategy: str, fre
         assert ref.offset >= prev.offset + prev.nbytes, f"overlapping offsets {offsets}"
     assert large_ref.segment != small_refs[0].segment
     assert large_ref.gen not in (0, small_refs[0].gen)
+    # Mid-size storages share the thread's arena, as small ones its slab.
+    assert len({(r.segment, r.gen) for r in mid_refs}) == 1, f"mid-size storages not in one arena: {mid_refs}"
+    assert mid_refs[0].segment not in (large_ref.segment, small_refs[0].segment)
+    assert [r.offset for r in mid_refs][0] == pool.HEADER
+    for prev, ref in zip(mid_refs, mid_refs[1:], strict=False):
+        assert ref.offset % pool.ALIGN == 0 and ref.offset >= prev.offset + prev.nbytes, mid_refs
     assert large_ref.offset == pool.HEADER
     for r in refs:
         assert r.tag == (transfer.fs_tag(r.program, str(r.segment), r.gen) if kind == "fs" else 0)
@@ -133,6 +145,10 @@ def test_one_scope_is_one_message_small_storages_share_a_slab(strategy: str, fre
     got = _receive_here(list(refs))
     for s, g in zip([*smalls, large], got, strict=True):
         assert g.data_ptr() == s.data_ptr()
+    assert _counts(mid_refs[0]) == (3, 0)
+    for s, g in zip(mids, _receive_here(list(mid_refs)), strict=True):
+        assert g.data_ptr() == s.data_ptr() and bool((_bytes_of(g) == _bytes_of(s)).all())
+    assert _counts(mid_refs[0]) == (3, 3)
     assert [int(_bytes_of(s)[0]) for s in smalls] == [1, 2, 3]
     assert _counts(small_refs[0]) == (4, 3) and _counts(large_ref) == (1, 1)
     assert _receive_here([refs[1]])[0].data_ptr() == smalls[1].data_ptr()
@@ -468,6 +484,54 @@ def test_let_go_keeps_nothing_for_later(strategy: str) -> None:
 
 
 # -- collect ---------------------------------------------------------------------------
+
+
+def _kept_in_a_child(blob: bytes, keep: int, conn: Any) -> None:
+    got = shmreduce.loads(blob)
+    kept = got[keep]
+    del got
+    gc.collect()
+    conn.send(float(kept[0]))
+    conn.recv()  # until the parent has counted
+    del kept
+
+
+def test_a_partly_kept_arena_pins_its_size_and_no_more(strategy: str) -> None:
+    # 64 mid-size storages fill most of one arena; a receiver (another process) keeps
+    # one and drops the rest, as does this process: the arena stays whole, pinned, and
+    # is the only memory pinned (pool.ARENA_SIZE per storage kept, at most: the bound
+    # pool.py documents). Once the kept one goes, the arena is free for reuse.
+    _connected()
+    transfer.let_go()
+    numel = (128 << 10) // 4
+    tensors = [torch.full((numel,), float(i)) for i in range(64)]
+    blob = shmreduce.dumps(tensors)
+    arena = {pool.segment_at(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors}
+    assert len(arena) == 1, "64 storages of 128 KiB not in one arena"
+    del tensors
+    ctx = mp.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    child = ctx.Process(target=_kept_in_a_child, args=(blob, 17, theirs))
+    child.start()
+    try:
+        assert ours.poll(20) and ours.recv() == 17.0
+        del blob
+        transfer.let_go_slabs()  # the arena is no longer this thread's current one
+        let_go_now()
+        stats = _pool_stats(strategy)
+        assert stats["pinned_bytes"] == pool.ARENA_SIZE, stats  # one storage kept: its arena, nothing else
+        assert stats["segments_free"] == 0, stats
+        ours.send("drop")
+        child.join(20)
+        assert child.exitcode == 0
+        after = _free_after_let_go(strategy, 1)
+        assert after["segments_free"] == 1 and after["pinned_bytes"] == 0, after
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()
+        ours.close()
+        theirs.close()
 
 
 def test_collect_returns_a_dead_segment_to_the_pool(strategy: str) -> None:
