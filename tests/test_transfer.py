@@ -486,8 +486,8 @@ def test_let_go_keeps_nothing_for_later(strategy: str) -> None:
 # -- collect ---------------------------------------------------------------------------
 
 
-def _kept_in_a_child(blob: bytes, keep: int, conn: Any) -> None:
-    got = shmreduce.loads(blob)
+def _kept_in_a_child(keep: int, conn: Any) -> None:
+    got = shmreduce.loads(conn.recv_bytes())
     kept = got[keep]
     del got
     gc.collect()
@@ -500,27 +500,26 @@ def test_a_partly_kept_arena_pins_its_size_and_no_more(strategy: str) -> None:
     # 64 mid-size storages fill most of one arena; a receiver (another process) keeps
     # one and drops the rest, as does this process: the arena stays whole, pinned, and
     # is the only memory pinned (pool.ARENA_SIZE per storage kept, at most: the bound
-    # pool.py documents). Once the kept one goes, the arena is free for reuse.
+    # pool.py documents). Once the kept one goes, the arena is free for reuse. The
+    # receiver is forked before the arena is made: a fork retires what is in use.
     _connected()
     transfer.let_go()
-    numel = (128 << 10) // 4
-    tensors = [torch.full((numel,), float(i)) for i in range(64)]
-    blob = shmreduce.dumps(tensors)
-    arena = {pool.segment_at(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors}
-    assert len(arena) == 1, "64 storages of 128 KiB not in one arena"
-    del tensors
     ctx = mp.get_context("fork")
     ours, theirs = ctx.Pipe()
-    child = ctx.Process(target=_kept_in_a_child, args=(blob, 17, theirs))
+    child = ctx.Process(target=_kept_in_a_child, args=(17, theirs))
     child.start()
     try:
+        tensors = [torch.full(((128 << 10) // 4,), float(i)) for i in range(64)]
+        arena = {pool.segment_at(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors}
+        assert len(arena) == 1, "64 storages of 128 KiB not in one arena"
+        ours.send_bytes(shmreduce.dumps(tensors))
+        del tensors
         assert ours.poll(20) and ours.recv() == 17.0
-        del blob
         transfer.let_go_slabs()  # the arena is no longer this thread's current one
         let_go_now()
         stats = _pool_stats(strategy)
         assert stats["pinned_bytes"] == pool.ARENA_SIZE, stats  # one storage kept: its arena, nothing else
-        assert stats["segments_free"] == 0, stats
+        assert stats["segments_waiting"] == 1 and stats["segments_free"] == 0, stats
         ours.send("drop")
         child.join(20)
         assert child.exitcode == 0
