@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 TORCH ?= 2.13.0
 CONSTRAINTS ?= constraints-dev.txt
 
-.PHONY: install test lint format typecheck pythons suite-python suite-torch bench bench-chart bench-ddp asan tsan stress clean
+.PHONY: install test lint format typecheck pythons suite-python suite-torch bench bench-chart bench-ddp asan tsan debug stress clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -76,6 +76,15 @@ bench: $(STAMP)
 # after a change to how they are drawn, or to carry them onto rewritten pages.
 bench-chart: $(STAMP)
 	$(PY) benchmarks/bench.py --from-results benchmarks/results/results.json --update-readme
+
+# The native core's tests once with its assert()s of internal invariants compiled in
+# (SHMREDUCE_DEBUG_BUILD=1: no -DNDEBUG; not part of `make test`), then the normal build
+# again; the status is the tests'.
+DEBUG_TESTS ?= tests/test_native.py tests/test_bad_input.py tests/test_semantics.py tests/test_thread_races.py tests/test_exact_lifetimes.py
+debug: $(STAMP)
+	SHMREDUCE_DEBUG_BUILD=1 SHMREDUCE_STRICT_BUILD=1 $(PY) setup.py -q build_ext --inplace --force
+	$(PY) -m pytest -q $(DEBUG_TESTS) $(PYTEST_ARGS); \
+	status=$$?; SHMREDUCE_STRICT_BUILD=1 $(PY) setup.py -q build_ext --inplace --force; exit $$status
 
 # One copy per host (benchmarks/bench_ddp.py): 4 torchrun ranks sharing a 1 GiB dataset against
 # each rank holding its own, and a rank SIGKILLed mid-run. Not part of `make bench`: about 3

@@ -4,7 +4,8 @@ pyproject.toml.
 Plain C against the CPython API and DLPack's C ABI (no torch headers): a C compiler and
 Python's headers are all it needs. ``SHMREDUCE_STRICT_BUILD=1`` (``make``) adds -Werror;
 ``SHMREDUCE_ASAN=1`` (``make asan``) builds it with AddressSanitizer, ``SHMREDUCE_TSAN=1``
-(``make tsan``) with ThreadSanitizer.
+(``make tsan``) with ThreadSanitizer, ``SHMREDUCE_DEBUG_BUILD=1`` without -DNDEBUG, so that its
+``assert()``s of internal invariants are checked.
 """
 
 import glob
@@ -17,6 +18,8 @@ compile_args = ["-std=c11", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden"]
 link_args: list[str] = []
 if os.environ.get("SHMREDUCE_STRICT_BUILD") == "1":
     compile_args.append("-Werror")
+if os.environ.get("SHMREDUCE_DEBUG_BUILD") == "1":
+    compile_args += ["-UNDEBUG", "-g"]
 if os.environ.get("SHMREDUCE_ASAN") == "1":
     compile_args += ["-fsanitize=address", "-fno-omit-frame-pointer", "-O1", "-g"]
     link_args += ["-fsanitize=address"]

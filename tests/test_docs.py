@@ -21,6 +21,7 @@ again, in another process) is run.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -208,6 +209,10 @@ def shape(line: str) -> str:
     return "^" + re.sub(r"\d[\d,.]*", r"\\d+", re.escape(line)) + "$"
 
 
+# The examples run torch; make pythons runs this file where torch is not installed.
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="runs torch, not installed here")
+
+
 def run_example(name: str) -> list[str]:
     proc = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, timeout=120, cwd=EXAMPLES)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr}"
@@ -219,6 +224,7 @@ def test_shape_ignores_counts_only():
     assert not re.match(shape("received 400 storages in 200 messages"), "received 16 storages in 8 batches")
 
 
+@needs_torch
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("name", ["quickstart.py", "dataloader_dicts.py"])
 def test_an_example_prints_what_its_docstring_quotes(name):
@@ -242,6 +248,7 @@ def test_custom_transport_says_its_bytes_load_again():
     assert "as many times as you like" in doc
 
 
+@needs_torch
 @pytest.mark.timeout(120)
 def test_custom_transport_bytes_load_again_in_another_process():
     """What custom_transport.py's docstring says: the bytes of dumps() load in another

@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import importlib.util
+import inspect
 import math
 import mmap
 import pickle
+import re
 import struct
+import subprocess
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -677,3 +682,105 @@ def test_an_unhashable_dtype_is_a_sharing_error(memory) -> None:
         gen.release()
         gc.collect()
         _drain()
+
+
+# -- the module's form: signatures, module state, the collector --------------------
+
+
+def _public_callables() -> list[tuple[str, Any]]:
+    functions = [(name, obj) for name, obj in vars(_native).items() if callable(obj) and not name.startswith("_")]
+    methods = [(f"Gen.{name}", obj) for name, obj in vars(_native.Gen).items() if callable(obj) and not name.startswith("_")]
+    return functions + methods
+
+
+@pytest.mark.parametrize("name, fn", _public_callables(), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_function_has_a_signature(name: str, fn: Any) -> None:
+    parameters = inspect.signature(fn).parameters.values()
+    assert all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters), name
+
+
+@pytest.mark.parametrize("name, fn", _public_callables(), ids=lambda v: v if isinstance(v, str) else "")
+def test_a_wrong_argument_count_is_a_type_error_naming_the_function(name: str, fn: Any) -> None:
+    if name in ("load", "rebuild") or name.startswith("Gen."):
+        return  # a pickle's calls: SharingError (below); methods: on a live Gen (below)
+    count = len(inspect.signature(fn).parameters)
+    with pytest.raises(TypeError, match=rf"(^|\.){name}\(\) takes "):
+        fn(*([None] * (count + 3)))
+
+
+def test_a_pickle_calling_load_or_rebuild_wrongly_is_a_sharing_error() -> None:
+    for fn in (_native.load, _native.rebuild):
+        with pytest.raises(shmreduce.SharingError, match="wrong number of arguments"):
+            cast(Any, fn)(None)
+
+
+def test_gen_methods_check_their_argument_count_as_one(memory) -> None:
+    _, addr = memory
+    gen = _gen(addr)
+    try:
+        for name, method in vars(_native.Gen).items():
+            if name.startswith("_") or not callable(method):
+                continue
+            count = len(inspect.signature(getattr(gen, name)).parameters)
+            with pytest.raises(TypeError, match=rf"(^|\.){name}\(\) takes "):
+                getattr(gen, name)(*([None] * (count + 3)))
+    finally:
+        gen.release()
+
+
+def test_a_gen_in_a_cycle_through_its_info_is_collected(memory) -> None:
+    _, addr = memory
+    gen = _gen(addr)
+    gen.release()
+    assert _drain() == [gen] and gen.ended
+    gen.info = [gen]  # the pool's bookkeeping may refer back to it
+    ref = weakref.ref(gen)
+    del gen
+    gc.collect()
+    assert ref() is None
+
+
+def test_a_held_gen_is_never_collected(memory) -> None:
+    _, addr = memory
+    gen = _gen(addr)
+    gen.info = [gen]
+    ref = weakref.ref(gen)
+    del gen
+    gc.collect()
+    gen = ref()
+    assert gen is not None and gen.live == 1  # its hold owns a reference to it
+    gen.info = _MINE
+    gen.release()
+
+
+def test_a_sub_interpreter_is_refused_cleanly() -> None:
+    # The segment table, the dead stack and the SIGBUS handler are the process's: the
+    # module says it supports no sub-interpreter (3.12 on, for isolated ones), and its
+    # exec refuses any interpreter but the main one (legacy ones, and before 3.12).
+    if all(importlib.util.find_spec(name) is None for name in ("_xxsubinterpreters", "_interpreters")):
+        pytest.skip("this Python has no sub-interpreter module")
+    load = (
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('shmreduce._native', {_native.__file__!r})\n"
+        "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+    )
+    code = f"""
+try:
+    import _xxsubinterpreters as interpreters
+except ImportError:
+    import _interpreters as interpreters  # 3.13
+interp = interpreters.create()
+try:
+    run = getattr(interpreters, "run_string", None) or interpreters.exec
+    failed = run(interp, {load!r})
+except Exception as exc:
+    print("refused:", exc)
+else:
+    print("refused:", failed.formatted if failed is not None else "imported")
+finally:
+    interpreters.destroy(interp)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "refused:" in done.stdout and "ImportError" in done.stdout, done.stdout
+    assert re.search("sub-?interpreters", done.stdout), done.stdout

@@ -36,13 +36,17 @@
  */
 
 #define FREEING (1ULL << 63)
-#define FREEING_WAIT_NS 1000000000LL /* hdr_hold's wait for an owner's check (a few instructions) */
+/* hdr_hold's wait for an owner's check (a few instructions) */
+#define FREEING_WAIT_NS 1000000000LL
 
-static _Atomic uint64_t *header_of(PyObject *addr_obj) {
+static _Atomic uint64_t *
+header_of(PyObject *addr_obj)
+{
     void *addr = PyLong_AsVoidPtr(addr_obj);
     if (addr == NULL) {
-        if (!PyErr_Occurred())
+        if (!PyErr_Occurred()) {
             PyErr_SetString(PyExc_ValueError, "header at a null address");
+        }
         return NULL;
     }
     if ((uintptr_t)addr % 8) {
@@ -52,86 +56,115 @@ static _Atomic uint64_t *header_of(PyObject *addr_obj) {
     return (_Atomic uint64_t *)addr;
 }
 
-static int parse_header_gen(PyObject *const *args, Py_ssize_t nargs, const char *name, _Atomic uint64_t **h, uint64_t *gen) {
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "%s(addr, gen)", name);
+static int
+parse_header_gen(PyObject *const *args, Py_ssize_t nargs, const char *name, _Atomic uint64_t **h,
+                 uint64_t *gen)
+{
+    if (shm_check_nargs(name, nargs, 2, 2) < 0) {
         return -1;
     }
     *h = header_of(args[0]);
-    if (*h == NULL)
+    if (*h == NULL) {
         return -1;
-    *gen = PyLong_AsUnsignedLongLong(args[1]); /* a header holds 64 bits: a wider one is an error, never truncated */
-    if (*gen == (uint64_t)-1 && PyErr_Occurred())
+    }
+    *gen = PyLong_AsUnsignedLongLong(
+        args[1]); /* a header holds 64 bits: a wider one is an error, never truncated */
+    if (*gen == (uint64_t)-1 && PyErr_Occurred()) {
         return -1;
+    }
     return 0;
 }
 
 /* A ref's ticket drawn from the header h (the generation is held: by its owner's
  * storage, or by the sender's own hold of a storage it forwards). */
-uint64_t issue_ticket(_Atomic uint64_t *h) {
+uint64_t
+shm_issue_ticket(_Atomic uint64_t *h)
+{
+    assert((uintptr_t)h % 8 == 0); /* a pooled Gen's address, checked when it was made */
     uint64_t ticket = atomic_fetch_add(&h[HDR_ISSUED], 1);
-    if (ticket >= TICKETS)
+    if (ticket >= TICKETS) {
         atomic_fetch_or(&h[HDR_FLAGS], RETIRED | UNCOUNTED);
+    }
     return ticket;
 }
 
 /* The ref of ticket t loaded (the generation held here): counted once, at its first
  * load. A ticket never issued (a forged ref) counts nothing. */
-void count_loaded(_Atomic uint64_t *h, uint64_t ticket) {
-    if (ticket >= atomic_load(&h[HDR_ISSUED]))
+void
+shm_count_loaded(_Atomic uint64_t *h, uint64_t ticket)
+{
+    assert((uintptr_t)h % 8 == 0);
+    if (ticket >= atomic_load(&h[HDR_ISSUED])) {
         return;
+    }
     if (ticket >= TICKETS) {
         atomic_fetch_add(&h[HDR_LOADED], 1); /* UNCOUNTED: the generation is retired */
         return;
     }
     uint64_t bit = 1ULL << (ticket % 64);
-    if (!(atomic_fetch_or(&h[HDR_BITS + ticket / 64], bit) & bit))
+    if (!(atomic_fetch_or(&h[HDR_BITS + ticket / 64], bit) & bit)) {
         atomic_fetch_add(&h[HDR_LOADED], 1);
+    }
 }
 
-static int parse_ticket(PyObject *obj, uint64_t *ticket) {
+static int
+parse_ticket(PyObject *obj, uint64_t *ticket)
+{
     *ticket = PyLong_AsUnsignedLongLong(obj);
     if (*ticket == (uint64_t)-1 && PyErr_Occurred()) {
-        if (PyErr_ExceptionMatches(PyExc_OverflowError))
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
             *ticket = NOT_A_TICKET;
-        else
+        }
+        else {
             return -1;
+        }
         PyErr_Clear();
     }
     return 0;
 }
 
-PyDoc_STRVAR(hdr_issue_doc, "hdr_issue(addr) -> int\n\nA ticket for one ref to the generation of the header at addr.");
+PyDoc_STRVAR(hdr_issue_doc, "hdr_issue($module, addr, /)\n--\n\n-> int\n\nA ticket for one ref to "
+                            "the generation of the header at addr.");
 
-static PyObject *hdr_issue(PyObject *Py_UNUSED(module), PyObject *addr) {
+static PyObject *
+hdr_issue(PyObject *Py_UNUSED(module), PyObject *addr)
+{
     _Atomic uint64_t *h = header_of(addr);
-    return h == NULL ? NULL : PyLong_FromUnsignedLongLong(issue_ticket(h));
+    return h == NULL ? NULL : PyLong_FromUnsignedLongLong(shm_issue_ticket(h));
 }
 
-PyDoc_STRVAR(hdr_loaded_doc, "hdr_loaded(addr, ticket)\n\nThe ref of ticket loaded in the generation of the header at addr: "
-                             "counted loaded at its first load only (refs sent: count_sent).");
+PyDoc_STRVAR(
+    hdr_loaded_doc,
+    "hdr_loaded($module, addr, ticket, /)\n--\n\nThe ref of ticket loaded in the generation of the "
+    "header at addr: counted loaded at its first load only (refs sent: count_sent).");
 
-static PyObject *hdr_loaded(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "hdr_loaded(addr, ticket)");
+static PyObject *
+hdr_loaded(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (shm_check_nargs("hdr_loaded", nargs, 2, 2) < 0) {
         return NULL;
     }
     _Atomic uint64_t *h = header_of(args[0]);
     uint64_t ticket;
-    if (h == NULL || parse_ticket(args[1], &ticket) < 0)
+    if (h == NULL || parse_ticket(args[1], &ticket) < 0) {
         return NULL;
-    count_loaded(h, ticket);
+    }
+    shm_count_loaded(h, ticket);
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(hdr_hold_doc, "hdr_hold(addr, gen) -> bool\n\nCount this process a holder of generation gen, then check that the "
-                           "header holds gen: False (holding nothing) if it holds another, or is being freed for good.");
+PyDoc_STRVAR(hdr_hold_doc, "hdr_hold($module, addr, gen, /)\n--\n\n-> bool\n\nCount this process a "
+                           "holder of generation gen, then check that the header holds gen: False "
+                           "(holding nothing) if it holds another, or is being freed for good.");
 
-static PyObject *hdr_hold(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *
+hdr_hold(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
     _Atomic uint64_t *h;
     uint64_t gen;
-    if (parse_header_gen(args, nargs, "hdr_hold", &h, &gen) < 0)
+    if (parse_header_gen(args, nargs, "hdr_hold", &h, &gen) < 0) {
         return NULL;
+    }
     uint64_t n = atomic_load(&h[HDR_HOLDERS]);
     for (;;) {
         if (n & FREEING) {
@@ -145,26 +178,32 @@ static PyObject *hdr_hold(PyObject *Py_UNUSED(module), PyObject *const *args, Py
             struct timespec start, now, pause = {0, 100000};
             clock_gettime(CLOCK_MONOTONIC, &start);
             for (long spins = 0;; spins++) {
-                if (spins < 1000)
+                if (spins < 1000) {
                     sched_yield();
-                else
+                }
+                else {
                     nanosleep(&pause, NULL);
+                }
                 n = atomic_load(&h[HDR_HOLDERS]);
                 if (!(n & FREEING)) {
                     cleared = 1;
                     break;
                 }
                 clock_gettime(CLOCK_MONOTONIC, &now);
-                if ((now.tv_sec - start.tv_sec) * 1000000000LL + (now.tv_nsec - start.tv_nsec) > FREEING_WAIT_NS)
+                if ((now.tv_sec - start.tv_sec) * 1000000000LL + (now.tv_nsec - start.tv_nsec) >
+                    FREEING_WAIT_NS) {
                     break;
+                }
             }
             Py_END_ALLOW_THREADS
-            if (!cleared)
+            if (!cleared) {
                 Py_RETURN_FALSE;
+            }
             continue;
         }
-        if (atomic_compare_exchange_weak(&h[HDR_HOLDERS], &n, n + 1))
+        if (atomic_compare_exchange_weak(&h[HDR_HOLDERS], &n, n + 1)) {
             break;
+        }
     }
     if (atomic_load(&h[HDR_GEN]) != gen) {
         atomic_fetch_sub(&h[HDR_HOLDERS], 1);
@@ -179,16 +218,21 @@ static PyObject *hdr_hold(PyObject *Py_UNUSED(module), PyObject *const *args, Py
  * truncated by any process of the user (a memfd is sealed): a read of its header is
  * then a SIGBUS. Where guard_faults() was called (the broker), each of these runs
  * with a SIGBUS handler that jumps back and raises OSError(EFAULT) instead of ending
- * the process (issue 29, item 1). Each op touches the header and nothing else, so
+ * the process. Each op touches the header and nothing else, so
  * nothing is left half done by the jump. */
 
 /* Initial-exec TLS: its first touch in a thread allocates nothing (a dynamic TLS block
  * may be malloc'd on first use, which a signal handler must never do). */
 static _Thread_local sigjmp_buf *fault_jump __attribute__((tls_model("initial-exec")));
-static int faults_guarded;
-static struct sigaction previous_sigbus; /* the handler guard_faults() replaced (faulthandler's, or the default) */
+/* The process's SIGBUS disposition (process-wide: native.h says why). */
+static struct {
+    int on;                    /* guard_faults() was called */
+    struct sigaction previous; /* the handler it replaced (faulthandler's, or the default) */
+} sigbus_guard;
 
-static void on_sigbus(int sig, siginfo_t *info, void *context) {
+static void
+on_sigbus(int sig, siginfo_t *info, void *context)
+{
     (void)context;
     sigjmp_buf *jump = fault_jump;
     if (jump != NULL) {
@@ -198,15 +242,18 @@ static void on_sigbus(int sig, siginfo_t *info, void *context) {
     /* Not ours: the handler it replaced gets it. A fault is chained by returning: the
      * faulting access runs again and faults into that handler, with its own address
      * and siginfo. A signal sent (kill, raise) has no access to run again: sent anew. */
-    sigaction(sig, &previous_sigbus, NULL);
-    if (info == NULL || info->si_code <= 0)
+    sigaction(sig, &sigbus_guard.previous, NULL);
+    if (info == NULL || info->si_code <= 0) {
         raise(sig);
+    }
 }
 
 typedef void (*header_op)(_Atomic uint64_t *h, uint64_t arg, uint64_t *out);
 
-static int guarded(header_op op, _Atomic uint64_t *h, uint64_t arg, uint64_t *out) {
-    if (!faults_guarded) {
+static int
+guarded(header_op op, _Atomic uint64_t *h, uint64_t arg, uint64_t *out)
+{
+    if (!sigbus_guard.on) {
         op(h, arg, out);
         return 0;
     }
@@ -222,115 +269,154 @@ static int guarded(header_op op, _Atomic uint64_t *h, uint64_t arg, uint64_t *ou
     return 0;
 }
 
-PyDoc_STRVAR(guard_faults_doc, "guard_faults()\n\nFrom now on the header functions the broker calls raise OSError(EFAULT) "
-                               "where a segment was truncated under its header, instead of a SIGBUS ending the process.");
+PyDoc_STRVAR(guard_faults_doc,
+             "guard_faults($module, /)\n--\n\nFrom now on the header functions the broker calls "
+             "raise OSError(EFAULT) where a segment was truncated under its header, instead of a "
+             "SIGBUS ending the process.");
 
-static PyObject *guard_faults(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored)) {
+static PyObject *
+guard_faults(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
+{
     struct sigaction action;
     memset(&action, 0, sizeof(action));
     action.sa_sigaction = on_sigbus;
-    action.sa_flags = SA_SIGINFO | SA_NODEFER; /* not blocked in the handler: a sigsetjmp(, 0) needs no mask back */
+    /* not blocked in the handler: a sigsetjmp(, 0) needs no mask back */
+    action.sa_flags = SA_SIGINFO | SA_NODEFER;
     sigemptyset(&action.sa_mask);
     struct sigaction before;
-    if (sigaction(SIGBUS, NULL, &before) < 0)
+    if (sigaction(SIGBUS, NULL, &before) < 0) {
         return PyErr_SetFromErrno(PyExc_OSError);
-    if (before.sa_sigaction != on_sigbus)
-        previous_sigbus = before; /* known before this handler can run */
-    if (sigaction(SIGBUS, &action, NULL) < 0)
+    }
+    if (before.sa_sigaction != on_sigbus) {
+        sigbus_guard.previous = before; /* known before this handler can run */
+    }
+    if (sigaction(SIGBUS, &action, NULL) < 0) {
         return PyErr_SetFromErrno(PyExc_OSError);
-    faults_guarded = 1;
+    }
+    sigbus_guard.on = 1;
     Py_RETURN_NONE;
 }
 
-static void op_unhold(_Atomic uint64_t *h, uint64_t gen, uint64_t *out) {
+static void
+op_unhold(_Atomic uint64_t *h, uint64_t gen, uint64_t *out)
+{
     out[0] = 0;
-    if (atomic_load(&h[HDR_GEN]) != gen)
+    if (atomic_load(&h[HDR_GEN]) != gen) {
         return;
+    }
     uint64_t n = atomic_load(&h[HDR_HOLDERS]);
     do {
-        if ((n & ~FREEING) == 0)
+        if ((n & ~FREEING) == 0) {
             return;
+        }
     } while (!atomic_compare_exchange_weak(&h[HDR_HOLDERS], &n, n - 1));
     out[0] = 1;
 }
 
-static void op_read(_Atomic uint64_t *h, uint64_t Py_UNUSED(arg), uint64_t *out) {
+static void
+op_read(_Atomic uint64_t *h, uint64_t Py_UNUSED(arg), uint64_t *out)
+{
     out[0] = atomic_load(&h[HDR_GEN]);
     out[1] = atomic_load(&h[HDR_SENT]);
     out[2] = atomic_load(&h[HDR_LOADED]);
     out[3] = atomic_load(&h[HDR_HOLDERS]);
 }
 
-static void op_retire(_Atomic uint64_t *h, uint64_t gen, uint64_t *out) {
+static void
+op_retire(_Atomic uint64_t *h, uint64_t gen, uint64_t *out)
+{
     out[0] = 0;
-    if (atomic_load(&h[HDR_GEN]) != gen)
+    if (atomic_load(&h[HDR_GEN]) != gen) {
         return;
+    }
     atomic_fetch_or(&h[HDR_FLAGS], RETIRED);
     out[0] = 1;
 }
 
-static void op_retire_any(_Atomic uint64_t *h, uint64_t Py_UNUSED(arg), uint64_t *out) {
+static void
+op_retire_any(_Atomic uint64_t *h, uint64_t Py_UNUSED(arg), uint64_t *out)
+{
     atomic_fetch_or(&h[HDR_FLAGS], RETIRED);
     out[0] = 1;
 }
 
-static void op_flags(_Atomic uint64_t *h, uint64_t Py_UNUSED(arg), uint64_t *out) {
+static void
+op_flags(_Atomic uint64_t *h, uint64_t Py_UNUSED(arg), uint64_t *out)
+{
     out[0] = atomic_load(&h[HDR_FLAGS]);
 }
 
-PyDoc_STRVAR(hdr_unhold_doc, "hdr_unhold(addr, gen) -> bool\n\nCount one holder of generation gen less; False (nothing done) if the "
-                             "header holds another generation or no holder.");
+PyDoc_STRVAR(hdr_unhold_doc,
+             "hdr_unhold($module, addr, gen, /)\n--\n\n-> bool\n\nCount one holder of generation "
+             "gen less; False (nothing done) if the header holds another generation or no holder.");
 
 /* name(addr, gen) -> bool: a guarded op of one generation. */
-static PyObject *generation_op(header_op op, const char *name, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *
+generation_op(header_op op, const char *name, PyObject *const *args, Py_ssize_t nargs)
+{
     _Atomic uint64_t *h;
     uint64_t gen, out[1];
-    if (parse_header_gen(args, nargs, name, &h, &gen) < 0 || guarded(op, h, gen, out) < 0)
+    if (parse_header_gen(args, nargs, name, &h, &gen) < 0 || guarded(op, h, gen, out) < 0) {
         return NULL;
+    }
     return PyBool_FromLong(out[0] != 0);
 }
 
-static PyObject *hdr_unhold(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *
+hdr_unhold(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
     return generation_op(op_unhold, "hdr_unhold", args, nargs);
 }
 
 PyDoc_STRVAR(hdr_end_doc,
-             "hdr_end(addr, gen) -> int\n\nThe owner, its own storages of gen all dead, ends gen: END_FREED if nobody holds "
-             "it, every ref sent was loaded and it is not retired (generation 0, counters, tickets and flags zeroed: a stale "
-             "ref is refused; the segment is free for the next); END_RETIRED to the one caller that claims a retired "
-             "generation's close; END_WAIT if it must wait (held, a ref in flight, or another thread inside this check); "
-             "END_STALE if the header holds another generation, or another caller claimed the close: nothing to do.");
+             "hdr_end($module, addr, gen, /)\n--\n\n-> int\n\nThe owner, its own storages of gen "
+             "all dead, ends gen: END_FREED if nobody holds it, every ref sent was loaded and it "
+             "is not retired (generation 0, counters, tickets and flags zeroed: a stale ref is "
+             "refused; the segment is free for the next); END_RETIRED to the one caller that "
+             "claims a retired generation's close; END_WAIT if it must wait (held, a ref in "
+             "flight, or another thread inside this check); END_STALE if the header holds another "
+             "generation, or another caller claimed the close: nothing to do.");
 
 /* One transition of one generation, decided under the header's FREEING bit (which
  * hdr_hold waits for, so no holder is added meanwhile, and no other hdr_end runs): the
  * generation cannot change under the check, so a caller holding a stale (segment,
  * generation) pair ends nothing of the next one, and exactly one caller frees it or
  * claims its close. */
-static PyObject *hdr_end(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *
+hdr_end(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
     _Atomic uint64_t *h;
     uint64_t gen;
-    if (parse_header_gen(args, nargs, "hdr_end", &h, &gen) < 0)
+    if (parse_header_gen(args, nargs, "hdr_end", &h, &gen) < 0) {
         return NULL;
-    if (atomic_load(&h[HDR_GEN]) != gen)
+    }
+    if (atomic_load(&h[HDR_GEN]) != gen) {
         return PyLong_FromLong(END_STALE);
+    }
     uint64_t n = atomic_load(&h[HDR_HOLDERS]);
     do {
-        if (n & FREEING)
-            return PyLong_FromLong(END_WAIT); /* another thread or process is deciding: ask again later */
+        if (n & FREEING) {
+            /* another thread or process is deciding: ask again later */
+            return PyLong_FromLong(END_WAIT);
+        }
     } while (!atomic_compare_exchange_weak(&h[HDR_HOLDERS], &n, n | FREEING));
     long result = END_WAIT;
     if (atomic_load(&h[HDR_GEN]) != gen) {
         result = END_STALE;
-    } else if (atomic_load(&h[HDR_FLAGS]) & RETIRED) {
+    }
+    else if (atomic_load(&h[HDR_FLAGS]) & RETIRED) {
         result = atomic_fetch_or(&h[HDR_FLAGS], CLOSED) & CLOSED ? END_STALE : END_RETIRED;
-    } else if ((atomic_load(&h[HDR_HOLDERS]) & ~FREEING) == 0 && atomic_load(&h[HDR_SENT]) == atomic_load(&h[HDR_LOADED])) {
+    }
+    else if ((atomic_load(&h[HDR_HOLDERS]) & ~FREEING) == 0 &&
+             atomic_load(&h[HDR_SENT]) == atomic_load(&h[HDR_LOADED])) {
         /* Holders can only fall while FREEING is set: sent == loaded now means every
          * ref sent was loaded by a holder that has let go since. */
         atomic_store(&h[HDR_GEN], 0);
         uint64_t issued = atomic_load(&h[HDR_ISSUED]);
         uint64_t words = (issued < TICKETS ? issued : TICKETS) / 64 + 1;
-        for (uint64_t i = 0; i < words && i < TICKETS / 64; i++)
+        for (uint64_t i = 0; i < words && i < TICKETS / 64; i++) {
             atomic_store(&h[HDR_BITS + i], 0);
+        }
         atomic_store(&h[HDR_SENT], 0);
         atomic_store(&h[HDR_LOADED], 0);
         atomic_store(&h[HDR_ISSUED], 0);
@@ -341,48 +427,65 @@ static PyObject *hdr_end(PyObject *Py_UNUSED(module), PyObject *const *args, Py_
     return PyLong_FromLong(result);
 }
 
-PyDoc_STRVAR(hdr_read_doc, "hdr_read(addr) -> (gen, sent, loaded, holders)\n\nThe header at addr, each field read atomically.");
+PyDoc_STRVAR(hdr_read_doc, "hdr_read($module, addr, /)\n--\n\n-> (gen, sent, loaded, "
+                           "holders)\n\nThe header at addr, each field read atomically.");
 
-static PyObject *hdr_read(PyObject *Py_UNUSED(module), PyObject *addr) {
+static PyObject *
+hdr_read(PyObject *Py_UNUSED(module), PyObject *addr)
+{
     _Atomic uint64_t *h = header_of(addr);
     uint64_t out[4];
-    if (h == NULL || guarded(op_read, h, 0, out) < 0)
+    if (h == NULL || guarded(op_read, h, 0, out) < 0) {
         return NULL;
-    return Py_BuildValue("KKKK", (unsigned long long)out[0], (unsigned long long)out[1], (unsigned long long)out[2],
-                         (unsigned long long)out[3]);
+    }
+    return Py_BuildValue("KKKK", (unsigned long long)out[0], (unsigned long long)out[1],
+                         (unsigned long long)out[2], (unsigned long long)out[3]);
 }
 
-PyDoc_STRVAR(hdr_retire_doc, "hdr_retire(addr, gen) -> bool\n\nNever reuse generation gen (if the header still holds it): "
-                             "its memory goes back to the system once nothing maps it.");
+PyDoc_STRVAR(
+    hdr_retire_doc,
+    "hdr_retire($module, addr, gen, /)\n--\n\n-> bool\n\nNever reuse generation gen (if the header "
+    "still holds it): its memory goes back to the system once nothing maps it.");
 
-static PyObject *hdr_retire(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *
+hdr_retire(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
     return generation_op(op_retire, "hdr_retire", args, nargs);
 }
 
-PyDoc_STRVAR(hdr_retire_any_doc, "hdr_retire_any(addr)\n\nRetire whatever generation the header holds now, a free segment's "
-                                 "next one included: a process killed inside a stale load's hdr_hold may have counted itself "
-                                 "there, and nobody can count it out.");
+PyDoc_STRVAR(hdr_retire_any_doc,
+             "hdr_retire_any($module, addr, /)\n--\n\nRetire whatever generation the header holds "
+             "now, a free segment's next one included: a process killed inside a stale load's "
+             "hdr_hold may have counted itself there, and nobody can count it out.");
 
-static PyObject *hdr_retire_any(PyObject *Py_UNUSED(module), PyObject *addr) {
+static PyObject *
+hdr_retire_any(PyObject *Py_UNUSED(module), PyObject *addr)
+{
     _Atomic uint64_t *h = header_of(addr);
     uint64_t out[1];
-    if (h == NULL || guarded(op_retire_any, h, 0, out) < 0)
+    if (h == NULL || guarded(op_retire_any, h, 0, out) < 0) {
         return NULL;
+    }
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(hdr_flags_doc, "hdr_flags(addr) -> int\n\nThe header's flags: RETIRED (never reused), UNCOUNTED (a ticket past "
-                            "the bitmap: its loads were not told from repeats).");
+PyDoc_STRVAR(
+    hdr_flags_doc,
+    "hdr_flags($module, addr, /)\n--\n\n-> int\n\nThe header's flags: RETIRED (never reused), "
+    "UNCOUNTED (a ticket past the bitmap: its loads were not told from repeats).");
 
-static PyObject *hdr_flags(PyObject *Py_UNUSED(module), PyObject *addr) {
+static PyObject *
+hdr_flags(PyObject *Py_UNUSED(module), PyObject *addr)
+{
     _Atomic uint64_t *h = header_of(addr);
     uint64_t out[1];
-    if (h == NULL || guarded(op_flags, h, 0, out) < 0)
+    if (h == NULL || guarded(op_flags, h, 0, out) < 0) {
         return NULL;
+    }
     return PyLong_FromUnsignedLongLong(out[0]);
 }
 
-PyMethodDef header_methods[] = {
+PyMethodDef shm_header_methods[] = {
     {"hdr_issue", hdr_issue, METH_O, hdr_issue_doc},
     {"hdr_loaded", (PyCFunction)(void (*)(void))hdr_loaded, METH_FASTCALL, hdr_loaded_doc},
     {"hdr_retire", (PyCFunction)(void (*)(void))hdr_retire, METH_FASTCALL, hdr_retire_doc},

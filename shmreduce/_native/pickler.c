@@ -7,50 +7,29 @@
  * pickles name, which make the tensor through a Gen this process published by one
  * routine (make_plain). Each does the common case and hands every other one, before
  * it changed anything, to the Python it stands in for (reductions.reduce_tensor /
- * rebuild_tensor / rebuild_packed), which decides what is indexed, published and filled. The sending
- * scope (message()) and the broker's post connection it checks once per message.
- * Calls: lifetime.c (claim, put_storage, stored_at, remember, loaded_new), dlpack.c (the typed
- * import), segments.c (where a storage lies), header.c (tickets, loads).
+ * rebuild_tensor / rebuild_packed), which decides what is indexed, published and filled. The
+ * sending scope (message()) and the broker's post connection it checks once per message. Calls:
+ * lifetime.c (shm_claim, shm_put_storage, shm_stored_at, shm_remember, shm_loaded_new), dlpack.c
+ * (the typed import), segments.c (where a storage lies), header.c (tickets, loads).
  */
 #include "native.h"
 
 #include <poll.h>
 
-/* rebuild()'s general case (reductions.rebuild_tensor), load()'s (rebuild_packed),
- * reduce()'s (reduce_tensor), imported on first use; from init_send(): what reduce()
- * returns to load with (load), what it takes (torch.Tensor exactly, torch.strided),
- * torch.multiprocessing's globals (the strategy), torch's own UntypedStorage.is_shared. */
-static PyObject *general_rebuild_fn, *general_load_fn, *general_reduce_fn;
-static PyObject *load_fn, *tensor_type, *strided, *strategy_globals, *torch_is_shared;
-static PyObject *exchange_capsule;
-const DLPackExchangeAPI *exchange; /* tensor_type's DLPack exchange API, or NULL: then reduce() hands every tensor on,
-                                    * and import_tensor() goes through a capsule */
-static int post_fd = -1;                 /* the post connection to this program's broker, or -1 */
-static _Thread_local PyObject *outgoing; /* the sending scope's held Gens (one per ref), or NULL */
+/* This thread's sending scope (thread-local: native.h says why it is not module state). */
+static _Thread_local PyObject *outgoing; /* the scope's held Gens (one per ref), or NULL */
 static _Thread_local int broker_seen;    /* this message found its broker live */
-static unsigned long long shares, shared_bytes, reuses;
-
-enum { S_REQUIRES_GRAD, S_BACKWARD_HOOKS, S_LAYOUT, S_IS_CPU, S_IS_NESTED, S_IS_QUANTIZED, S_IS_CONJ, S_IS_NEG, S_NBYTES, S_DATA_PTR, S_SWAP,
-       S_SHARING_STRATEGY, S_FILE_SYSTEM, S_SLAB_FD, S_SLAB_FS, N_NAMES };
-static const char *const name_text[N_NAMES] = {
-    "requires_grad", "_backward_hooks", "layout", "is_cpu", "is_nested", "is_quantized", "is_conj", "is_neg", "nbytes", "data_ptr", "_swap_data_ptr_",
-    "_sharing_strategy", "file_system", "shmreduce.slab.fd", "shmreduce.slab.fs"};
-static PyObject *names[N_NAMES];
-
-int pickler_init(void) {
-    for (int i = 0; i < N_NAMES; i++)
-        if ((names[i] = PyUnicode_InternFromString(name_text[i])) == NULL)
-            return -1;
-    return 0;
-}
 
 /* reductions.<name>, imported on first use into *slot (importing shmreduce, in a
  * process whose first shmreduce object is a pickle's); borrowed, or NULL. */
-static PyObject *reductions_function(PyObject **slot, const char *name) {
+static PyObject *
+reductions_function(PyObject **slot, const char *name)
+{
     if (*slot == NULL) {
         PyObject *module = PyImport_ImportModule("shmreduce.reductions");
-        if (module == NULL)
+        if (module == NULL) {
             return NULL;
+        }
         *slot = PyObject_GetAttrString(module, name);
         Py_DECREF(module);
     }
@@ -58,26 +37,35 @@ static PyObject *reductions_function(PyObject **slot, const char *name) {
 }
 
 /* rebuild(ref, meta): the general one; rebuild(ref, meta, None), from it: None. */
-static PyObject *rebuild_general(PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs == 3)
+static PyObject *
+rebuild_general(shm_state *st, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs == 3) {
         Py_RETURN_NONE;
-    PyObject *fn = reductions_function(&general_rebuild_fn, "rebuild_tensor");
+    }
+    PyObject *fn = reductions_function(&st->general_rebuild, "rebuild_tensor");
     return fn == NULL ? NULL : PyObject_Vectorcall(fn, args, (size_t)nargs, NULL);
 }
 
 /* load(template, packed): the general one (reductions.rebuild_packed). */
-static PyObject *load_general(PyObject *const *args, Py_ssize_t nargs) {
-    PyObject *fn = reductions_function(&general_load_fn, "rebuild_packed");
+static PyObject *
+load_general(shm_state *st, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *fn = reductions_function(&st->general_load, "rebuild_packed");
     return fn == NULL ? NULL : PyObject_Vectorcall(fn, args, (size_t)nargs, NULL);
 }
 
 /* An exact int's value, or -1 for anything else (no error set). */
-static Py_ssize_t small_int(PyObject *obj) {
-    if (!PyLong_CheckExact(obj))
+static Py_ssize_t
+small_int(PyObject *obj)
+{
+    if (!PyLong_CheckExact(obj)) {
         return -1;
+    }
     Py_ssize_t value = PyLong_AsSsize_t(obj);
-    if (value == -1)
+    if (value == -1) {
         PyErr_Clear();
+    }
     return value;
 }
 
@@ -108,16 +96,21 @@ typedef struct {
 } PackedHead;
 
 /* packed's fields into *p (dtype's itemsize not looked up): 0, or -1 (SharingError). */
-static int parse_packed(PyObject *packed, Plain *p) {
+static int
+parse_packed(shm_state *st, PyObject *packed, Plain *p)
+{
     PackedHead head;
     Py_ssize_t length = PyBytes_CheckExact(packed) ? PyBytes_GET_SIZE(packed) : -1;
-    if (length < (Py_ssize_t)sizeof head)
+    if (length < (Py_ssize_t)sizeof head) {
         goto bad;
+    }
     memcpy(&head, PyBytes_AS_STRING(packed), sizeof head);
-    if (head.ndim > MAX_DIMS || length != (Py_ssize_t)(sizeof head + 2 * head.ndim * sizeof(int64_t)) ||
-        head.offset > (uint64_t)PY_SSIZE_T_MAX || head.nbytes == 0 || head.nbytes > (uint64_t)PY_SSIZE_T_MAX ||
-        head.storage_offset < 0)
+    if (head.ndim > MAX_DIMS ||
+        length != (Py_ssize_t)(sizeof head + 2 * head.ndim * sizeof(int64_t)) ||
+        head.offset > (uint64_t)PY_SSIZE_T_MAX || head.nbytes == 0 ||
+        head.nbytes > (uint64_t)PY_SSIZE_T_MAX || head.storage_offset < 0) {
         goto bad;
+    }
     p->offset = (Py_ssize_t)head.offset;
     p->nbytes = (Py_ssize_t)head.nbytes;
     p->ticket = head.ticket;
@@ -130,58 +123,70 @@ static int parse_packed(PyObject *packed, Plain *p) {
     memcpy(p->layout.strides, arrays + head.ndim * sizeof(int64_t), head.ndim * sizeof(int64_t));
     return 0;
 bad:
-    PyErr_SetString(sharing_error, "not a shmreduce tensor handle: its packed fields are malformed (forged or corrupted message)");
+    PyErr_SetString(st->sharing_error, "not a shmreduce tensor handle: its packed fields are "
+                                       "malformed (forged or corrupted message)");
     return -1;
 }
 
 /* An entry of the dtype table (torch dtype -> (code, bits, lanes, itemsize), filled
  * once by reductions.dlpack_table): 1 and its DLPack dtype and itemsize, or 0 (no
  * error set) for one that is no such tuple of ints in range. */
-static int table_entry(PyObject *value, DLDataType *t, Py_ssize_t *itemsize) {
-    Py_ssize_t code, bits, lanes, size;
-    if (!PyTuple_CheckExact(value) || PyTuple_GET_SIZE(value) != 4 || (code = small_int(PyTuple_GET_ITEM(value, 0))) < 0 ||
-        code > 255 || (bits = small_int(PyTuple_GET_ITEM(value, 1))) <= 0 || bits > 255 ||
-        (lanes = small_int(PyTuple_GET_ITEM(value, 2))) <= 0 || lanes > 65535 || (size = small_int(PyTuple_GET_ITEM(value, 3))) <= 0)
+static int
+table_entry(PyObject *value, DLDataType *t, Py_ssize_t *itemsize)
+{
+    if (!PyTuple_CheckExact(value) || PyTuple_GET_SIZE(value) != 4) {
         return 0;
+    }
+    Py_ssize_t code = small_int(PyTuple_GET_ITEM(value, 0));
+    Py_ssize_t bits = small_int(PyTuple_GET_ITEM(value, 1));
+    Py_ssize_t lanes = small_int(PyTuple_GET_ITEM(value, 2));
+    Py_ssize_t size = small_int(PyTuple_GET_ITEM(value, 3));
+    if (code < 0 || code > 255 || bits <= 0 || bits > 255 || lanes <= 0 || lanes > 65535 ||
+        size <= 0) {
+        return 0;
+    }
     *t = (DLDataType){.code = (uint8_t)code, .bits = (uint8_t)bits, .lanes = (uint16_t)lanes};
     *itemsize = size;
     return 1;
 }
 
-/* The dtype table read the other way: a DLPack dtype's torch dtype (borrowed) and
- * itemsize, or NULL (no error) if the table has none (yet). */
-static struct {
-    uint32_t code; /* code_of() */
-    Py_ssize_t itemsize;
-    PyObject *dtype;
-} by_code[64];
-static Py_ssize_t by_code_count, by_code_from = -1;
+/* The dtype table read the other way (native.h's DtypeEntry). */
+static uint32_t
+code_of(DLDataType t)
+{
+    return (uint32_t)t.code | (uint32_t)t.bits << 8 | (uint32_t)t.lanes << 16;
+}
 
-static uint32_t code_of(DLDataType t) { return (uint32_t)t.code | (uint32_t)t.bits << 8 | (uint32_t)t.lanes << 16; }
-
-static PyObject *torch_dtype(DLDataType t, Py_ssize_t *itemsize) {
-    if (dtypes == NULL)
+/* A DLPack dtype's torch dtype (borrowed) and itemsize, or NULL (no error) if the
+ * table has none (yet). */
+static PyObject *
+torch_dtype(shm_state *st, DLDataType t, Py_ssize_t *itemsize)
+{
+    if (st->dtypes == NULL) {
         return NULL;
-    if (PyDict_GET_SIZE(dtypes) != by_code_from) {
+    }
+    if (PyDict_GET_SIZE(st->dtypes) != st->by_code_from) {
         Py_ssize_t pos = 0, n = 0;
         PyObject *key, *value;
-        while (n < (Py_ssize_t)(sizeof by_code / sizeof by_code[0]) && PyDict_Next(dtypes, &pos, &key, &value)) {
+        while (n < BY_CODE_MAX && PyDict_Next(st->dtypes, &pos, &key, &value)) {
             DLDataType entry;
-            if (!table_entry(value, &entry, &by_code[n].itemsize))
+            if (!table_entry(value, &entry, &st->by_code[n].itemsize)) {
                 continue;
-            by_code[n].code = code_of(entry);
-            Py_XSETREF(by_code[n].dtype, Py_NewRef(key));
+            }
+            st->by_code[n].code = code_of(entry);
+            Py_XSETREF(st->by_code[n].dtype, Py_NewRef(key));
             n++;
         }
-        by_code_count = n;
-        by_code_from = PyDict_GET_SIZE(dtypes);
+        st->by_code_count = n;
+        st->by_code_from = PyDict_GET_SIZE(st->dtypes);
     }
     uint32_t want = code_of(t);
-    for (Py_ssize_t i = 0; i < by_code_count; i++)
-        if (by_code[i].code == want) {
-            *itemsize = by_code[i].itemsize;
-            return by_code[i].dtype;
+    for (Py_ssize_t i = 0; i < st->by_code_count; i++) {
+        if (st->by_code[i].code == want) {
+            *itemsize = st->by_code[i].itemsize;
+            return st->by_code[i].dtype;
         }
+    }
     return NULL;
 }
 
@@ -189,171 +194,236 @@ static PyObject *torch_dtype(DLDataType t, Py_ssize_t *itemsize) {
  * for the general path (it does not start its storage and span it exactly, has no
  * element, or its storage was loaded here already), or -1 on error. Counted loaded in
  * the header, remembered in the Gen's identity map. */
-static int make_plain(GenObject *gen, const Plain *p, PyObject **out) {
+static int
+make_plain(GenObject *gen, const Plain *p, PyObject **out)
+{
     int64_t extent = 0;
-    int checked = check_layout(&p->layout, p->itemsize, &extent);
-    if (checked != 0)
+    int checked = shm_check_layout(gen->module, &p->layout, p->itemsize, &extent);
+    if (checked != 0) {
         return checked < 0 ? -1 : 0;
-    if (p->storage_offset != 0 || extent != p->nbytes)
+    }
+    if (p->storage_offset != 0 || extent != p->nbytes) {
         return 0; /* a storage larger than the tensor's elements */
+    }
+    PyObject *tensor = NULL, *storage = NULL;
     PyObject *key = PyLong_FromSsize_t(p->offset); /* the identity map's key */
-    if (key == NULL)
-        return -1;
-    PyObject *loaded = stored_at(gen, key);
-    if (loaded != NULL || PyErr_Occurred() || check_range(gen, p->offset, p->nbytes) < 0) {
-        Py_DECREF(key);
-        Py_XDECREF(loaded); /* loaded here already: the general case makes a tensor of that storage */
-        return loaded != NULL ? 0 : -1;
+    if (key == NULL) {
+        goto error;
     }
-    Ctx *ctx = take_ctx();
+    PyObject *loaded = shm_stored_at(gen, key);
+    if (loaded != NULL) {
+        /* loaded here already: the general case makes a tensor of that storage */
+        Py_DECREF(loaded);
+        Py_DECREF(key);
+        return 0;
+    }
+    if (PyErr_Occurred() || shm_check_range(gen, p->offset, p->nbytes) < 0) {
+        goto error;
+    }
+    Ctx *ctx = shm_take_ctx(gen->module);
     if (ctx == NULL) {
-        Py_DECREF(key);
-        return -1;
+        goto error;
     }
+    assert(p->layout.ndim >= 0 && p->layout.ndim <= MAX_DIMS); /* shm_check_layout() said so */
     ctx->managed.dl_tensor.ndim = p->layout.ndim;
     ctx->managed.dl_tensor.dtype = p->dtype;
     memcpy(ctx->shape, p->layout.shape, (size_t)p->layout.ndim * sizeof(int64_t));
     memcpy(ctx->strides, p->layout.strides, (size_t)p->layout.ndim * sizeof(int64_t));
-    PyObject *tensor = import_tensor(gen, ctx, p->offset);
+    tensor = shm_import_tensor(gen, ctx, p->offset);
     if (tensor == NULL) {
-        Py_DECREF(key);
-        return -1;
+        goto error;
     }
-    PyObject *storage = PyObject_CallMethodNoArgs(tensor, str_untyped_storage);
-    int done = storage != NULL ? loaded_new(gen, key, storage, p->nbytes, p->ticket) : -1;
+    storage = PyObject_CallMethodNoArgs(tensor, gen->module->names[S_UNTYPED_STORAGE]);
+    if (storage == NULL || shm_loaded_new(gen, key, storage, p->nbytes, p->ticket) < 0) {
+        goto error;
+    }
+    Py_DECREF(storage);
     Py_DECREF(key);
-    Py_XDECREF(storage);
-    if (done < 0) {
-        Py_DECREF(tensor);
-        return -1;
-    }
     *out = tensor;
     return 1;
+
+error:
+    Py_XDECREF(storage);
+    Py_XDECREF(tensor);
+    Py_XDECREF(key);
+    return -1;
 }
 
 /* make_plain()'s tensor, or what general makes of args where it hands the case on. */
-static PyObject *plain_or(GenObject *gen, const Plain *p, PyObject *(*general)(PyObject *const *, Py_ssize_t), PyObject *const *args,
-                          Py_ssize_t nargs) {
+static PyObject *
+plain_or(GenObject *gen, const Plain *p,
+         PyObject *(*general)(shm_state *, PyObject *const *, Py_ssize_t), PyObject *const *args,
+         Py_ssize_t nargs)
+{
     PyObject *tensor = NULL;
     int made = make_plain(gen, p, &tensor);
-    return made > 0 ? tensor : made < 0 ? NULL : general(args, nargs);
+    if (made < 0) {
+        return NULL;
+    }
+    if (made == 0) {
+        return general(gen->module, args, nargs);
+    }
+    return tensor;
 }
 
 /* gen published under key, borrowed; NULL with no error if none. */
-static GenObject *published_gen(PyObject *key) {
-    GenObject *gen = (GenObject *)PyDict_GetItemWithError(published, key);
+static GenObject *
+published_gen(shm_state *st, PyObject *key)
+{
+    GenObject *gen = (GenObject *)PyDict_GetItemWithError(st->published, key);
     if (gen == NULL && PyErr_Occurred()) {
         PyErr_Clear();
-        PyErr_SetString(sharing_error, "not a shmreduce ref: its fields are not hashable (forged or corrupted message)");
+        PyErr_SetString(
+            st->sharing_error,
+            "not a shmreduce ref: its fields are not hashable (forged or corrupted message)");
     }
     return gen;
 }
 
 PyDoc_STRVAR(rebuild_doc,
-             "rebuild(ref, meta) -> Tensor\n\n"
-             "A tensor pickled by reductions.reduce_tensor. Made here, in one call (the routine load() uses), where "
-             "the ref's generation has a published Gen and the tensor is plain (no subclass, no grad), starts its "
-             "storage and spans it exactly, in a dtype of the table, and its storage was not loaded here already. "
-             "Every other case, malformed ones included, goes to the general one, shmreduce.reductions.rebuild_tensor, "
-             "which calls rebuild(ref, meta, None) once it published the Gen: None there instead of the general one.");
+             "rebuild($module, ref, meta, general=None, /)\n--\n\n-> Tensor\n\nA tensor pickled by "
+             "reductions.reduce_tensor. Made here, in one call (the routine load() uses), where "
+             "the ref's generation has a published Gen and the tensor is plain (no subclass, no "
+             "grad), starts its storage and spans it exactly, in a dtype of the table, and its "
+             "storage was not loaded here already. Every other case, malformed ones included, goes "
+             "to the general one, shmreduce.reductions.rebuild_tensor, which calls rebuild(ref, "
+             "meta, None) once it published the Gen: None there instead of the general one.");
 
 /* A pickle that calls load() or rebuild() with other arguments than they take is not
  * one shmreduce made: refused as such, never a TypeError from the general path. */
-static PyObject *malformed_call(const char *name) {
-    PyErr_Format(sharing_error, "not a shmreduce tensor handle: %s() called with the wrong number of arguments "
-                                "(forged or corrupted message)", name);
+static PyObject *
+malformed_call(shm_state *st, const char *name)
+{
+    PyErr_Format(st->sharing_error,
+                 "not a shmreduce tensor handle: %s() called with the wrong number of arguments "
+                 "(forged or corrupted message)",
+                 name);
     return NULL;
 }
 
-static PyObject *native_rebuild(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs < 2 || nargs > 3)
-        return malformed_call("rebuild");
-    if (published == NULL || from_dlpack == NULL)
-        return rebuild_general(args, nargs);
+static PyObject *
+native_rebuild(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    shm_state *st = shm_get_state(module);
+    if (nargs < 2 || nargs > 3) {
+        return malformed_call(st, "rebuild");
+    }
+    if (st->published == NULL || st->from_dlpack == NULL) {
+        return rebuild_general(st, args, nargs);
+    }
     PyObject *ref = args[0], *meta = args[1];
-    if (!PyTuple_CheckExact(ref) || PyTuple_GET_SIZE(ref) != 8 || !PyTuple_CheckExact(meta) || PyTuple_GET_SIZE(meta) != 5 ||
-        PyTuple_GET_ITEM(meta, 4) != Py_None || small_int(PyTuple_GET_ITEM(meta, 3)) != 0)
-        return rebuild_general(args, nargs);
-    PyObject *entry = PyDict_GetItemWithError(dtypes, PyTuple_GET_ITEM(meta, 0));
-    if (entry == NULL && PyErr_Occurred()) { /* an unhashable dtype: no call is made with the error pending */
+    if (!PyTuple_CheckExact(ref) || PyTuple_GET_SIZE(ref) != 8 || !PyTuple_CheckExact(meta) ||
+        PyTuple_GET_SIZE(meta) != 5 || PyTuple_GET_ITEM(meta, 4) != Py_None ||
+        small_int(PyTuple_GET_ITEM(meta, 3)) != 0) {
+        return rebuild_general(st, args, nargs);
+    }
+    PyObject *entry = PyDict_GetItemWithError(st->dtypes, PyTuple_GET_ITEM(meta, 0));
+    if (entry == NULL &&
+        PyErr_Occurred()) { /* an unhashable dtype: no call is made with the error pending */
         PyErr_Clear();
-        PyErr_SetString(sharing_error, "not a tensor's metadata: its dtype is not a torch dtype (forged or corrupted message)");
+        PyErr_SetString(st->sharing_error, "not a tensor's metadata: its dtype is not a torch "
+                                           "dtype (forged or corrupted message)");
         return NULL;
     }
-    PyObject *key = PyTuple_Pack(5, PyTuple_GET_ITEM(ref, 0), PyTuple_GET_ITEM(ref, 1), PyTuple_GET_ITEM(ref, 2),
-                                 PyTuple_GET_ITEM(ref, 3), PyTuple_GET_ITEM(ref, 6)); /* the template the Gen is published by */
-    if (key == NULL)
+    /* the template the Gen is published by */
+    PyObject *key =
+        PyTuple_Pack(5, PyTuple_GET_ITEM(ref, 0), PyTuple_GET_ITEM(ref, 1),
+                     PyTuple_GET_ITEM(ref, 2), PyTuple_GET_ITEM(ref, 3), PyTuple_GET_ITEM(ref, 6));
+    if (key == NULL) {
         return NULL;
-    GenObject *gen = published_gen(key);
+    }
+    GenObject *gen = published_gen(st, key);
     Py_DECREF(key);
-    if (gen == NULL && PyErr_Occurred())
+    if (gen == NULL && PyErr_Occurred()) {
         return NULL;
-    Plain p = {.offset = small_int(PyTuple_GET_ITEM(ref, 4)), .nbytes = small_int(PyTuple_GET_ITEM(ref, 5))};
+    }
+    Plain p = {.offset = small_int(PyTuple_GET_ITEM(ref, 4)),
+               .nbytes = small_int(PyTuple_GET_ITEM(ref, 5))};
     Py_ssize_t ticket = small_int(PyTuple_GET_ITEM(ref, 7));
     p.ticket = ticket < 0 ? NOT_A_TICKET : (uint64_t)ticket;
-    if (gen == NULL || entry == NULL || gen->ended || p.offset < 0 || p.nbytes <= 0 || !PyTuple_CheckExact(entry) ||
-        PyTuple_GET_SIZE(entry) != 4)
-        return rebuild_general(args, nargs);
+    if (gen == NULL || entry == NULL || gen->ended || p.offset < 0 || p.nbytes <= 0 ||
+        !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 4) {
+        return rebuild_general(st, args, nargs);
+    }
     if (!table_entry(entry, &p.dtype, &p.itemsize)) {
         PyErr_SetString(PyExc_ValueError, "init(): not a DLPack dtype table");
         return NULL;
     }
-    int parsed = layout_from_tuples(PyTuple_GET_ITEM(meta, 1), PyTuple_GET_ITEM(meta, 2), &p.layout);
-    if (parsed != 0)
-        return parsed < 0 ? NULL : rebuild_general(args, nargs);
+    int parsed =
+        shm_layout_from_tuples(st, PyTuple_GET_ITEM(meta, 1), PyTuple_GET_ITEM(meta, 2), &p.layout);
+    if (parsed != 0) {
+        return parsed < 0 ? NULL : rebuild_general(st, args, nargs);
+    }
     return plain_or(gen, &p, rebuild_general, args, nargs);
 }
 
 PyDoc_STRVAR(load_doc,
-             "load(template, packed) -> Tensor\n\n"
-             "A plain tensor pickled by reduce() (its compact form: the Gen's template tuple and the packed bytes). "
-             "Made here in one call as rebuild() makes one; every other case, malformed ones included, goes to "
-             "the general one, shmreduce.reductions.rebuild_packed.");
+             "load($module, template, packed, /)\n--\n\n-> Tensor\n\nA plain tensor pickled by "
+             "reduce() (its compact form: the Gen's template tuple and the packed bytes). Made "
+             "here in one call as rebuild() makes one; every other case, malformed ones included, "
+             "goes to the general one, shmreduce.reductions.rebuild_packed.");
 
-static PyObject *native_load(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2)
-        return malformed_call("load");
-    if (published == NULL || from_dlpack == NULL || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != 5)
-        return load_general(args, nargs);
+static PyObject *
+native_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    shm_state *st = shm_get_state(module);
+    if (nargs != 2) {
+        return malformed_call(st, "load");
+    }
+    if (st->published == NULL || st->from_dlpack == NULL || !PyTuple_CheckExact(args[0]) ||
+        PyTuple_GET_SIZE(args[0]) != 5) {
+        return load_general(st, args, nargs);
+    }
     Plain p;
-    if (parse_packed(args[1], &p) < 0)
+    if (parse_packed(st, args[1], &p) < 0) {
         return NULL;
-    GenObject *gen = published_gen(args[0]);
-    if (gen == NULL && PyErr_Occurred())
+    }
+    GenObject *gen = published_gen(st, args[0]);
+    if (gen == NULL && PyErr_Occurred()) {
         return NULL;
-    if (gen == NULL || gen->ended || torch_dtype(p.dtype, &p.itemsize) == NULL)
-        return load_general(args, nargs);
+    }
+    if (gen == NULL || gen->ended || torch_dtype(st, p.dtype, &p.itemsize) == NULL) {
+        return load_general(st, args, nargs);
+    }
     return plain_or(gen, &p, load_general, args, nargs);
 }
 
 PyDoc_STRVAR(unpack_doc,
-             "unpack(template, packed) -> (ref, meta)\n\n"
-             "load()'s arguments as rebuild()'s: the ref (a SegmentRef's plain tuple) and the meta of a plain tensor; "
+             "unpack($module, template, packed, /)\n--\n\n-> (ref, meta)\n\nload()'s arguments as "
+             "rebuild()'s: the ref (a SegmentRef's plain tuple) and the meta of a plain tensor; "
              "SharingError if malformed, or of a dtype the table (filled first) does not have.");
 
-static PyObject *native_unpack(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "unpack(template, packed)");
+static PyObject *
+native_unpack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    shm_state *st = shm_get_state(module);
+    if (shm_check_nargs("unpack", nargs, 2, 2) < 0) {
         return NULL;
     }
     PyObject *t = args[0];
     if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) != 5) {
-        PyErr_SetString(sharing_error, "not a shmreduce tensor handle: its template is not a 5-tuple (forged or corrupted message)");
+        PyErr_SetString(st->sharing_error, "not a shmreduce tensor handle: its template is not a "
+                                           "5-tuple (forged or corrupted message)");
         return NULL;
     }
     Plain p;
-    if (parse_packed(args[1], &p) < 0)
-        return NULL;
-    PyObject *dtype = torch_dtype(p.dtype, &p.itemsize);
-    if (dtype == NULL) {
-        PyErr_SetString(sharing_error, "not a tensor's metadata: its dtype is not one shmreduce sends (forged or corrupted message)");
+    if (parse_packed(st, args[1], &p) < 0) {
         return NULL;
     }
-    PyObject *size = PyTuple_New(p.layout.ndim), *stride = PyTuple_New(p.layout.ndim), *result = NULL;
-    if (size == NULL || stride == NULL)
+    PyObject *dtype = torch_dtype(st, p.dtype, &p.itemsize);
+    if (dtype == NULL) {
+        PyErr_SetString(st->sharing_error, "not a tensor's metadata: its dtype is not one "
+                                           "shmreduce sends (forged or corrupted message)");
+        return NULL;
+    }
+    PyObject *size = PyTuple_New(p.layout.ndim), *stride = PyTuple_New(p.layout.ndim),
+             *result = NULL;
+    if (size == NULL || stride == NULL) {
         goto done;
+    }
     for (int32_t i = 0; i < p.layout.ndim; i++) {
-        PyObject *d = PyLong_FromLongLong(p.layout.shape[i]), *st = PyLong_FromLongLong(p.layout.strides[i]);
+        PyObject *d = PyLong_FromLongLong(p.layout.shape[i]),
+                 *st = PyLong_FromLongLong(p.layout.strides[i]);
         if (d == NULL || st == NULL) {
             Py_XDECREF(d);
             Py_XDECREF(st);
@@ -362,9 +432,10 @@ static PyObject *native_unpack(PyObject *Py_UNUSED(module), PyObject *const *arg
         PyTuple_SET_ITEM(size, i, d);
         PyTuple_SET_ITEM(stride, i, st);
     }
-    result = Py_BuildValue("((OOOOnnOK)(OOOLO))", PyTuple_GET_ITEM(t, 0), PyTuple_GET_ITEM(t, 1), PyTuple_GET_ITEM(t, 2),
-                           PyTuple_GET_ITEM(t, 3), p.offset, p.nbytes, PyTuple_GET_ITEM(t, 4), (unsigned long long)p.ticket, dtype,
-                           size, stride, (long long)p.storage_offset, Py_None);
+    result = Py_BuildValue("((OOOOnnOK)(OOOLO))", PyTuple_GET_ITEM(t, 0), PyTuple_GET_ITEM(t, 1),
+                           PyTuple_GET_ITEM(t, 2), PyTuple_GET_ITEM(t, 3), p.offset, p.nbytes,
+                           PyTuple_GET_ITEM(t, 4), (unsigned long long)p.ticket, dtype, size,
+                           stride, (long long)p.storage_offset, Py_None);
 done:
     Py_XDECREF(size);
     Py_XDECREF(stride);
@@ -373,136 +444,230 @@ done:
 
 /* ---- reduce(): a plain CPU tensor shared in one call ---- */
 
-static PyObject *reduce_general(PyObject *tensor) {
-    PyObject *fn = reductions_function(&general_reduce_fn, "reduce_tensor");
+static PyObject *
+reduce_general(shm_state *st, PyObject *tensor)
+{
+    PyObject *fn = reductions_function(&st->general_reduce, "reduce_tensor");
     return fn == NULL ? NULL : PyObject_CallOneArg(fn, tensor);
 }
 
 /* 1 if obj.<name> is want (a singleton), 0 if not, -1 on error. */
-static int attr_is(PyObject *obj, int name, PyObject *want) {
-    PyObject *value = PyObject_GetAttr(obj, names[name]);
-    if (value == NULL)
+static int
+attr_is(shm_state *st, PyObject *obj, int name, PyObject *want)
+{
+    PyObject *value = PyObject_GetAttr(obj, st->names[name]);
+    if (value == NULL) {
         return -1;
+    }
     Py_DECREF(value);
     return value == want;
 }
 
 /* 1 if obj.<name>() is False, 0 if not, -1 on error. */
-static int call_false(PyObject *obj, int name) {
-    PyObject *value = PyObject_CallMethodNoArgs(obj, names[name]);
-    if (value == NULL)
+static int
+call_false(shm_state *st, PyObject *obj, int name)
+{
+    PyObject *value = PyObject_CallMethodNoArgs(obj, st->names[name]);
+    if (value == NULL) {
         return -1;
+    }
     Py_DECREF(value);
     return value == Py_False;
 }
 
 /* obj.<name>() as an address or size; -1 (error set) on failure. */
-static Py_ssize_t call_int(PyObject *obj, int name) {
-    PyObject *value = PyObject_CallMethodNoArgs(obj, names[name]);
-    if (value == NULL)
+static Py_ssize_t
+call_int(shm_state *st, PyObject *obj, int name)
+{
+    PyObject *value = PyObject_CallMethodNoArgs(obj, st->names[name]);
+    if (value == NULL) {
         return -1;
+    }
     Py_ssize_t n = PyLong_AsSsize_t(value);
     Py_DECREF(value);
     return n;
 }
 
+/* 1 if tensor is plain (no grad, no hooks, strided, on the CPU, neither nested nor
+ * quantized, no conjugate or negative bit), 0 if not, -1 on error. */
+static int
+is_plain(shm_state *st, PyObject *tensor)
+{
+    const struct {
+        int name;
+        PyObject *want;
+    } attributes[] = {
+        {S_REQUIRES_GRAD, Py_False}, {S_BACKWARD_HOOKS, Py_None}, {S_LAYOUT, st->strided},
+        {S_IS_CPU, Py_True},         {S_IS_NESTED, Py_False},     {S_IS_QUANTIZED, Py_False},
+    };
+    for (size_t i = 0; i < Py_ARRAY_LENGTH(attributes); i++) {
+        int is = attr_is(st, tensor, attributes[i].name, attributes[i].want);
+        if (is <= 0) {
+            return is;
+        }
+    }
+    int is = call_false(st, tensor, S_IS_CONJ);
+    if (is <= 0) {
+        return is;
+    }
+    return call_false(st, tensor, S_IS_NEG);
+}
+
 /* Swap fresh's memory into storage if storage's data is still at ptr (no other thread
  * moved it meanwhile): 1; 0 if moved; -1 on error. No Python code runs in between. */
-static int move_into(PyObject *storage, Py_ssize_t ptr, PyObject *fresh) {
-    Py_ssize_t now = call_int(storage, S_DATA_PTR);
-    if (now == -1 && PyErr_Occurred())
+static int
+move_into(shm_state *st, PyObject *storage, Py_ssize_t ptr, PyObject *fresh)
+{
+    Py_ssize_t now = call_int(st, storage, S_DATA_PTR);
+    if (now == -1 && PyErr_Occurred()) {
         return -1;
-    if (now != ptr)
+    }
+    if (now != ptr) {
         return 0;
-    PyObject *done = PyObject_CallMethodOneArg(storage, names[S_SWAP], fresh);
+    }
+    PyObject *done = PyObject_CallMethodOneArg(storage, st->names[S_SWAP], fresh);
     Py_XDECREF(done);
     return done == NULL ? -1 : 1;
 }
 
-PyDoc_STRVAR(move_doc, "move(storage, ptr, fresh) -> bool\n\nSwap fresh's memory into storage if its data is still at ptr.");
+PyDoc_STRVAR(move_doc, "move($module, storage, ptr, fresh, /)\n--\n\n-> bool\n\nSwap fresh's "
+                       "memory into storage if its data is still at ptr.");
 
-static PyObject *native_move(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyLong_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "move(storage, ptr, fresh)");
+static PyObject *
+native_move(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (shm_check_nargs("move", nargs, 3, 3) < 0) {
+        return NULL;
+    }
+    if (!PyLong_Check(args[1])) {
+        PyErr_Format(PyExc_TypeError, "move() argument 2 must be int, not %.200s",
+                     Py_TYPE(args[1])->tp_name);
         return NULL;
     }
     Py_ssize_t ptr = PyLong_AsSsize_t(args[1]);
-    int moved = (ptr == -1 && PyErr_Occurred()) ? -1 : move_into(args[0], ptr, args[2]);
-    return moved < 0 ? NULL : PyBool_FromLong(moved);
+    if (ptr == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    int moved = move_into(shm_get_state(module), args[0], ptr, args[2]);
+    if (moved < 0) {
+        return NULL;
+    }
+    return PyBool_FromLong(moved);
 }
 
 /* The current slab of this thread for the current strategy, if reduce() may fill it
  * (indexed: Python sent from it itself). */
-static GenObject *current_slab(void) {
-    PyObject *strategy = PyDict_GetItemWithError(strategy_globals, names[S_SHARING_STRATEGY]);
+static GenObject *
+current_slab(shm_state *st)
+{
+    PyObject *strategy =
+        PyDict_GetItemWithError(st->strategy_globals, st->names[S_SHARING_STRATEGY]);
     PyObject *thread = PyThreadState_GetDict();
-    if (strategy == NULL || thread == NULL)
+    if (strategy == NULL || thread == NULL) {
         return NULL;
-    int fs = PyUnicode_Check(strategy) && PyUnicode_Compare(strategy, names[S_FILE_SYSTEM]) == 0;
-    PyObject *slab = PyDict_GetItemWithError(thread, names[fs ? S_SLAB_FS : S_SLAB_FD]);
-    if (slab == NULL || Py_TYPE(slab) != &GenType || ((GenObject *)slab)->ended || ((GenObject *)slab)->template == NULL)
+    }
+    int fs =
+        PyUnicode_Check(strategy) && PyUnicode_Compare(strategy, st->names[S_FILE_SYSTEM]) == 0;
+    PyObject *slab = PyDict_GetItemWithError(thread, st->names[fs ? S_SLAB_FS : S_SLAB_FD]);
+    if (slab == NULL || Py_TYPE(slab) != st->gen_type || ((GenObject *)slab)->ended ||
+        ((GenObject *)slab)->template == NULL) {
         return NULL;
+    }
     return (GenObject *)slab;
 }
 
 /* Where storage (nbytes at ptr) is sent from: a Gen reduce() sends from and the
  * offset, moved into this thread's slab first if it lies in none; NULL (no error)
  * for the general path. */
-static GenObject *send_from(PyObject *storage, Py_ssize_t ptr, Py_ssize_t nbytes, Py_ssize_t *offset) {
-    Range *r = range_at((uintptr_t)ptr, nbytes);
+static GenObject *
+send_from(shm_state *st, PyObject *storage, Py_ssize_t ptr, Py_ssize_t nbytes, Py_ssize_t *offset)
+{
+    Range *r = shm_range_at((uintptr_t)ptr, nbytes);
     if (r != NULL) { /* in shared memory already: sent from where it lies, by an indexed Gen only */
         GenObject *gen = r->gen;
         Py_ssize_t at = ptr - (Py_ssize_t)r->addr;
-        if (gen == NULL || gen->ended || at < gen->low)
+        if (gen == NULL || gen->ended || at < gen->low) {
             return NULL;
+        }
         *offset = at;
-        reuses++;
+        st->reuses++;
         return gen;
     }
-    if (nbytes > SLAB_ITEM_MAX)
+    if (nbytes > SLAB_ITEM_MAX) {
         return NULL;
-    PyObject *shared = PyObject_CallOneArg(torch_is_shared, storage); /* torch's own: a storage it shared is adopted */
-    Py_XDECREF(shared);
-    GenObject *slab = shared == Py_False ? current_slab() : NULL;
-    Py_ssize_t at = slab != NULL ? claim(slab, nbytes) : -1;
-    if (at < 0)
+    }
+    /* torch's own: a storage it shared is adopted */
+    PyObject *shared = PyObject_CallOneArg(st->torch_is_shared, storage);
+    if (shared == NULL) {
+        return NULL;
+    }
+    int adopted = shared != Py_False;
+    Py_DECREF(shared);
+    GenObject *slab = adopted ? NULL : current_slab(st);
+    Py_ssize_t at = slab != NULL ? shm_claim(slab, nbytes) : -1;
+    if (at < 0) {
         return NULL; /* full, or none yet: the general path makes the next */
+    }
+    PyObject *key = NULL;
     Py_INCREF(slab); /* torch code runs below: a finalizer may drop the thread's slab */
-    PyObject *fresh = put_storage(slab, at, nbytes, storage); /* its address read at the copy, not ptr */
-    int moved = fresh != NULL ? move_into(storage, ptr, fresh) : -1;
-    Py_XDECREF(fresh);
-    PyObject *key = moved > 0 ? PyLong_FromSsize_t(at) : NULL;
-    if (moved > 0 && (key == NULL || remember(slab, key, storage) < 0))
-        moved = -1;
-    Py_XDECREF(key);
-    Py_DECREF(slab); /* its storage holds it now */
-    if (moved <= 0)
+    /* its address read at the copy, not ptr */
+    PyObject *fresh = shm_put_storage(slab, at, nbytes, storage);
+    if (fresh == NULL) {
+        goto error;
+    }
+    int moved = move_into(st, storage, ptr, fresh);
+    Py_DECREF(fresh);
+    if (moved < 0) {
+        goto error;
+    }
+    if (moved == 0) {
+        Py_DECREF(slab);
         return NULL; /* moved by another thread meanwhile: the general path finds where */
-    shares++;
-    shared_bytes += (unsigned long long)nbytes;
+    }
+    key = PyLong_FromSsize_t(at);
+    if (key == NULL || shm_remember(slab, key, storage) < 0) {
+        goto error;
+    }
+    Py_DECREF(key);
+    Py_DECREF(slab); /* its storage holds it now */
+    st->shares++;
+    st->shared_bytes += (unsigned long long)nbytes;
     *offset = at;
     return slab;
+
+error:
+    Py_XDECREF(key);
+    Py_DECREF(slab);
+    return NULL;
 }
 
 /* The packed head and layout of a plain tensor whose storage's data is at ptr, as
  * load() reads them (its storage's range and ticket filled in later), read in one
  * call through torch's DLPack exchange API: 0, or 1 for the general path (a device,
  * dtype or layout the compact form does not carry, or the API missing). */
-static int describe(PyObject *tensor, Py_ssize_t ptr, PackedHead *head, Layout *layout) {
+static int
+describe(shm_state *st, PyObject *tensor, Py_ssize_t ptr, PackedHead *head, Layout *layout)
+{
     DLTensor dl;
-    if (exchange == NULL || exchange->dltensor_from_py_object_no_sync == NULL)
+    const DLPackExchangeAPI *exchange = st->exchange;
+    if (exchange == NULL || exchange->dltensor_from_py_object_no_sync == NULL) {
         return 1;
+    }
     if (exchange->dltensor_from_py_object_no_sync(tensor, &dl) != 0) {
-        PyErr_Clear(); /* what torch cannot describe: the general path says why, if it is an error */
+        /* what torch cannot describe: the general path says why, if it is an error */
+        PyErr_Clear();
         return 1;
     }
     Py_ssize_t itemsize = 0;
-    if (dl.device.device_type != kDLCPU || dl.ndim < 0 || dl.ndim > MAX_DIMS || (dl.ndim > 0 && dl.strides == NULL) ||
-        torch_dtype(dl.dtype, &itemsize) == NULL)
+    if (dl.device.device_type != kDLCPU || dl.ndim < 0 || dl.ndim > MAX_DIMS ||
+        (dl.ndim > 0 && dl.strides == NULL) || torch_dtype(st, dl.dtype, &itemsize) == NULL) {
         return 1;
+    }
+    assert(itemsize > 0); /* the table's entries are checked as they are read */
     intptr_t start = (intptr_t)dl.data + (intptr_t)dl.byte_offset - (intptr_t)ptr;
-    if (start < 0 || start % itemsize != 0)
+    if (start < 0 || start % itemsize != 0) {
         return 1;
+    }
     head->code = dl.dtype.code;
     head->bits = dl.dtype.bits;
     head->lanes = dl.dtype.lanes;
@@ -514,91 +679,131 @@ static int describe(PyObject *tensor, Py_ssize_t ptr, PackedHead *head, Layout *
     return 0;
 }
 
-static PyObject *share_plain(PyObject *tensor, PyObject *storage) {
-    Py_ssize_t nbytes = call_int(storage, S_NBYTES), ptr = nbytes > 0 ? call_int(storage, S_DATA_PTR) : -1;
-    if (nbytes <= 0 || ptr == -1)
+static PyObject *
+share_plain(shm_state *st, PyObject *tensor, PyObject *storage)
+{
+    Py_ssize_t nbytes = call_int(st, storage, S_NBYTES);
+    if (nbytes <= 0) {
+        return NULL; /* an error, or nothing to share: the general path */
+    }
+    Py_ssize_t ptr = call_int(st, storage, S_DATA_PTR);
+    if (ptr == -1) {
         return NULL;
+    }
     if (!broker_seen) {
-        struct pollfd post = {.fd = post_fd, .events = POLLRDHUP};
-        if (post_fd < 0 || poll(&post, 1, 0) != 0)
+        struct pollfd post = {.fd = st->post_fd, .events = POLLRDHUP};
+        if (st->post_fd < 0 || poll(&post, 1, 0) != 0) {
             return NULL; /* the broker may be gone: the general path connects anew */
+        }
         broker_seen = 1;
     }
     PackedHead head = {0};
     Layout layout;
-    if (describe(tensor, ptr, &head, &layout) != 0)
+    if (describe(st, tensor, ptr, &head, &layout) != 0) {
         return NULL; /* the general path */
+    }
     Py_ssize_t offset;
-    GenObject *gen = send_from(storage, ptr, nbytes, &offset);
-    if (gen == NULL)
+    GenObject *gen = send_from(st, storage, ptr, nbytes, &offset);
+    if (gen == NULL) {
         return NULL;
+    }
     /* send_from() ran torch code (the importer, the swap): a collection there may have
      * run finalizers that unindexed gen (unindex_all(), a broker reconnect), so its
-     * template is read only now, and held while this builds (issue 28, item 3).
+     * template is read only now, and held while this builds: read before, it could be
+     * freed under the tuple built from it.
      * Without it, the general path sends the storage from where it lies now. */
-    PyObject *t = gen->template;
-    if (t == NULL || gen->ended)
+    if (gen->template == NULL || gen->ended) {
         return NULL;
-    PyObject *packed = NULL, *args = NULL, *result = NULL;
-    Py_INCREF(t);
+    }
+    PyObject *packed = NULL, *args = NULL;
+    PyObject *template = Py_NewRef(gen->template);
     head.offset = (uint64_t)offset;
     head.nbytes = (uint64_t)nbytes;
-    head.ticket = gen->low ? issue_ticket((_Atomic uint64_t *)gen->addr) : 0;
+    head.ticket = gen->low ? shm_issue_ticket((_Atomic uint64_t *)gen->addr) : 0;
     if (gen->low) {
-        if (PyList_Append(outgoing, (PyObject *)gen) < 0)
+        if (PyList_Append(outgoing, (PyObject *)gen) < 0) {
             goto error;
-        add_count(gen); /* held until the scope counts the ref sent (count_sent) */
+        }
+        shm_add_count(gen); /* held until the scope counts the ref sent (count_sent) */
     }
     size_t arrays = (size_t)layout.ndim * sizeof(int64_t);
-    if ((packed = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(sizeof head + 2 * arrays))) == NULL)
+    packed = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(sizeof head + 2 * arrays));
+    if (packed == NULL) {
         goto error;
+    }
     char *out = PyBytes_AS_STRING(packed);
     memcpy(out, &head, sizeof head);
     memcpy(out + sizeof head, layout.shape, arrays);
     memcpy(out + sizeof head + arrays, layout.strides, arrays);
-    if ((args = PyTuple_Pack(2, t, packed)) != NULL)
-        result = PyTuple_Pack(2, load_fn, args);
-error:
-    Py_DECREF(t);
-    Py_XDECREF(packed);
-    Py_XDECREF(args);
+    args = PyTuple_Pack(2, template, packed);
+    if (args == NULL) {
+        goto error;
+    }
+    PyObject *result = PyTuple_Pack(2, st->load_fn, args);
+    if (result == NULL) {
+        goto error;
+    }
+    Py_DECREF(args);
+    Py_DECREF(packed);
+    Py_DECREF(template);
     return result;
+
+error:
+    Py_XDECREF(args);
+    Py_XDECREF(packed);
+    Py_DECREF(template);
+    return NULL;
 }
 
-PyDoc_STRVAR(reduce_doc,
-             "reduce(tensor) -> (load, (template, packed))\n\n"
-             "What reductions.reduce_tensor does, made here in one call, in the compact form (load()), for a plain CPU tensor (torch.Tensor "
-             "exactly, no grad, no hooks, strided, not nested nor quantized, no conjugate or negative bit; its dtype, sizes, strides "
-             "and start read in one call through torch's DLPack exchange API) inside a sending scope (message()) whose broker lives, whose "
-             "storage lies in an indexed Gen or fits this thread's slab (copied there and swapped in); counted "
-             "sent when the scope ends (its Gen appended to the scope's list, held until then). Every other case "
-             "goes to reductions.reduce_tensor.");
+PyDoc_STRVAR(
+    reduce_doc,
+    "reduce($module, tensor, /)\n--\n\n-> (load, (template, packed))\n\nWhat "
+    "reductions.reduce_tensor does, made here in one call, in the compact form (load()), for a "
+    "plain CPU tensor (torch.Tensor exactly, no grad, no hooks, strided, not nested nor quantized, "
+    "no conjugate or negative bit; its dtype, sizes, strides and start read in one call through "
+    "torch's DLPack exchange API) inside a sending scope (message()) whose broker lives, whose "
+    "storage lies in an indexed Gen or fits this thread's slab (copied there and swapped in); "
+    "counted sent when the scope ends (its Gen appended to the scope's list, held until then). "
+    "Every other case goes to reductions.reduce_tensor.");
 
-static PyObject *native_reduce(PyObject *Py_UNUSED(module), PyObject *tensor) {
-    if (outgoing == NULL || load_fn == NULL || Py_TYPE(tensor) != (PyTypeObject *)tensor_type)
-        return reduce_general(tensor);
-    int plain;
-    if ((plain = attr_is(tensor, S_REQUIRES_GRAD, Py_False)) <= 0 || (plain = attr_is(tensor, S_BACKWARD_HOOKS, Py_None)) <= 0 ||
-        (plain = attr_is(tensor, S_LAYOUT, strided)) <= 0 || (plain = attr_is(tensor, S_IS_CPU, Py_True)) <= 0 ||
-        (plain = attr_is(tensor, S_IS_NESTED, Py_False)) <= 0 || (plain = attr_is(tensor, S_IS_QUANTIZED, Py_False)) <= 0 ||
-        (plain = call_false(tensor, S_IS_CONJ)) <= 0 || (plain = call_false(tensor, S_IS_NEG)) <= 0)
-        return plain < 0 ? NULL : reduce_general(tensor);
-    PyObject *storage = PyObject_CallMethodNoArgs(tensor, str_untyped_storage);
-    if (storage == NULL)
+static PyObject *
+native_reduce(PyObject *module, PyObject *tensor)
+{
+    shm_state *st = shm_get_state(module);
+    if (outgoing == NULL || st->load_fn == NULL ||
+        Py_TYPE(tensor) != (PyTypeObject *)st->tensor_type) {
+        return reduce_general(st, tensor);
+    }
+    int plain = is_plain(st, tensor);
+    if (plain < 0) {
         return NULL;
-    PyObject *reduced = share_plain(tensor, storage);
+    }
+    if (plain == 0) {
+        return reduce_general(st, tensor);
+    }
+    PyObject *storage = PyObject_CallMethodNoArgs(tensor, st->names[S_UNTYPED_STORAGE]);
+    if (storage == NULL) {
+        return NULL;
+    }
+    PyObject *reduced = share_plain(st, tensor, storage);
     Py_DECREF(storage);
-    if (reduced == NULL && !PyErr_Occurred())
-        return reduce_general(tensor);
+    if (reduced == NULL && !PyErr_Occurred()) {
+        return reduce_general(st, tensor);
+    }
     return reduced;
 }
 
-PyDoc_STRVAR(message_doc, "message(gens)\n\nreduce()'s sending scope on this thread: the list it appends the Gen of each "
-                          "ref to (acquired once per ref: count_sent), or None (outside any scope). The broker is checked again.");
+PyDoc_STRVAR(message_doc,
+             "message($module, gens, /)\n--\n\nreduce()'s sending scope on this thread: the list "
+             "it appends the Gen of each ref to (acquired once per ref: count_sent), or None "
+             "(outside any scope). The broker is checked again.");
 
-static PyObject *native_message(PyObject *Py_UNUSED(module), PyObject *list) {
+static PyObject *
+native_message(PyObject *Py_UNUSED(module), PyObject *list)
+{
     if (list != Py_None && !PyList_CheckExact(list)) {
-        PyErr_SetString(PyExc_TypeError, "message(list | None)");
+        PyErr_Format(PyExc_TypeError, "message() argument must be list or None, not %.200s",
+                     Py_TYPE(list)->tp_name);
         return NULL;
     }
     Py_XSETREF(outgoing, list == Py_None ? NULL : Py_NewRef(list));
@@ -606,71 +811,109 @@ static PyObject *native_message(PyObject *Py_UNUSED(module), PyObject *list) {
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(watch_doc, "watch(fd)\n\nreduce() checks the post connection fd (-1: none) for a hang-up once per message.");
+PyDoc_STRVAR(watch_doc, "watch($module, fd, /)\n--\n\nreduce() checks the post connection fd (-1: "
+                        "none) for a hang-up once per message.");
 
-static PyObject *native_watch(PyObject *Py_UNUSED(module), PyObject *fd) {
+static PyObject *
+native_watch(PyObject *module, PyObject *fd)
+{
     long value = PyLong_AsLong(fd);
-    if (value == -1 && PyErr_Occurred())
+    if (value == -1 && PyErr_Occurred()) {
         return NULL;
-    post_fd = value < 0 || value > INT32_MAX ? -1 : (int)value;
+    }
+    shm_get_state(module)->post_fd = value < 0 || value > INT32_MAX ? -1 : (int)value;
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(set_slab_doc, "set_slab(file_system, gen)\n\nThis thread's current slab of a strategy for reduce() (None: none).");
+PyDoc_STRVAR(set_slab_doc, "set_slab($module, file_system, gen, /)\n--\n\nThis thread's current "
+                           "slab of a strategy for reduce() (None: none).");
 
-static PyObject *native_set_slab(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *
+native_set_slab(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    shm_state *st = shm_get_state(module);
+    if (shm_check_nargs("set_slab", nargs, 2, 2) < 0) {
+        return NULL;
+    }
+    if (args[1] != Py_None && Py_TYPE(args[1]) != st->gen_type) {
+        PyErr_Format(PyExc_TypeError, "set_slab() argument 2 must be Gen or None, not %.200s",
+                     Py_TYPE(args[1])->tp_name);
+        return NULL;
+    }
     PyObject *thread = PyThreadState_GetDict();
-    if (nargs != 2 || thread == NULL || (args[1] != Py_None && Py_TYPE(args[1]) != &GenType)) {
-        PyErr_SetString(PyExc_TypeError, "set_slab(bool, Gen | None)");
+    if (thread == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "set_slab() with no thread state dict");
         return NULL;
     }
     int fs = PyObject_IsTrue(args[0]);
-    if (fs < 0)
+    if (fs < 0) {
         return NULL;
-    PyObject *key = names[fs ? S_SLAB_FS : S_SLAB_FD];
-    if (args[1] != Py_None)
+    }
+    PyObject *key = st->names[fs ? S_SLAB_FS : S_SLAB_FD];
+    if (args[1] != Py_None) {
         return PyDict_SetItem(thread, key, args[1]) < 0 ? NULL : Py_NewRef(Py_None);
+    }
     PyObject *found = PyDict_GetItemWithError(thread, key);
-    if ((found == NULL && PyErr_Occurred()) || (found != NULL && PyDict_DelItem(thread, key) < 0))
+    if ((found == NULL && PyErr_Occurred()) || (found != NULL && PyDict_DelItem(thread, key) < 0)) {
         return NULL;
-    Py_RETURN_NONE;
-}
-
-PyDoc_STRVAR(shared_doc, "shared() -> (storages, bytes, reused)\n\nWhat reduce() moved into slabs, and sent from where it lay.");
-
-static PyObject *native_shared(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored)) {
-    return Py_BuildValue("KKK", shares, shared_bytes, reuses);
-}
-
-PyDoc_STRVAR(init_send_doc, "init_send(load, tensor_type, strided, strategy_globals, is_shared)\n\nBind what reduce() needs.");
-
-static PyObject *native_init_send(PyObject *Py_UNUSED(module), PyObject *args) {
-    PyObject *fn, *type, *layout, *globals, *is_shared;
-    if (!PyArg_ParseTuple(args, "OO!OO!O", &fn, &PyType_Type, &type, &layout, &PyDict_Type, &globals, &is_shared))
-        return NULL;
-    Py_XSETREF(load_fn, Py_NewRef(fn));
-    Py_XSETREF(tensor_type, Py_NewRef(type));
-    Py_XSETREF(strided, Py_NewRef(layout));
-    Py_XSETREF(strategy_globals, Py_NewRef(globals));
-    Py_XSETREF(torch_is_shared, Py_NewRef(is_shared));
-    /* The exchange API the type offers (torch 2.10 on), kept with its capsule (its
-     * table lives as long as the process): a DLPack 1.x one, or none. */
-    exchange = NULL;
-    Py_CLEAR(exchange_capsule);
-    PyObject *capsule = PyObject_GetAttrString(type, "__dlpack_c_exchange_api__");
-    const DLPackExchangeAPI *api = capsule != NULL ? PyCapsule_GetPointer(capsule, "dlpack_exchange_api") : NULL;
-    if (api == NULL) {
-        PyErr_Clear();
-        Py_XDECREF(capsule);
-    } else {
-        exchange_capsule = capsule;
-        if (api->header.version.major == 1 && api->managed_tensor_to_py_object_no_sync != NULL)
-            exchange = api;
     }
     Py_RETURN_NONE;
 }
 
-PyMethodDef pickler_methods[] = {
+PyDoc_STRVAR(shared_doc, "shared($module, /)\n--\n\n-> (storages, bytes, reused)\n\nWhat reduce() "
+                         "moved into slabs, and sent from where it lay.");
+
+static PyObject *
+native_shared(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    shm_state *st = shm_get_state(module);
+    return Py_BuildValue("KKK", st->shares, st->shared_bytes, st->reuses);
+}
+
+PyDoc_STRVAR(init_send_doc, "init_send($module, load, tensor_type, strided, strategy_globals, "
+                            "is_shared, /)\n--\n\nBind what reduce() needs.");
+
+static PyObject *
+native_init_send(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    shm_state *st = shm_get_state(module);
+    if (shm_check_nargs("init_send", nargs, 5, 5) < 0) {
+        return NULL;
+    }
+    PyObject *fn = args[0], *type = args[1], *layout = args[2], *globals = args[3],
+             *is_shared = args[4];
+    if (!PyType_Check(type) || !PyDict_Check(globals)) {
+        PyErr_Format(PyExc_TypeError,
+                     "init_send() arguments 2 and 4 must be type and dict, not %.200s and %.200s",
+                     Py_TYPE(type)->tp_name, Py_TYPE(globals)->tp_name);
+        return NULL;
+    }
+    Py_XSETREF(st->load_fn, Py_NewRef(fn));
+    Py_XSETREF(st->tensor_type, Py_NewRef(type));
+    Py_XSETREF(st->strided, Py_NewRef(layout));
+    Py_XSETREF(st->strategy_globals, Py_NewRef(globals));
+    Py_XSETREF(st->torch_is_shared, Py_NewRef(is_shared));
+    /* The exchange API the type offers (torch 2.10 on), kept with its capsule (its
+     * table lives as long as the process): a DLPack 1.x one, or none. */
+    st->exchange = NULL;
+    Py_CLEAR(st->exchange_capsule);
+    PyObject *capsule = PyObject_GetAttr(type, st->names[S_DLPACK_EXCHANGE_API]);
+    const DLPackExchangeAPI *api =
+        capsule != NULL ? PyCapsule_GetPointer(capsule, "dlpack_exchange_api") : NULL;
+    if (api == NULL) {
+        PyErr_Clear();
+        Py_XDECREF(capsule);
+    }
+    else {
+        st->exchange_capsule = capsule;
+        if (api->header.version.major == 1 && api->managed_tensor_to_py_object_no_sync != NULL) {
+            st->exchange = api;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+PyMethodDef shm_pickler_methods[] = {
     {"rebuild", (PyCFunction)(void (*)(void))native_rebuild, METH_FASTCALL, rebuild_doc},
     {"load", (PyCFunction)(void (*)(void))native_load, METH_FASTCALL, load_doc},
     {"unpack", (PyCFunction)(void (*)(void))native_unpack, METH_FASTCALL, unpack_doc},
@@ -680,6 +923,6 @@ PyMethodDef pickler_methods[] = {
     {"watch", native_watch, METH_O, watch_doc},
     {"set_slab", (PyCFunction)(void (*)(void))native_set_slab, METH_FASTCALL, set_slab_doc},
     {"shared", native_shared, METH_NOARGS, shared_doc},
-    {"init_send", native_init_send, METH_VARARGS, init_send_doc},
+    {"init_send", (PyCFunction)(void (*)(void))native_init_send, METH_FASTCALL, init_send_doc},
     {NULL, NULL, 0, NULL},
 };
