@@ -141,7 +141,10 @@ def test_ranks_of_one_host_share_one_copy_and_outlive_the_source(strategy, job_b
     pss = [steps[r]["pss"] for r in range(4)]
     memory = sum(p["after"]["memory"] - p["before"]["memory"] for p in pss)
     everything = sum(p["after"]["all"] - p["before"]["all"] for p in pss)
-    assert memory <= 1.2 * MIB * 1024 and everything < 2 * MIB * 1024, (memory, everything, pss)
+    # Not under make asan: its shadow memory and quarantine grow each rank by about 150
+    # MiB more whatever is shared (make test checks the bound).
+    if "libasan" not in os.environ.get("LD_PRELOAD", ""):
+        assert memory <= 1.2 * MIB * 1024 and everything < 2 * MIB * 1024, (memory, everything, pss)
 
     # aliasing across ranks, and from a rank's spawn child
     assert all(steps[r]["marks"]["marks"] == [-1, -2, -3, -4] for r in range(4)), steps
