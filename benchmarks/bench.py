@@ -610,21 +610,29 @@ def keeper_message(seq: int) -> dict[str, torch.Tensor]:
     return {"obs": torch.full((32 * KIB,), float(seq)), "meta": torch.full((256,), float(seq))}
 
 
-def program_cpu(pids: list[int]) -> float:
-    """CPU seconds of every thread of *pids* (``schedstat``), those gone left out."""
-    total = 0.0
-    for pid in pids:
-        try:
+def cpu_seconds(pid: int, tid: int | None = None) -> float | None:
+    """CPU seconds *pid* ran (every thread of it), or its thread *tid*; None if it
+    is gone. From ``schedstat`` (nanoseconds on the CPU), not ``stat``'s clock ticks
+    (10 ms each: a broker's few milliseconds per run would be all rounding)."""
+    tids = [str(tid)] if tid is not None else None
+    try:
+        if tids is None:
             tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
+        total = 0
         for t in tids:
             try:
                 with open(f"/proc/{pid}/task/{t}/schedstat") as f:
-                    total += int(f.read().split()[0]) / 1e9
-            except OSError:
-                continue
-    return total
+                    total += int(f.read().split()[0])
+            except FileNotFoundError:
+                continue  # a thread that exited meanwhile (its time is lost to both reads)
+    except OSError:
+        return None
+    return total / 1e9
+
+
+def program_cpu(pids: list[int]) -> float:
+    """CPU seconds of every thread of *pids*, those gone left out."""
+    return sum(cpu_seconds(pid) or 0.0 for pid in pids)
 
 
 def keeper_producer(impl: str, q: Any, count: int, ctl: Any) -> None:

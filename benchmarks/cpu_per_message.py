@@ -28,26 +28,6 @@ import bench  # noqa: E402
 MAKERS = {"1": bench.one_small, "2": bench.dict_small, "3": bench.one_large}
 
 
-def cpu_seconds(pid: int, tid: int | None = None) -> float | None:
-    """CPU seconds *pid* ran (every thread of it), or its thread *tid*; None if it
-    is gone. From ``schedstat`` (nanoseconds on the CPU), not ``stat``'s clock ticks
-    (10 ms each: a broker's few milliseconds per run would be all rounding)."""
-    tids = [str(tid)] if tid is not None else None
-    try:
-        if tids is None:
-            tids = os.listdir(f"/proc/{pid}/task")
-        total = 0
-        for t in tids:
-            try:
-                with open(f"/proc/{pid}/task/{t}/schedstat") as f:
-                    total += int(f.read().split()[0])
-            except FileNotFoundError:
-                continue  # a thread that exited meanwhile (its time is lost to both reads)
-    except OSError:
-        return None
-    return total / 1e9
-
-
 def producer(impl: str, make: Any, q: Any, stop: Any) -> None:
     seq = 0
     while not stop.is_set():
@@ -92,14 +72,14 @@ def trial(impl: str, make: Any, seconds: float) -> dict[str, float]:
             mine = str(os.getpid()).encode()
             brokers = [b for b in bench.broker_pids() if Path(f"/proc/{b}/cmdline").read_bytes().split(b"\0")[-2:-1] == [mine]]
             pids = {"producer": procs[0].pid, "consumer": procs[1].pid} | {f"broker {b}": b for b in brokers}
-            before = {name: cpu_seconds(pid) for name, pid in pids.items() if pid is not None}
+            before = {name: bench.cpu_seconds(pid) for name, pid in pids.items() if pid is not None}
             # The producer's main thread makes and puts; its queue's feeder thread pickles.
             ppid = procs[0].pid
             assert ppid is not None
-            main_before = cpu_seconds(ppid, ppid)
+            main_before = bench.cpu_seconds(ppid, ppid)
             count, elapsed = report.get(timeout=seconds + 60)
-            after = {name: cpu_seconds(pid) for name, pid in pids.items() if pid is not None}
-            main_after = cpu_seconds(ppid, ppid)
+            after = {name: bench.cpu_seconds(pid) for name, pid in pids.items() if pid is not None}
+            main_after = bench.cpu_seconds(ppid, ppid)
         finally:
             stop.set()
             bench.join_all(procs)

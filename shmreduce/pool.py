@@ -86,7 +86,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from shmreduce import _faults, _native, _torch, segments
+from shmreduce import _faults, _native, _platform, _torch, segments
 from shmreduce.broker import client as broker
 from shmreduce.errors import OutOfSharedMemory, SharingError, out_of_shm
 
@@ -110,14 +110,6 @@ REAP_PER_TAKE = 8  # waiting segments a take() looks at (Pool.reap): its cost, h
 _PAGE = mmap.PAGESIZE
 _T = TypeVar("_T")
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_mmap = _libc.mmap
-_mmap.restype = ctypes.c_void_p
-_mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
-_munmap = _libc.munmap
-_munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-_MAP_FAILED = ctypes.c_void_p(-1).value
-_PROT = mmap.PROT_READ | mmap.PROT_WRITE
 _U64 = ctypes.c_uint64
 _Gen = _native.Gen
 # A receiver's live tokens by their refs' template (kind, directory, segment,
@@ -187,10 +179,7 @@ class Segment:
     )
 
     def __init__(self, kind: str, key: int | str, directory: str, fd: int | None, size: int, map_fd: int) -> None:
-        addr = _mmap(None, size, _PROT, mmap.MAP_SHARED, map_fd, 0)
-        if addr is None or addr == _MAP_FAILED:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
+        addr = _platform.map_shared(map_fd, size)
         self.kind, self.key, self.directory = kind, key, directory  # directory: fs only
         self.fd, self.addr, self.size = fd, addr, size
         self.pid = os.getpid()
@@ -314,7 +303,7 @@ class Segment:
 def _unmap_close(addr: int, size: int, fd: int | None) -> None:
     # Out of the index first: once unmapped, another thread may map the address anew.
     _native.unmapped(addr)
-    _munmap(addr, size)
+    _platform.unmap(addr, size)
     if fd is not None:
         os.close(fd)
 
