@@ -25,7 +25,7 @@ $(STAMP): $(PY) pyproject.toml constraints-dev.txt setup.py $(wildcard shmreduce
 install: $(STAMP)
 
 test: lint typecheck
-	$(PY) -m pytest -q --timeout=300 $(PYTEST_ARGS)
+	$(PY) -m pytest -q --timeout=300 --durations=15 $(PYTEST_ARGS)
 
 # ruff's rules and line length are in pyproject.toml; `make format` applies what `lint` checks.
 lint: $(STAMP)

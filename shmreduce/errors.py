@@ -24,7 +24,9 @@ def stale_message(what: str) -> SharingError:
     return SharingError(
         f"{what}: the memory it names was let go of and reused since it was sent "
         "(every process dropped its tensors), the message was forged, or it was sent "
-        "through a broker that has since exited; a pickled shmreduce message loads "
+        "through a broker that has since exited, or (file_descriptor) it lies in a memfd "
+        "that only processes keeping its tensors map now, the broker keeping no descriptor "
+        "of it (file_system loads such bytes again); a pickled shmreduce message loads "
         "while its tensors live somewhere in the program, so send it again"
     )
 

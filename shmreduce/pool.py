@@ -63,8 +63,10 @@ taken before it (a reconnection's hook reads this pool under the client's lock);
 ``transfer`` writes the whole order.
 
 Memory bounds: a pool keeps at most ``POOL_BYTES`` of free segments (the
-``SHMREDUCE_POOL_BYTES`` setting) and closes any left free for ``POOL_IDLE``
-seconds; a closed memfd's memory returns to the system once no process maps it, a
+``SHMREDUCE_POOL_BYTES`` setting), ``IDLE_SEGMENTS`` of them, and closes any left
+free for ``POOL_IDLE`` seconds; past ``IDLE_SEGMENTS`` waiting, the longest waiting
+leaves the pool, never reused (descriptors stay bounded however much receivers
+keep); a closed memfd's memory returns to the system once no process maps it, a
 closed file's once the broker unlinks it. Segments alive at a ``fork()`` are never
 reused (the child may use their storages without its parent's pool knowing).
 """
@@ -107,6 +109,13 @@ POOL_BYTES = int(os.environ.get("SHMREDUCE_POOL_BYTES", str(1 << 30)))
 POOL_IDLE = float(os.environ.get("SHMREDUCE_POOL_IDLE", "10"))
 KEPT_SEGMENTS = int(os.environ.get("SHMREDUCE_KEPT_SEGMENTS", "8"))
 REAP_PER_TAKE = 8  # waiting segments a take() looks at (Pool.reap): its cost, however much is kept
+# A pool keeps at most IDLE_SEGMENTS segments free and as many waiting (their
+# generation over here, held elsewhere or with refs in flight): each keeps a
+# descriptor here and, under file_descriptor, one at the broker. Past that, the
+# longest waiting is retired (never reused: its memory goes back once its holders let
+# go of it) and the oldest free one closed, so this process and its broker hold a
+# bounded number of descriptors however much receivers keep (SPEC 12).
+IDLE_SEGMENTS = 16
 _PAGE = mmap.PAGESIZE
 _T = TypeVar("_T")
 
@@ -662,9 +671,20 @@ class Pool:
                         self.waiting[seg.key] = (seg, gen)
 
     def wait(self, seg: Segment, gen: int) -> None:
-        """*seg*'s generation *gen* is over here but not free: reaped later."""
+        """*seg*'s generation *gen* is over here but not free: reaped later. Past
+        IDLE_SEGMENTS waiting, the longest waiting leave the pool, never reused."""
         with self.lock:
             self.waiting[seg.key] = (seg, gen)
+            over = list(itertools.islice(self.waiting.values(), max(0, len(self.waiting) - IDLE_SEGMENTS)))
+            for old, _gen in over:
+                # Never reused (a reaper that frees it meanwhile closes it: give_back),
+                # and out of the pool: closed, kept by the broker while a process holds
+                # its generation or a ref in it waits to be loaded. Its header is left
+                # as it is: the holders it counts are exact (a RETIRED one's are not).
+                old.retired = True
+                del self.waiting[old.key]
+        for old, _gen in over:
+            self.closed(old)
 
     def end(self, seg: Segment, gen: int, waited: bool = False) -> bool:
         """*seg*'s generation *gen* is over in its owner: given back if free (nobody
@@ -698,7 +718,7 @@ class Pool:
         with self.lock:
             self.free.setdefault(seg.size, []).append(seg)
             self.free_bytes += seg.size
-            over = self._trim_locked(lambda s: False) if self.free_bytes > POOL_BYTES else []  # the oldest, down to the cap
+            over = self._trim_locked(lambda s: False) if self._over_locked() else []  # the oldest, down to the caps
         self._close_all(over)
 
     def trim(self, idle: float = POOL_IDLE) -> None:
@@ -710,13 +730,17 @@ class Pool:
             due = self._trim_locked(lambda s: s.since <= cutoff)
         self._close_all(due)
 
+    def _over_locked(self) -> bool:
+        """Whether the free segments are over a cap: POOL_BYTES, IDLE_SEGMENTS."""
+        return self.free_bytes > POOL_BYTES or sum(map(len, self.free.values())) > IDLE_SEGMENTS
+
     def _trim_locked(self, due: Callable[[Segment], bool]) -> list[Segment]:
-        """Take out of the free lists the oldest segments over the cap and those *due*:
-        the caller closes them once it let go of the lock."""
+        """Take out of the free lists the oldest segments over the caps and those
+        *due*: the caller closes them once it let go of the lock."""
         oldest = sorted((s for segs in self.free.values() for s in segs), key=lambda s: s.since)
         taken = []
         for seg in oldest:
-            if self.free_bytes <= POOL_BYTES and not due(seg):
+            if not self._over_locked() and not due(seg):
                 continue
             self.free[seg.size].remove(seg)
             self.free_bytes -= seg.size

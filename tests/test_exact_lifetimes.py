@@ -43,6 +43,7 @@ import torch
 
 import shmreduce
 from shmreduce import _native, program, transfer
+from shmreduce.broker import client as broker_client
 from shmreduce.cache import cache
 from shmreduce.pool import SLAB_ITEM_MAX
 
@@ -722,8 +723,11 @@ def test_a_message_loaded_before_a_death_mid_let_go_loads_again_exactly_or_is_re
 
 # -- 4. a replay buffer: bounded descriptors (SPEC 12) ------------------------------
 
-REPLAY = 3000
 REPLAY_FDS = 64
+# (storages kept, elements of int32 each): 100 KiB ones share arenas; 300 KiB ones
+# get a segment each (500 of them: far past what any pool or broker keeps a
+# descriptor for, within a small /dev/shm).
+REPLAYS = {"100KiB-arena": (3000, 25 * KiB), "300KiB-own": (500, 75 * KiB)}
 
 
 def _put(q: Any, obj: Any, stop: Any) -> None:
@@ -736,17 +740,19 @@ def _put(q: Any, obj: Any, stop: Any) -> None:
                 raise SystemExit(0) from None
 
 
-def _replay_producer(say: Callable[[Any], None], stop: Any, q: Any) -> None:
-    for i in range(REPLAY):
-        _put(q, torch.full((25 * KiB,), i, dtype=torch.int32), stop)  # 100 KiB each
+def _replay_producer(say: Callable[[Any], None], stop: Any, q: Any, n: int, numel: int, kept: Any) -> None:
+    for i in range(n):
+        _put(q, torch.full((numel,), i, dtype=torch.int32), stop)
     _put(q, None, stop)
     q.close()
     q.join_thread()
-    say("sent")
+    _wait(kept, stop)
+    transfer.collect()  # every generation the consumer keeps is over here
+    say(("sent", len(os.listdir("/proc/self/fd"))))
     _wait(stop, stop)
 
 
-def _replay_consumer(say: Callable[[Any], None], stop: Any, q: Any) -> None:
+def _replay_consumer(say: Callable[[Any], None], stop: Any, q: Any, recheck: Any) -> None:
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
     kept: list[torch.Tensor] = []
@@ -758,16 +764,21 @@ def _replay_consumer(say: Callable[[Any], None], stop: Any, q: Any) -> None:
     fds = len(os.listdir("/proc/self/fd"))
     wrong = sum(not bool((t == i).all()) for i, t in enumerate(kept))
     say((len(kept), fds, wrong))
-    _wait(stop, stop)
+    _wait(recheck, stop)
+    say(sum(not bool((t == i).all()) for i, t in enumerate(kept)))
 
 
-def test_a_replay_buffer_of_3000_tensors_holds_few_descriptors(strategy: str) -> None:
-    """A consumer (descriptor limit 256) keeps 3,000 received 100 KiB tensors: it holds
-    at most 64 descriptors and every tensor keeps its bytes."""
+@pytest.mark.parametrize("replay", sorted(REPLAYS))
+def test_a_replay_buffer_holds_few_descriptors_in_every_process(strategy: str, replay: str) -> None:
+    """A consumer (descriptor limit 256) keeps every tensor it receives (3,000 of 100
+    KiB; 500 of 300 KiB, a segment each): the consumer, the producer and the broker
+    each hold at most 64 descriptors (SPEC 12), and every tensor keeps its bytes."""
+    n, numel = REPLAYS[replay]
     q = FORK.Queue(maxsize=64)
+    kept_all, recheck = Flag(), Flag()
     with crew() as c:
-        c.start("P", _replay_producer, q)
-        c.start("C", _replay_consumer, q)
+        c.start("P", _replay_producer, q, n, numel, kept_all)
+        c.start("C", _replay_consumer, q, recheck)
         try:
             kept, fds, wrong = c.get("C", TIMEOUT * 4)
         finally:
@@ -776,11 +787,81 @@ def test_a_replay_buffer_of_3000_tensors_holds_few_descriptors(strategy: str) ->
             with contextlib.suppress(queue.Empty, shmreduce.SharingError):
                 while q.get(timeout=2.0) is not None:
                     pass
-        assert kept == REPLAY and wrong == 0, (kept, wrong)
-        assert fds <= REPLAY_FDS, f"{fds} descriptors open for {kept} kept tensors (at most {REPLAY_FDS})"
-        assert c.get("P") == "sent"
+        assert kept == n and wrong == 0, (kept, wrong)
+        kept_all.set()
+        sent, producer_fds = c.get("P")
+        time.sleep(0.5)  # the broker reads the producer's drops
+        prog = program.current()
+        broker_fds = broker_client.client_for(prog.directory, prog.root_pid).ping(full=True)["descriptors"]
+        held = {"consumer": fds, "producer": producer_fds, "broker": broker_fds}
+        recheck.set()
+        assert c.get("C") == 0, "a kept tensor lost its bytes once the producer's pool let go of it"
+        assert max(held.values()) <= REPLAY_FDS, f"descriptors open while {kept} tensors are kept: {held} (at most {REPLAY_FDS})"
     q.close()
     q.join_thread()
+
+
+def _keep_then_forward(say: Callable[[Any], None], stop: Any, q: Any, out: Any, forward: Any) -> None:
+    kept = [q.get(timeout=TIMEOUT) for _ in range(FORWARD_KEPT)]
+    say("kept")
+    _wait(forward, stop)
+    out.put(kept[0])  # its memfd's descriptor was let go of at the broker: shared anew
+    out.put(kept[-1])  # the newest: its descriptor is still there, sent in place
+    out.close()
+    out.join_thread()
+    say(sum(not bool((t == i).all()) for i, t in enumerate(kept)))
+    _wait(stop, stop)
+
+
+def _forward_receiver(say: Callable[[Any], None], stop: Any, out: Any, blobs: Any) -> None:
+    first, last = out.get(timeout=TIMEOUT), out.get(timeout=TIMEOUT)
+    say((int(first[0]), bool((first == 0).all()), int(last[0]), bool((last == FORWARD_KEPT - 1).all())))
+    try:
+        shmreduce.loads(blobs.get(timeout=TIMEOUT))  # of the oldest memfd, which this process never mapped
+        say("loaded")
+    except shmreduce.SharingError as exc:
+        say(str(exc))
+    _wait(stop, stop)
+
+
+FORWARD_KEPT = 40  # 300 KiB tensors kept: past what the producer's pool and the broker keep descriptors for
+
+
+def test_a_kept_storage_the_broker_let_go_of_is_forwarded_as_a_copy(registered_fd: None) -> None:
+    """Under file_descriptor, a consumer keeps 40 storages of 300 KiB (a memfd each): the
+    producer's pool retires the longest waiting, and the broker closes the descriptors of
+    all but the newest FORWARDABLE of those only held. The consumer's tensors keep their
+    bytes; one it sends on from a memfd whose descriptor is gone is shared anew (the
+    receiver gets its bytes), one from a newer memfd goes in place; a blob of the oldest,
+    loaded again by a process that does not map it, is refused with SharingError."""
+    from shmreduce.broker.server import FORWARDABLE
+
+    q, out, blobs = FORK.Queue(), FORK.Queue(), FORK.Queue()
+    forward = Flag()
+    with crew() as c:
+        c.start("R", _forward_receiver, out, blobs)
+        c.start("C", _keep_then_forward, q, out, forward)
+        tensors = [torch.full((75 * KiB,), i, dtype=torch.int32) for i in range(FORWARD_KEPT)]
+        blob = shmreduce.dumps(tensors[0])
+        assert bool((shmreduce.loads(blob) == 0).all())  # its ref loaded: nothing in flight
+        for t in tensors:
+            q.put(t)
+        assert c.get("C") == "kept"
+        del tensors
+        gc.collect()
+        transfer.collect()  # every generation is over here: the pool retires past IDLE_SEGMENTS
+        prog = program.current()
+        client = broker_client.client_for(prog.directory, prog.root_pid)
+        let_go = FORWARD_KEPT - 16 - FORWARDABLE - 2
+        assert wait_for(lambda: client.ping()["memfds_let_go"] >= let_go, TIMEOUT), json.dumps([client.ping(), shmreduce.stats()])
+        forward.set()
+        assert c.get("R") == (0, True, FORWARD_KEPT - 1, True)
+        assert c.get("C") == 0, "a kept tensor lost its bytes"
+        blobs.put(blob)
+        again = c.get("R")
+        assert "keeping no descriptor" in again, again
+    for each in (q, out, blobs):
+        each.close()
 
 
 # -- 5. messages whose receiver died before loading them ---------------------------

@@ -36,11 +36,16 @@ PROGRAM = textwrap.dedent(
             return [torch.ones(3), torch.ones(3, requires_grad=True) * 2, torch.ones(3)]
         return [torch.full(((1 << 16) + 16,), float(i)) for i in range(40)]  # 10 MiB into a 2 MiB mount
 
+    SENT = []
+
     def produce(q, cause):
         if cause == "descriptors":  # ulimit -n, low: hard too, as register() raises soft to hard
             n = len(os.listdir("/proc/self/fd")) + 24
             resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
-        for t in items(cause):
+        # It keeps what it sends while the feeder thread pickles it (a segment in use
+        # here keeps its descriptor; one a receiver keeps, this pool lets go of).
+        SENT.extend(items(cause))
+        for t in SENT:
             q.put(t)
         # and exits right after its last put(), which README says is fine
 

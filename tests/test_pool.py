@@ -596,6 +596,7 @@ def test_a_take_looks_at_a_bounded_number_of_waiting_segments(strategy: str, mon
     made a sender's CPU per message grow with what was kept: n^2/2 calls), and each
     in turn: the longest waiting first, to the back of the line if it still waits."""
     monkeypatch.setattr(transfer, "PURGE_EVERY", 3600.0)  # the collector's full passes out of the count
+    monkeypatch.setattr(pool, "IDLE_SEGMENTS", 64)  # all 40 wait (the cap is the next test's)
     numel = pool.ARENA_ITEM_MAX // 4 + 1024
     p = transfer._current_pool()
     blobs = []
@@ -625,3 +626,46 @@ def test_a_take_looks_at_a_bounded_number_of_waiting_segments(strategy: str, mon
     del kept, blobs
     let_go_now()
     assert wait_for(lambda: not p.waiting, 10)
+
+
+def test_past_its_cap_the_longest_waiting_segments_are_retired_and_still_load(strategy: str) -> None:
+    """40 segments wait for refs in flight (blobs never loaded yet): the pool keeps
+    IDLE_SEGMENTS of them, each with its descriptor; the longest waiting are retired
+    (closed here, never reused) and the broker keeps them for their refs: every blob
+    loads its own bytes, and every segment goes once loaded and dropped."""
+    numel = pool.ARENA_ITEM_MAX // 4 + 1024
+    p = transfer._current_pool()
+    before = shmreduce.stats()["descriptors"]
+    blobs = []
+    for i in range(40):
+        t = torch.full((numel,), float(i))
+        blobs.append(shmreduce.dumps(t))
+        del t
+    gc.collect()
+    transfer._settle(wait=True)
+    assert len(p.waiting) == pool.IDLE_SEGMENTS, len(p.waiting)
+    assert shmreduce.stats()["descriptors"] <= before + pool.IDLE_SEGMENTS + 2, shmreduce.stats()
+    fresh = [torch.full((numel,), -float(i)) for i in range(8)]  # made now: never in a retired segment
+    for t in fresh:
+        transfer.share_in_place(t.untyped_storage())
+    for i, blob in enumerate(blobs):
+        assert bool((shmreduce.loads(blob) == float(i)).all()), f"blob {i} lost its bytes"
+    assert all(bool((t == -float(i)).all()) for i, t in enumerate(fresh))
+    del blobs, fresh
+    let_go_now()
+    assert wait_for(lambda: not p.waiting, 10)
+
+
+def test_a_pool_keeps_at_most_its_cap_of_free_segments() -> None:
+    # In process, no broker: 2 * IDLE_SEGMENTS segments given back one by one; the
+    # newest IDLE_SEGMENTS stay free, the older are closed (their descriptors with them).
+    size = pool.class_size(MIB)
+    fds = pool.FdPool(lambda: "", lambda seg: None)
+    try:
+        segs = [fds.take(size) for _ in range(2 * pool.IDLE_SEGMENTS)]
+        for seg in segs:
+            fds.give_back(seg)
+            assert fds.stats()["segments_free"] <= pool.IDLE_SEGMENTS
+        assert [s for segs_ in fds.free.values() for s in segs_] == segs[pool.IDLE_SEGMENTS :], "not the newest kept"
+    finally:
+        fds.let_go()

@@ -63,6 +63,14 @@ _T = TypeVar("_T")
 SPARE_DESCRIPTORS = 8  # kept for connections and pidfds: two processes' worth, at the limit
 DRAIN_EVERY = 0.1  # seconds between two looks at the draining segments' headers
 LEDGER_SCAN_EVERY = 1.0  # seconds between two reads of every ledger (a held RETIRED generation's holders)
+HELD_LOOK_EVERY = 1.0  # seconds between two looks at a draining segment kept only because it is held
+# Draining memfds kept only because a process holds their generation, every ref sent
+# in them loaded, whose descriptors the broker keeps (a holder may forward from them,
+# or load a blob of them again): past that, the oldest one's descriptor is closed. Its
+# record and header stay, and its memory while its holders map it; a fetch of it is
+# answered unknown (a forwarder shares the storage anew, in its own pool). So the
+# broker holds a bounded number of descriptors however much receivers keep (SPEC 12).
+FORWARDABLE = 8
 
 log = logging.getLogger("shmreduce.broker")
 
@@ -126,7 +134,7 @@ class _Segment:
     (``Broker._reach``): a process holds its generation, or refs sent in it wait to
     be loaded while one of their senders lives, or ORPHAN_TTL after the last died."""
 
-    __slots__ = ("key", "fd", "header", "users", "senders", "until", "map", "addr")
+    __slots__ = ("key", "fd", "header", "users", "senders", "until", "map", "addr", "look", "forwarded")
 
     def __init__(self, key: int | str, fd: int, header: bool) -> None:
         self.key = key
@@ -136,6 +144,8 @@ class _Segment:
         self.senders: set[_Client] = set()  # live clients that sent refs in it (its makers and forwarders)
         self.until = 0.0  # once only refs of dead senders reach it: when it goes, loaded or not; 0: not timed
         self.addr = 0  # its header, once read (mapped without a descriptor: map_shared)
+        self.look = 0.0  # draining: not looked at again before then (only held: HELD_LOOK_EVERY)
+        self.forwarded = False  # a memfd a process that did not make it sent from: its descriptor stays
 
 
 class _AtLimit(OSError):
@@ -159,6 +169,7 @@ class Broker:
         self.memfds: dict[int, _Segment] = {}  # inode -> deposited memfd
         self.files: dict[str, _Segment] = {}  # name -> held file
         self.draining: set[_Segment] = set()  # no user left, still reachable (``_reach``)
+        self.forwardable: dict[int, _Segment] = {}  # draining memfds only held, by inode, oldest first (FORWARDABLE)
         self.drained_at = float("-inf")
         self.ledgers_read_at = float("-inf")
         self.ledger_holds: set[tuple[int | str, int]] = set()  # _held_in_ledgers
@@ -215,8 +226,15 @@ class Broker:
             seg = self.memfds[ino] = _Segment(ino, fd, header)
             if forward:
                 self.draining.add(seg)  # nobody uses it: kept while something reaches it
+        elif seg.fd < 0:
+            seg.fd = fd  # its descriptor was let go of (FORWARDABLE): this one serves from now on
         else:
             os.close(fd)  # the one kept already serves
+        if forward:
+            # Refs of it go out from now on, perhaps before the header counts them
+            # sent: its descriptor is never let go of while it is kept.
+            seg.forwarded = True
+            self.forwardable.pop(ino, None)
         self._sends(client, seg)
         if not forward and ino not in client.segs:
             client.segs.add(ino)
@@ -261,6 +279,8 @@ class Broker:
     def _use(self, seg: _Segment) -> None:
         seg.users += 1
         self.draining.discard(seg)
+        if isinstance(seg.key, int):
+            self.forwardable.pop(seg.key, None)
 
     def _unuse(self, seg: _Segment, died: bool) -> None:
         """One user less; with none left, *seg* goes once nothing reaches it
@@ -330,7 +350,9 @@ class Broker:
 
     def _settle(self, seg: _Segment, now: float) -> None:
         """*seg*, draining (no user), closed if nothing reaches it; timed while only
-        refs of dead senders do."""
+        refs of dead senders do. One only held is looked at every HELD_LOOK_EVERY
+        (only its holders' let-go, which posts nothing, frees it): a drain costs
+        the same however much receivers keep."""
         reach = self._reach(seg)
         if reach == self._UNREACHED:
             self._close(seg)
@@ -342,6 +364,29 @@ class Broker:
                 self._close(seg)
         else:
             seg.until = 0.0
+            if reach == self._HELD:
+                seg.look = now + HELD_LOOK_EVERY
+                if isinstance(seg.key, int) and seg.fd >= 0 and not seg.forwarded and self._all_loaded(seg):
+                    self._forwardable(seg)
+
+    def _all_loaded(self, seg: _Segment) -> bool:
+        """Whether every ref sent in *seg*'s generation was loaded (its header says)."""
+        try:
+            header = self._header(seg)
+            return header is not None and header[1] <= header[2] and not _native.hdr_flags(seg.addr) & _native.UNCOUNTED
+        except OSError:
+            return False
+
+    def _forwardable(self, seg: _Segment) -> None:
+        """*seg*, a memfd only held, keeps its descriptor if it is one of the newest
+        FORWARDABLE such; the oldest one's is closed (see FORWARDABLE)."""
+        assert isinstance(seg.key, int)
+        self.forwardable.setdefault(seg.key, seg)
+        while len(self.forwardable) > FORWARDABLE:
+            oldest = self.forwardable.pop(next(iter(self.forwardable)))
+            if oldest.fd >= 0:
+                os.close(oldest.fd)
+                oldest.fd = -1
 
     def _header(self, seg: _Segment) -> tuple[int, int, int, int] | None:
         """(generation, sent, loaded, holders) of *seg*, or None if it has none."""
@@ -349,6 +394,8 @@ class Broker:
             return None
         if not seg.addr:
             fd = seg.fd
+            if fd < 0 and isinstance(seg.key, int):
+                return None  # a memfd whose descriptor was let go of keeps its header mapped
             try:
                 if fd < 0:
                     fd = self._room(lambda: os.open(os.path.join(self.dir, str(seg.key)), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC))
@@ -386,7 +433,9 @@ class Broker:
         _unmap_header(seg)
         if isinstance(seg.key, int):
             self.memfds.pop(seg.key, None)
-            os.close(seg.fd)
+            self.forwardable.pop(seg.key, None)
+            if seg.fd >= 0:
+                os.close(seg.fd)
             seg.fd = -1
         elif seg.fd >= 0:  # a file gone with a broker that died: its descriptor
             self.files.pop(seg.key, None)
@@ -478,7 +527,8 @@ class Broker:
                 self._count_out_unreached(seg)
         for seg in list(self.draining):
             if seg.header:
-                self._settle(seg, now)
+                if now >= seg.look:
+                    self._settle(seg, now)
             elif now >= seg.until:  # a storage torch shared, its depositor dead
                 self._close(seg)
 
@@ -495,6 +545,7 @@ class Broker:
             "clients_away": sum(1 for c in self.clients.values() if not c.conns),  # alive, no connection
             "connections": len(self.conns),
             "segments": len(self.memfds),
+            "memfds_let_go": sum(1 for seg in self.memfds.values() if seg.fd < 0),  # only held: FORWARDABLE
             "segment_files": len(self.files),
             "draining": len(self.draining),
             # of those, kept because a live process holds their generation (it may
@@ -872,7 +923,7 @@ class Broker:
                 if len(inos) != 1:
                     raise P.ProtocolError(f"a fetch names one memfd, not {len(inos)}")
                 seg = self.memfds.get(inos[0])  # deposits are answered: none is still queued
-                if seg is None:
+                if seg is None or seg.fd < 0:
                     P.send_record(conn.sock, P.FETCHED, P.NO_KEY, P.encode_fetched(P.STATUS_UNKNOWN, 0))
                 else:
                     P.send_record(conn.sock, P.FETCHED, P.NO_KEY, P.encode_fetched(P.STATUS_OK, 1), [seg.fd])
