@@ -7,6 +7,7 @@ the descriptor limit. Nothing here imports torch.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import resource
 import socket
@@ -69,16 +70,22 @@ def make_undumpable() -> bool:
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def _libc_mm() -> tuple[object, object]:
+def _libc_mm() -> tuple[object, object, object]:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     libc.munmap.restype = ctypes.c_int
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return libc.mmap, libc.munmap
+    libc.madvise.restype = ctypes.c_int
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.mmap, libc.munmap, libc.madvise
 
 
-_mmap, _munmap = _libc_mm() if IS_LINUX else (None, None)
+_mmap, _munmap, _madvise = _libc_mm() if IS_LINUX else (None, None, None)
+MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14
+# Whether populate() may use MADV_POPULATE_WRITE: cleared once the kernel refuses it
+# (EINVAL: older than 5.14), and by tests of the other path.
+populating = IS_LINUX
 
 
 def map_shared(fd: int, size: int) -> int:
@@ -96,6 +103,37 @@ def map_shared(fd: int, size: int) -> int:
 
 def unmap(addr: int, size: int) -> None:
     _munmap(addr, size)  # type: ignore[operator]
+
+
+def populate(addr: int, size: int) -> bool:
+    """Allocate the pages of a shared mapping's *size* bytes at *addr* (page-aligned)
+    and map them writable here, in one call (``MADV_POPULATE_WRITE``): what a
+    ``posix_fallocate`` then one write fault per page would do. A full mount or memory
+    limit is an ``OSError`` (ENOSPC, ENOMEM), never a SIGBUS. False if the kernel
+    cannot (older than 5.14): the caller allocates another way."""
+    global populating
+    if not populating:
+        return False
+    if _madvise(addr, size, MADV_POPULATE_WRITE) == 0:  # type: ignore[operator]
+        return True
+    err = ctypes.get_errno()
+    if err == errno.EINVAL:
+        populating = False
+        return False
+    if err == errno.EFAULT:  # the page could not be allocated: a SIGBUS on a write
+        err = errno.ENOSPC
+    raise OSError(err, os.strerror(err))
+
+
+MADV_REMOVE = 9  # <linux/mman.h>
+
+
+def release(addr: int, size: int) -> None:
+    """Give back to the mount (or the memory limit) the pages of a shared mapping's
+    *size* bytes at *addr*, page-aligned, as a hole: what ``populate`` allocated of a
+    range before it failed (``posix_fallocate`` leaves nothing behind when it fails)."""
+    if size > 0:
+        _madvise(addr, size, MADV_REMOVE)  # type: ignore[operator]
 
 
 def open_fd_count() -> int:
