@@ -70,7 +70,7 @@ HELD_LOOK_EVERY = 1.0  # seconds between two looks at a draining segment kept on
 # record and header stay, and its memory while its holders map it; a fetch of it is
 # answered unknown (a forwarder shares the storage anew, in its own pool). So the
 # broker holds a bounded number of descriptors however much receivers keep (SPEC 12).
-FORWARDABLE = 8
+FORWARDABLE = 4
 
 log = logging.getLogger("shmreduce.broker")
 
