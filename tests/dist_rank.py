@@ -9,8 +9,8 @@ rank, as torchrun starts them: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the
   and after, runs a 2-worker DataLoader over its DistributedSampler shard (the batches summed,
   all_reduced), rank 1 a spawn child that writes into the shared tensor; rank 0 writes the
   bytes of ``shmreduce.dumps(dataset)`` to $DIST_PAYLOAD and waits for $DIST_GO (the test loads
-  them in a rank of another job meanwhile); then rank 0 (the source) SIGKILLs itself and rank 3
-  exits, and ranks 1 and 2 check their tensors once both are gone. Rank 2 never calls
+  them in a rank of another job meanwhile); then rank 3 exits and rank 0 (the source) SIGKILLs
+  itself, and ranks 1 and 2 check their tensors once both are gone. Rank 2 never calls
   ``register()``: ``broadcast_local`` does.
 * ``hosts``: ranks 0-1 and 2-3 see different shm bases (two hosts, as shmreduce tells them
   apart): a call with ranks disagreeing on src, a call too large for host B's base
@@ -157,12 +157,18 @@ def share(rank: int, world: int, strategy: str) -> None:
             time.sleep(0.05)
     pids: list[int] = [0] * world
     dist.all_gather_object(pids, os.getpid())
-    # the source is killed, rank 3 exits (its interpreter's own exit, tensors still held);
-    # the others keep their tensors
-    if rank == 0:
-        os.kill(os.getpid(), signal.SIGKILL)
+    # rank 3 exits (its interpreter's own exit, tensors still held), then the source is
+    # killed; the others keep their tensors. Rank 3 lets go of its gloo group first, and
+    # the source waits for it: gloo's teardown with a peer SIGKILLed under it can abort
+    # ("terminate called without an active exception", exit -6), whatever shmreduce does.
     if rank == 3:
+        dist.destroy_process_group()
         raise SystemExit(0)
+    if rank == 0:
+        deadline = time.monotonic() + 30
+        while not gone(pids[3]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
     deadline = time.monotonic() + 30
     while not all(gone(pids[r]) for r in (0, 3)) and time.monotonic() < deadline:
         time.sleep(0.05)
