@@ -640,11 +640,7 @@ def keeper_producer(impl: str, q: Any, count: int, ctl: Any) -> None:
         q.put(encode(impl, keeper_message(seq), seq))
     if ctl.poll(JOIN_TIMEOUT + count * 0.05):  # the consumer keeps everything now
         ctl.recv()
-        report = process_report()
-        if shmreduce.is_registered():
-            stats = shmreduce.stats()
-            report["pinned_bytes"] = stats["fd_pinned_bytes"] + stats["fs_pinned_bytes"]
-        ctl.send(report)
+        ctl.send(process_report())
         ctl.poll(JOIN_TIMEOUT)
     q.close()
     q.join_thread()
@@ -661,6 +657,10 @@ def keeper_consumer(q: Any, count: int, marks: list[int], producer: int, ctl: An
     assert float(kept[-1]["obs"][0]) == count - 1 and float(kept[0]["meta"][-1]) == 0
     report = process_report()
     report["cpu"] = cpu
+    if shmreduce.is_registered():
+        # what the kept set pins: every segment a kept storage lies in is mapped here (the
+        # producer's pool lets go of those past its cap: its stats() no longer count them)
+        report["mapped_bytes"] = shmreduce.stats()["bytes_mapped"]
     report["broker_fds"] = max([fd_count(b) for b in broker_pids(root=os.getppid())] or [0])
     ctl.send(report)
     ctl.poll(JOIN_TIMEOUT)
@@ -693,8 +693,8 @@ def keeper_trial(impl: str, count: int) -> dict:
             "consumer_fds": cons["fds"],
             "broker_fds": cons["broker_fds"],
         }
-        if "pinned_bytes" in prod:
-            result["mapped_per_kept"] = prod["pinned_bytes"] / kept_bytes
+        if "mapped_bytes" in cons:
+            result["mapped_per_kept"] = cons["mapped_bytes"] / kept_bytes
         prod_ctl.send("exit")
         cons_ctl.send("exit")
         return result

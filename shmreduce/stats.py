@@ -31,11 +31,13 @@ def stats() -> dict[str, Any]:
     {fd,fs}_segments_made / _reused / _free / _waiting, {fd,fs}_free_bytes: this
     process's pools (see ``shmreduce.pool``): segments made, reused, free for reuse,
     waiting until their generation is free, and the bytes of the free ones;
-    {fd,fs}_pinned_bytes: the bytes of this process's segments that are not free: in
-    use here, kept by receivers, or waiting for refs in flight. A storage kept
-    anywhere keeps its whole segment: its slab (1 MiB) or arena (16 MiB) if it was
-    placed in one (``shmreduce.pool``), so this over the bytes you keep is the
-    memory a partly kept slab or arena costs.
+    {fd,fs}_pinned_bytes: the bytes of this process's pool's segments that are not
+    free: in use here, kept by receivers, or waiting for refs in flight (past
+    ``pool.IDLE_SEGMENTS`` waiting, the longest waiting leave the pool, and this no
+    longer counts them). A storage kept anywhere keeps its whole segment: its slab
+    (1 MiB) or arena (16 MiB) if it was placed in one (``shmreduce.pool``);
+    a receiver's ``bytes_mapped`` over the bytes it keeps is the memory a partly
+    kept slab or arena costs.
     """
     result: dict[str, Any] = transfer.counters()
     result.update(transfer.stats())
