@@ -112,8 +112,8 @@ REAP_PER_TAKE = 8  # waiting segments a take() looks at (Pool.reap): its cost, h
 # A pool keeps at most IDLE_SEGMENTS segments free and as many waiting (their
 # generation over here, held elsewhere or with refs in flight): each keeps a
 # descriptor here and, under file_descriptor, one at the broker. Past that, the
-# longest waiting is retired (never reused: its memory goes back once its holders let
-# go of it) and the oldest free one closed, so this process and its broker hold a
+# longest waiting leaves the pool (never reused: its memory goes back once its holders
+# let go of it) and the oldest free one is closed, so this process and its broker hold a
 # bounded number of descriptors however much receivers keep (SPEC 12).
 IDLE_SEGMENTS = 16
 _PAGE = mmap.PAGESIZE

@@ -853,7 +853,11 @@ def test_a_kept_storage_the_broker_let_go_of_is_forwarded_as_a_copy(registered_f
         prog = program.current()
         client = broker_client.client_for(prog.directory, prog.root_pid)
         let_go = FORWARD_KEPT - 16 - FORWARDABLE - 2
-        assert wait_for(lambda: client.ping()["memfds_let_go"] >= let_go, TIMEOUT), json.dumps([client.ping(), shmreduce.stats()])
+
+        def descriptors_let_go() -> bool:
+            return bool(client.ping(full=True)["memfds_let_go"] >= let_go)
+
+        assert wait_for(descriptors_let_go, TIMEOUT), json.dumps([client.ping(full=True), shmreduce.stats()])
         forward.set()
         assert c.get("R") == (0, True, FORWARD_KEPT - 1, True)
         assert c.get("C") == 0, "a kept tensor lost its bytes"

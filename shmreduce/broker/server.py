@@ -332,7 +332,7 @@ class Broker:
             if header[3] > 0:
                 if not _native.hdr_flags(seg.addr) & _native.RETIRED or (seg.key, header[0]) in self._held_in_ledgers():
                     return self._HELD
-            if header[1] <= header[2] and not _native.hdr_flags(seg.addr) & _native.UNCOUNTED:
+            if self._loaded(seg, header):
                 return self._UNREACHED
         except OSError:
             self._truncated(seg)
@@ -369,11 +369,17 @@ class Broker:
                 if isinstance(seg.key, int) and seg.fd >= 0 and not seg.forwarded and self._all_loaded(seg):
                     self._forwardable(seg)
 
+    @staticmethod
+    def _loaded(seg: _Segment, header: tuple[int, int, int, int]) -> bool:
+        """Whether every ref sent in the generation of *seg*'s *header* was loaded: as
+        many loaded as sent, each counted (not UNCOUNTED). OSError: truncated under it."""
+        return header[1] <= header[2] and not _native.hdr_flags(seg.addr) & _native.UNCOUNTED
+
     def _all_loaded(self, seg: _Segment) -> bool:
         """Whether every ref sent in *seg*'s generation was loaded (its header says)."""
         try:
             header = self._header(seg)
-            return header is not None and header[1] <= header[2] and not _native.hdr_flags(seg.addr) & _native.UNCOUNTED
+            return header is not None and self._loaded(seg, header)
         except OSError:
             return False
 
@@ -536,16 +542,16 @@ class Broker:
         """What a ping answers: counts the broker keeps as it goes, whatever the size of
         what it holds (issue 29, item 6: a ping that parsed every ledger took 668 ms
         with one 64 MiB ledger). *full* (a diagnostic, ``ping(full=True)``) adds what
-        costs a read of every ledger or of ``/proc/self``: the generations held, the
-        broker's descriptors (others of the user cannot list them: it is not dumpable)
-        and whether libtorch is mapped in it."""
+        costs a read of every ledger, of ``/proc/self`` or a look at every memfd: the
+        generations held, the broker's descriptors (others of the user cannot list them:
+        it is not dumpable), the memfds whose descriptors it let go of (FORWARDABLE) and
+        whether libtorch is mapped in it."""
         counters = {
             "pid": os.getpid(),
             "clients": sum(1 for c in self.clients.values() if c.conns),
             "clients_away": sum(1 for c in self.clients.values() if not c.conns),  # alive, no connection
             "connections": len(self.conns),
             "segments": len(self.memfds),
-            "memfds_let_go": sum(1 for seg in self.memfds.values() if seg.fd < 0),  # only held: FORWARDABLE
             "segment_files": len(self.files),
             "draining": len(self.draining),
             # of those, kept because a live process holds their generation (it may
@@ -557,6 +563,7 @@ class Broker:
         }
         if full:
             counters["generations_held"] = sum(len(self._ledger_holds(c.ledger)) for c in self.clients.values())
+            counters["memfds_let_go"] = sum(1 for seg in self.memfds.values() if seg.fd < 0)  # only held: FORWARDABLE
             counters.update(_own_descriptors())
             counters["libtorch_mapped"] = _maps_libtorch()
         counters["ledger_bytes_read"] = self.ledger_bytes_read
