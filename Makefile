@@ -1,6 +1,6 @@
 # Two entry points do all the set-up on a fresh machine: `make test` and `make bench`.
-# The venv's Python: requires-python admits 3.10 to 3.13, but the one CPU torch wheel
-# on the dev and CI machines (constraints-dev.txt) is for 3.11. The others: `make pythons`.
+# The venv's Python: requires-python admits 3.10 and newer (3.10 to 3.13 are built and
+# tested), but the one CPU torch wheel on the dev and CI machines (constraints-dev.txt) is for 3.11. The others: `make pythons`.
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python

@@ -1135,30 +1135,18 @@ def draw_chart(summary: dict, path: Path, meta: dict | None = None, date: str = 
     plt.close(fig)
 
 
-def summary_table(summary: dict) -> str:
-    """README's table: one row per scenario, shmreduce against torch and pickling by value."""
-    lines = [
-        "| scenario | shmreduce fd | torch fd | shmreduce fs | torch fs | by value | unit |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
-    ]
+def summary_line(summary: dict) -> str:
+    """README's one line: shmreduce against torch with the same strategy, per scenario
+    (``file_descriptor``, then ``file_system`` where it has a row)."""
+    parts = []
     for scenario in SCENARIOS:
-        rows = summary.get(scenario.key)
-        if not rows:
-            continue
-
-        def cell(impl: str, rows: dict = rows) -> str:
-            row = rows.get(impl)
-            if row is None:
-                return ""
-            shared = impl.startswith("shmreduce") and row["ratio"] == row["ratio"]
-            return f"{fmt(row['median'])}" + (f" (**{fmt(row['ratio'])}x**)" if shared else "")
-
-        better = "" if scenario.higher_is_better else ", lower is better"
-        lines.append(
-            f"| {scenario.key} {scenario.title} | {cell('shmreduce-fd')} | {cell('torch-fd')} | "
-            f"{cell('shmreduce-fs')} | {cell('torch-fs')} | {cell('by-value')} | {scenario.unit}{better} |"
-        )
-    return "\n".join(lines)
+        rows = summary.get(scenario.key) or {}
+        ratios = [rows[impl]["ratio"] for impl in ("shmreduce-fd", "shmreduce-fs") if impl in rows]
+        ratios = [r for r in ratios if r == r]
+        if ratios:
+            peer = "" if any(impl.startswith("torch") for impl in rows) else " (against by value)"
+            parts.append(f"{scenario.title} **{' / '.join(fmt(r) + 'x' for r in ratios)}**{peer}")
+    return "How many times better than torch with the same strategy (fd / fs): " + "; ".join(parts) + "."
 
 
 def machine() -> dict:
@@ -1183,13 +1171,13 @@ def replace_marked(path: Path, body: str) -> None:
 
 
 def update_readme(summary: str, table: str, holding: str, command: str, meta: dict, date: str, mechanism: str = "") -> None:
-    """README.md gets the summary table and the chart; docs/benchmarks.md the full tables."""
+    """README.md gets one line and the chart; docs/benchmarks.md the full tables."""
     where = (
         f"`{command}` on {date}; {meta['nproc']} cores, Python {meta['python']}, torch {meta['torch']}, "
         f"start method {meta['start_method']}.\n"
     )
     cost = f"\nThe mechanism's own cost, CPU per message (`benchmarks/mechanism.py`):\n\n{mechanism}\n" if mechanism else ""
-    replace_marked(README, f"\n{summary}\n{cost}\n![benchmark chart](benchmarks/results/chart.png)\n\n{where}")
+    replace_marked(README, f"\n{summary}\n\n![benchmark chart](benchmarks/results/chart.png)\n\n{where}")
     replace_marked(BENCH_DOC, f"\n{table}\n\n{holding}\n{cost}\n![benchmark chart](../benchmarks/results/chart.png)\n\n{where}")
 
 
@@ -1202,7 +1190,7 @@ def render(stored: dict, out: Path, update: bool) -> None:
         import mechanism  # the mechanism's rows; it imports this module
 
         cost = "\n".join(mechanism.table(stored["mechanism"])) if stored.get("mechanism") else ""
-        update_readme(summary_table(summary), markdown_table(summary, goals), holding_table(summary), stored["command"], meta, date, cost)
+        update_readme(summary_line(summary), markdown_table(summary, goals), holding_table(summary), stored["command"], meta, date, cost)
 
 
 # -- main ----------------------------------------------------------------------------------
