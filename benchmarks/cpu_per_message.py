@@ -22,16 +22,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402
+import harness
 
-MAKERS = {"1": bench.one_small, "2": bench.dict_small, "3": bench.one_large}
+MAKERS = {"1": harness.one_small, "2": harness.dict_small, "3": harness.one_large}
 
 
 def producer(impl: str, make: Any, q: Any, stop: Any) -> None:
     seq = 0
     while not stop.is_set():
-        msg = bench.encode(impl, make(seq), seq)
+        msg = harness.encode(impl, make(seq), seq)
         while not stop.is_set():
             try:
                 q.put(msg, timeout=0.05)
@@ -46,43 +45,43 @@ def producer(impl: str, make: Any, q: Any, stop: Any) -> None:
 
 
 def consumer(q: Any, report: Any, seconds: float) -> None:
-    bench.decode(q.get(timeout=bench.GET_TIMEOUT))  # warm-up: first share, broker start
+    harness.decode(q.get(timeout=harness.GET_TIMEOUT))  # warm-up: first share, broker start
     report.put("start")
     count, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        bench.decode(q.get(timeout=bench.GET_TIMEOUT))
+        harness.decode(q.get(timeout=harness.GET_TIMEOUT))
         count += 1
     report.put((count, time.perf_counter() - t0))
-    while bench.decode(q.get(timeout=bench.GET_TIMEOUT)) is not None:
+    while harness.decode(q.get(timeout=harness.GET_TIMEOUT)) is not None:
         pass
 
 
 def trial(impl: str, make: Any, seconds: float) -> dict[str, float]:
-    bench.configure(impl)
+    harness.configure(impl)
     try:
-        q, stop, report = bench.CTX.Queue(64), bench.CTX.Event(), bench.CTX.Queue()
+        q, stop, report = harness.CTX.Queue(64), harness.CTX.Event(), harness.CTX.Queue()
         procs = [
-            bench.CTX.Process(target=producer, args=(impl, make, q, stop), daemon=True),
-            bench.CTX.Process(target=consumer, args=(q, report, seconds), daemon=True),
+            harness.CTX.Process(target=producer, args=(impl, make, q, stop), daemon=True),
+            harness.CTX.Process(target=consumer, args=(q, report, seconds), daemon=True),
         ]
-        bench.run_children(*procs)
+        harness.run_children(*procs)
         try:
             report.get(timeout=60)
             # This program's brokers: their command line names our pid as the root.
             mine = str(os.getpid()).encode()
-            brokers = [b for b in bench.broker_pids() if Path(f"/proc/{b}/cmdline").read_bytes().split(b"\0")[-2:-1] == [mine]]
+            brokers = [b for b in harness.broker_pids() if Path(f"/proc/{b}/cmdline").read_bytes().split(b"\0")[-2:-1] == [mine]]
             pids = {"producer": procs[0].pid, "consumer": procs[1].pid} | {f"broker {b}": b for b in brokers}
-            before = {name: bench.cpu_seconds(pid) for name, pid in pids.items() if pid is not None}
+            before = {name: harness.cpu_seconds(pid) for name, pid in pids.items() if pid is not None}
             # The producer's main thread makes and puts; its queue's feeder thread pickles.
             ppid = procs[0].pid
             assert ppid is not None
-            main_before = bench.cpu_seconds(ppid, ppid)
+            main_before = harness.cpu_seconds(ppid, ppid)
             count, elapsed = report.get(timeout=seconds + 60)
-            after = {name: bench.cpu_seconds(pid) for name, pid in pids.items() if pid is not None}
-            main_after = bench.cpu_seconds(ppid, ppid)
+            after = {name: harness.cpu_seconds(pid) for name, pid in pids.items() if pid is not None}
+            main_after = harness.cpu_seconds(ppid, ppid)
         finally:
             stop.set()
-            bench.join_all(procs)
+            harness.join_all(procs)
         row = {"msg_per_s": count / elapsed}
         for name, start in before.items():
             end = after.get(name)
@@ -92,7 +91,7 @@ def trial(impl: str, make: Any, seconds: float) -> dict[str, float]:
             row["producer main"] = (main_after - main_before) / count * 1e6
         return row
     finally:
-        bench.deconfigure()
+        harness.deconfigure()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,14 +32,12 @@ import statistics
 import sys
 import time
 from multiprocessing.reduction import ForkingPickler
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402
+import harness
 
 ROWS = ["by-value", "shmreduce-fd", "shmreduce-fs"]
-SCENARIOS = {"1": (bench.one_small, 3000, 1), "2": (bench.dict_small, 300, 64)}  # maker, messages a round, tensors a message
+SCENARIOS = {"1": (harness.one_small, 3000, 1), "2": (harness.dict_small, 300, 64)}  # maker, messages a round, tensors a message
 GOALS = {"1": 0.8, "2": 0.9}  # the most CPU a row may spend, as a multiple of by value's
 WARM = 400  # messages before the timed ones
 
@@ -60,7 +58,7 @@ def _producer(impl: str, make: Any, msgs: int, link: Any, report: Any) -> None:
         m0 = time.thread_time_ns()
         msg = make(seq)
         making += time.thread_time_ns() - m0
-        link.send_bytes(ForkingPickler.dumps(bench.encode(impl, msg, seq)))
+        link.send_bytes(ForkingPickler.dumps(harness.encode(impl, msg, seq)))
         del msg
         _wait(link)
         link.recv_bytes()
@@ -74,7 +72,7 @@ def _consumer(msgs: int, link: Any, report: Any) -> None:
             link.send_bytes(b"w")
             start = time.process_time_ns()
         _wait(link)
-        obj = bench.decode(ForkingPickler.loads(link.recv_bytes()))
+        obj = harness.decode(ForkingPickler.loads(link.recv_bytes()))
         del obj  # its drop counts: deleters, let-go
         link.send_bytes(b"k")
     report.send((time.process_time_ns() - start) / msgs / 1e3)
@@ -83,23 +81,23 @@ def _consumer(msgs: int, link: Any, report: Any) -> None:
 def trial(impl: str, scenario: str) -> tuple[float, float]:
     """(producer, consumer): CPU microseconds per message, lock step."""
     make, msgs, _ = SCENARIOS[scenario]
-    bench.configure(impl)
+    harness.configure(impl)
     try:
-        link = bench.CTX.Pipe()  # the messages
-        sender, receiver = bench.CTX.Pipe(), bench.CTX.Pipe()  # each side's result
+        link = harness.CTX.Pipe()  # the messages
+        sender, receiver = harness.CTX.Pipe(), harness.CTX.Pipe()  # each side's result
         procs = [
-            bench.CTX.Process(target=_producer, args=(impl, make, msgs, link[0], sender[1]), daemon=True),
-            bench.CTX.Process(target=_consumer, args=(msgs, link[1], receiver[1]), daemon=True),
+            harness.CTX.Process(target=_producer, args=(impl, make, msgs, link[0], sender[1]), daemon=True),
+            harness.CTX.Process(target=_consumer, args=(msgs, link[1], receiver[1]), daemon=True),
         ]
-        bench.run_children(*procs)
+        harness.run_children(*procs)
         try:
             if not (sender[0].poll(120) and receiver[0].poll(120)):
                 raise TimeoutError(f"{impl}, scenario {scenario}: no result in 120 s")
             return sender[0].recv(), receiver[0].recv()
         finally:
-            bench.join_all(procs)
+            harness.join_all(procs)
     finally:
-        bench.deconfigure()
+        harness.deconfigure()
 
 
 SPREAD: dict[str, dict[str, tuple[float, float]]] = {}  # scenario -> row -> (min, max) of its rounds' totals

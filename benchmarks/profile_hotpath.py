@@ -25,11 +25,9 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing  # noqa: F401
+from harness import RESULTS, dict_small, join_all, one_small
 
 import shmreduce
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import RESULTS, dict_small, join_all, one_small  # noqa: E402
 
 CTX = mp.get_context("fork")
 MAKERS = {"1": one_small, "2": dict_small}
