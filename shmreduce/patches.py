@@ -7,6 +7,9 @@ Owns, while installed (between ``register()`` and ``unregister()``):
 * ``torch.UntypedStorage.share_memory_``, ``_new_shared`` and ``is_shared``;
 * the marker in multiprocessing's process config that registers spawn/forkserver
   children (``registry._Inherit``);
+* ``torch.set_num_threads``: torch's, then the setting told to the native core, whose
+  large copies obey it from any thread (torch's own is per thread: a DataLoader
+  worker's queue feeder would see every core where its main thread set one);
 * ``torch.multiprocessing.set_sharing_strategy``: torch's, after shmreduce's check of
   the name, so that the one toggle has one error (a ``ValueError`` naming the valid
   strategies; torch's own raises ``AssertionError``). A reference to torch's function
@@ -35,7 +38,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as _tmp
 
-from shmreduce import strategy, transfer
+from shmreduce import _native, strategy, transfer
 from shmreduce.cache import cache
 
 # ForkingPickler.register's table (exact classes), and the process config that
@@ -49,6 +52,7 @@ _saved_reducers: dict[type, Any] = {}  # class -> the _extra_reducers entry befo
 _torch_is_shared: list[Callable[[torch.UntypedStorage], bool]] = []
 _torch_share_memory: list[Callable[..., torch.UntypedStorage]] = []
 _torch_set_strategy: list[Callable[[str], None]] = []
+_torch_set_num_threads: list[Callable[[int], None]] = []
 
 
 def process_config() -> dict[str, Any]:
@@ -69,6 +73,9 @@ def install(dumps: Callable[..., Any], loads: Callable[..., Any], reducers: dict
     _set(torch.UntypedStorage, "_new_shared", classmethod(_new_shared))
     _torch_set_strategy.append(_tmp.set_sharing_strategy)
     _set(_tmp, "set_sharing_strategy", _set_sharing_strategy)
+    _torch_set_num_threads.append(torch.set_num_threads)
+    _set(torch, "set_num_threads", _set_num_threads)
+    _native.set_intra_op_threads(torch.get_num_threads())
     process_config()[CONFIG_KEY] = marker
 
 
@@ -86,6 +93,8 @@ def remove() -> None:
     _torch_is_shared.clear()
     _torch_share_memory.clear()
     _torch_set_strategy.clear()
+    _torch_set_num_threads.clear()
+    _native.set_intra_op_threads(0)
 
 
 def set_reducer(cls: type, reduce: Any) -> None:
@@ -147,3 +156,13 @@ def _set_sharing_strategy(new_strategy: str) -> None:
     as ``shmreduce.set_sharing_strategy`` checks it, then set by torch's own."""
     strategy.check(new_strategy)
     _torch_set_strategy[0](new_strategy)
+
+
+# -- the intra-op setting ------------------------------------------------------------
+
+
+def _set_num_threads(n: int) -> None:
+    """``torch.set_num_threads`` while installed: torch's, then the process's setting
+    for the native core's copies (which run on any thread)."""
+    _torch_set_num_threads[0](n)
+    _native.set_intra_op_threads(torch.get_num_threads())

@@ -10,7 +10,6 @@ fresh mapping: every page is allocated by that write, so a full mount is a
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import itertools
 import os
@@ -59,26 +58,19 @@ def os_error(exc: OSError, what: str) -> SharingError:
     return SharingError(f"{what} failed: {exc}")
 
 
-_CHAR = ctypes.c_char
-
-
 def fill(fd: int, nbytes: int, source: torch.UntypedStorage | None, offset: int = 0) -> None:
     """Write *source*'s bytes into a new segment at *offset*, or reserve *nbytes* of
     zeros there if None.
 
     Through the descriptor, not through a fresh mapping: the kernel copies into the
     new pages directly, sparing one page fault per page (half the cost of a small
-    storage here), and a full memory limit is an error now rather than a SIGBUS.
+    storage here), and a full memory limit is an error now rather than a SIGBUS. A
+    large write runs in parts on the threads this process may use (``_native.write``).
     """
     if source is None:
         os.posix_fallocate(fd, offset, nbytes)
         return
-    data = (_CHAR * nbytes).from_address(source.data_ptr())
-    done = os.pwrite(fd, data, offset)
-    if done < nbytes:  # a single write stops at 2 GiB
-        view = memoryview(data).cast("B")
-        while done < nbytes:
-            done += os.pwrite(fd, view[done:], offset + done)
+    _native.write(fd, source.data_ptr(), nbytes, offset)
 
 
 def create_file(directory: str, name: str, size: int) -> int:

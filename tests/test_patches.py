@@ -32,6 +32,7 @@ def snapshot():
         ForkingPickler.__dict__["loads"],
         dict(ForkingPickler._extra_reducers),
         dict(__import__("multiprocessing").current_process()._config),
+        torch.set_num_threads,
     )
 
 

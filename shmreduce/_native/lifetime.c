@@ -27,60 +27,9 @@
 #include <stddef.h>
 #include <string.h>
 #include <structmember.h>
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define HAVE_STREAMING 1
-#endif
-
 #define QUEUED         (1ULL << 63) /* Gen.state: on the dead stack */
 #define COUNT          (QUEUED - 1)
 #define COPY_NOGIL     (SLAB_ITEM_MAX + 1) /* put_storage's copies from here up release the GIL */
-#define COPY_STREAMING (1 << 20) /* ... and from here up bypass the cache, where the CPU can */
-
-/* Non-temporal stores for large copies into a segment: the destination is written
- * once and read next by another process, so filling the cache with it (and reading
- * each line in first, as ordinary stores do) is wasted: 13.0-13.4 GB/s against
- * memcpy's 8.7-9.5 here for 64 MiB. Decided once per process (a runtime check of the
- * CPU, off by set_streaming(False)); a plain memmove where there is none. */
-
-#ifdef HAVE_STREAMING
-__attribute__((target("avx2"))) static void
-copy_streaming(char *dest, const char *src, size_t n)
-{
-    size_t head = (32 - ((uintptr_t)dest & 31)) & 31;
-    if (head > n) {
-        head = n;
-    }
-    memcpy(dest, src, head);
-    dest += head, src += head, n -= head;
-    for (; n >= 128; dest += 128, src += 128, n -= 128) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)src),
-                b = _mm256_loadu_si256((const __m256i *)(src + 32));
-        __m256i c = _mm256_loadu_si256((const __m256i *)(src + 64)),
-                d = _mm256_loadu_si256((const __m256i *)(src + 96));
-        _mm256_stream_si256((__m256i *)dest, a);
-        _mm256_stream_si256((__m256i *)(dest + 32), b);
-        _mm256_stream_si256((__m256i *)(dest + 64), c);
-        _mm256_stream_si256((__m256i *)(dest + 96), d);
-    }
-    /* ordered before anything this thread stores next (the storage's header counts) */
-    _mm_sfence();
-    memcpy(dest, src, n);
-}
-#endif
-
-/* src's n bytes to dest (a segment's; never overlapping a private source). */
-static void
-copy_into(char *dest, const char *src, size_t n)
-{
-#ifdef HAVE_STREAMING
-    if (shm_process.streaming > 0 && n >= COPY_STREAMING && (src + n <= dest || dest + n <= src)) {
-        copy_streaming(dest, src, n);
-        return;
-    }
-#endif
-    memmove(dest, src, n);
-}
 
 /* ---- the lock-free parts: no Python API until marked ---- */
 
@@ -268,20 +217,9 @@ shm_put_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes, PyObject *
     }
     char *dest = gen->addr + offset;
     if (nbytes >= COPY_NOGIL) {
-        if (shm_process.streaming < 0) {
-#ifdef HAVE_STREAMING
-            shm_process.streaming = __builtin_cpu_supports("avx2") != 0;
-#else
-            shm_process.streaming = 0;
-#endif
-        }
+        int threads = shm_copy_threads(nbytes);
         Py_BEGIN_ALLOW_THREADS
-        if (from == NULL) {
-            memset(dest, 0, (size_t)nbytes);
-        }
-        else {
-            copy_into(dest, from, (size_t)nbytes);
-        }
+        shm_copy(dest, from, (size_t)nbytes, -1, 0, threads);
         Py_END_ALLOW_THREADS
         if (shm_check_range(gen, offset, nbytes) <
             0) { /* ended while the copy ran without the GIL */
@@ -955,31 +893,7 @@ native_count_sent(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(set_streaming_doc,
-             "set_streaming($module, on, /)\n--\n\n-> bool\n\nWhether copies of 1 MiB and up into "
-             "a segment use non-temporal stores (where the CPU has them: AVX2); returns whether "
-             "they did. For tests and measurements.");
-
-static PyObject *
-native_set_streaming(PyObject *Py_UNUSED(module), PyObject *on)
-{
-    int want = PyObject_IsTrue(on);
-    if (want < 0) {
-        return NULL;
-    }
-#ifdef HAVE_STREAMING
-    int was =
-        shm_process.streaming < 0 ? __builtin_cpu_supports("avx2") != 0 : shm_process.streaming;
-    shm_process.streaming = want && __builtin_cpu_supports("avx2");
-#else
-    int was = 0;
-    shm_process.streaming = 0;
-#endif
-    return PyBool_FromLong(was);
-}
-
 PyMethodDef shm_lifetime_methods[] = {
-    {"set_streaming", native_set_streaming, METH_O, set_streaming_doc},
     {"count_sent", (PyCFunction)(void (*)(void))native_count_sent, METH_FASTCALL, count_sent_doc},
     {"dead", native_dead, METH_NOARGS, dead_doc},
     {"pending", native_pending, METH_NOARGS, pending_doc},

@@ -120,7 +120,7 @@ native_exec(PyObject *module)
         return -1;
     }
     PyMethodDef *tables[] = {shm_lifetime_methods, shm_dlpack_methods, shm_segments_methods,
-                             shm_header_methods, shm_pickler_methods};
+                             shm_header_methods, shm_pickler_methods, shm_copy_methods};
     for (size_t i = 0; i < Py_ARRAY_LENGTH(tables); i++) {
         if (PyModule_AddFunctions(module, tables[i]) < 0) {
             return -1;

@@ -8,6 +8,7 @@
  *   segments.c  the table of mapped segments, by address, and the Gen each sends from
  *   header.c    a pooled segment's shared header: its atomics, and the broker's guard
  *   pickler.c   the pickling fast path: reduce() and rebuild(), and slab placement
+ *   copy.c      copies of many bytes into a segment, on the threads the process may use
  *
  * Mechanism only: which storage goes where, what is an error, when the broker is
  * asked, is decided in Python (pool.py, transfer.py, reductions.py), which calls in.
@@ -24,6 +25,7 @@
 #include <Python.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 /* ---- DLPack 1.x, from the public spec: a versioned managed tensor is what this
  * extension hands torch; the legacy, unversioned one is only read ("dltensor"
@@ -228,7 +230,8 @@ typedef struct {
     _Atomic(Ctx *) free_ctx;         /* pushed by deleters */
     Ctx *spare_ctx;                  /* taken by the GIL holder */
     _Atomic(GenObject *) dead_stack; /* pushed by deleters and release() */
-    int streaming;                   /* non-temporal copies: -1 until decided (lifetime.c) */
+    int streaming;                   /* non-temporal copies: -1 until decided (copy.c) */
+    int intra_op;                    /* torch's intra-op setting, as registered (copy.c); 0: unknown */
     Range *ranges;                   /* the mapped segments, by address (segments.c) */
     Py_ssize_t n_ranges, cap_ranges;
 } shm_process_state;
@@ -310,6 +313,11 @@ extern PyMethodDef shm_header_methods[];
 
 /* pickler.c */
 extern PyMethodDef shm_pickler_methods[];
+
+/* copy.c */
+int shm_copy_threads(Py_ssize_t nbytes);
+int shm_copy(char *dest, const char *src, size_t n, int fd, off_t offset, int threads);
+extern PyMethodDef shm_copy_methods[];
 
 /* A weak reference's referent (a new reference), or NULL (no error set) if it died. */
 static inline PyObject *
