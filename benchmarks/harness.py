@@ -41,7 +41,7 @@ STRATEGY = {
 }
 REGISTERED = {"shmreduce-fd", "shmreduce-fs", "tensordict-shmreduce"}  # rows with shmreduce.register()
 BASELINE = {"shmreduce-fd": "torch-fd", "shmreduce-fs": "torch-fs", "torch-fs": "torch-fs"}  # others: torch-fd
-BASELINE_OF = {"7": "by-value"}  # scenarios whose ratio column is against another row than torch
+BASELINE_OF = {"7": "by-value", "8a": "by-value", "8b": "by-value"}  # scenarios whose ratio column is against another row than torch
 TENSORDICT_ROWS = {"tensordict-torch", "tensordict-shmreduce"}
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+import cpu_per_message
 import numpy as np
 import torch
 import torch.multiprocessing  # noqa: F401  (installs torch's reducers into ForkingPickler)
@@ -475,6 +476,24 @@ SCENARIOS = [
         ("shmreduce-fd", "shmreduce-fs", "by-value"),
         lambda impl, b: keeper_trial(impl, b.keep),
     ),
+    Scenario(
+        "8a",
+        "streaming one 1 KiB tensor: program CPU/msg",
+        "cpu_us_per_msg",
+        "us/msg",
+        False,
+        ("shmreduce-fd", "shmreduce-fs", "by-value"),
+        lambda impl, b: cpu_per_message.streaming_trial(impl, one_small, b.seconds * 2),
+    ),
+    Scenario(
+        "8b",
+        "streaming dict of 64 x 1 KiB: program CPU/msg",
+        "cpu_us_per_msg",
+        "us/msg",
+        False,
+        ("shmreduce-fd", "shmreduce-fs", "by-value"),
+        lambda impl, b: cpu_per_message.streaming_trial(impl, dict_small, b.seconds * 2),
+    ),
 ]
 
 
@@ -526,6 +545,11 @@ GOALS = [  # scenarios 1 and 2 against by value: issue 30's restated goals (the 
     Goal("7", "shmreduce-fs", None, 1.1, "last 600 <= 1.1x first 600", "growth"),
     Goal("7", "shmreduce-fd", None, 64, "<= 64 fds, each process", "max_fds"),
     Goal("7", "shmreduce-fs", None, 64, "<= 64 fds, each process", "max_fds"),
+    # A stream's whole CPU per message, every process and the broker, the making taken off.
+    Goal("8a", "shmreduce-fd", "by-value", 1.0, "CPU <= 1.0x by-value"),
+    Goal("8a", "shmreduce-fs", "by-value", 1.0, "CPU <= 1.0x by-value"),
+    Goal("8b", "shmreduce-fd", "by-value", 1.0, "CPU <= 1.0x by-value"),
+    Goal("8b", "shmreduce-fs", "by-value", 1.0, "CPU <= 1.0x by-value"),
 ]
 
 
