@@ -66,6 +66,17 @@ def _memfd() -> int:
     return fd
 
 
+def _fetchable(client: broker_client.BrokerClient, ino: int) -> bool:
+    """Whether the broker answers a fetch of memfd *ino* with its descriptor."""
+    fd = client.fetch(ino)
+    if fd is None:
+        return False
+    try:
+        return P.identity(os.fstat(fd)) == ino
+    finally:
+        os.close(fd)
+
+
 def _name() -> str:
     return P.SEG_PREFIX + os.urandom(12).hex()
 
@@ -100,6 +111,162 @@ def test_a_segment_record_of_a_file_is_answered_and_the_file_held_until_released
         finally:
             client.close(keep=True)
     _quiet(broker_log())
+
+
+# -- S, a memfd; F; X ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("header", [True, False], ids=["pooled", "torch"])
+def test_a_deposited_memfd_is_fetched_by_its_inode_until_its_depositor_drops_it(registered_fd, broker_log, header):
+    sender, receiver = _connected(), _connected(root=False)
+    fd = _memfd()
+    try:
+        before = sender.ping()["segments"]
+        ino = P.identity(os.fstat(fd))
+        sender.segment(fd, header=header)
+        assert sender.ping()["segments"] == before + 1
+        assert _fetchable(receiver, ino)
+        sender.drop([ino])
+        assert wait_for(lambda: sender.ping()["segments"] == before, TIMEOUT)  # nothing in flight in it
+        assert not _fetchable(receiver, ino)
+    finally:
+        os.close(fd)
+        sender.close(keep=True)
+        receiver.close(keep=True)
+    _quiet(broker_log())
+
+
+def test_a_forwarded_memfd_is_kept_only_while_something_reaches_it(registered_fd, broker_log):
+    # A relay sends on a segment it received: it does not use it (no drop to come),
+    # so the broker keeps it only while refs sent in it wait or a process holds it.
+    relay = _connected()
+    fd = _memfd()
+    try:
+        before = relay.ping()["segments"]
+        relay.segment(fd, header=True, forward=True)
+        # Its header says nothing was sent in it and nobody holds it: it goes.
+        assert wait_for(lambda: relay.ping()["segments"] == before, TIMEOUT)
+    finally:
+        os.close(fd)
+        relay.close(keep=True)
+    _quiet(broker_log())
+
+
+def test_a_fetch_of_a_memfd_nobody_deposited_is_refused_and_the_connection_kept(registered_fd, broker_log):
+    receiver = _connected(root=False)
+    fd = _memfd()
+    try:
+        connections = receiver.ping()["connections"]
+        assert not _fetchable(receiver, P.identity(os.fstat(fd)))
+        assert receiver.ping()["connections"] == connections
+    finally:
+        os.close(fd)
+        receiver.close(keep=True)
+    _quiet(broker_log())
+
+
+def test_a_drop_of_a_memfd_another_client_deposited_changes_nothing(registered_fd, broker_log):
+    sender, other = _connected(), _connected()
+    fd = _memfd()
+    try:
+        ino = P.identity(os.fstat(fd))
+        sender.segment(fd, header=True)
+        other.drop([ino])
+        other.ping()  # a barrier: its drop was read
+        assert _fetchable(other, ino)
+        sender.drop([ino])
+        assert wait_for(lambda: not _fetchable(other, ino), TIMEOUT)
+    finally:
+        os.close(fd)
+        sender.close(keep=True)
+        other.close(keep=True)
+    _quiet(broker_log())
+
+
+# -- H, R ---------------------------------------------------------------------------------
+
+
+def test_a_held_file_is_kept_until_every_holder_releases_it(registered_fd, broker_log):
+    # A release counts only from a holder, once however often it held the file.
+    first, second, stranger = _connected(), _connected(), _connected()
+    try:
+        before = first.ping()["segment_files"]
+        name = _name()
+        first.hold([name])
+        second.hold([name])
+        first.hold([name])
+        stranger.release([name, _name()])
+        assert stranger.ping()["segment_files"] == before + 1  # a barrier: every post read
+        first.release([name])
+        assert stranger.ping()["segment_files"] == before + 1  # second holds it still
+        second.release([name])
+        assert wait_for(lambda: stranger.ping()["segment_files"] == before, TIMEOUT)
+    finally:
+        for client in (first, second, stranger):
+            client.close(keep=True)
+    _quiet(broker_log())
+
+
+# -- L, K, P ------------------------------------------------------------------------------
+
+
+def test_a_posted_ledger_is_what_the_broker_reads_as_held(registered_fd, broker_log):
+    directory = program.current().directory
+    ledger = broker_client.Ledger(directory)
+    client = _connected(root=False, ledger=ledger)  # connecting posts its ledger
+    try:
+        before = client.ping(full=True)["generations_held"]
+        index = ledger.hold(_name(), 7)
+        assert client.ping(full=True)["generations_held"] == before + 1
+        ledger.mark(index, P.FREE)
+        assert client.ping(full=True)["generations_held"] == before
+    finally:
+        client.close(keep=True)
+        ledger.close()
+    _quiet(broker_log())
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["keep", "no_keep"])
+def test_a_client_that_closes_saying_it_lives_on_lets_go_of_its_holds(registered_fd, broker_log, keep):
+    # With K the broker counts it out of what it used at once; without, a live
+    # process's holds stay until it reconnects (the same identity) or dies.
+    client, observer = _connected(), _connected()
+    try:
+        before = observer.ping()["segment_files"]
+        name = _name()
+        client.hold([name])
+        assert observer.ping()["segment_files"] == before + 1
+        connections = observer.ping()["connections"] - len(client.sockets())
+        client.close(keep=keep)
+        assert wait_for(lambda: observer.ping()["connections"] == connections, TIMEOUT)
+        assert observer.ping()["segment_files"] == (before if keep else before + 1)
+        if not keep:
+            client.release([name])  # it reconnects as itself, and lets go
+            assert wait_for(lambda: observer.ping()["segment_files"] == before, TIMEOUT)
+    finally:
+        client.close(keep=True)
+        observer.close(keep=True)
+    _quiet(broker_log())
+
+
+def test_a_ping_answers_after_every_posted_record_and_a_full_one_says_more(registered_fd, broker_log):
+    client = _connected()
+    try:
+        plain = client.ping()
+        assert plain["pid"] == client.broker_pid and "descriptors" not in plain
+        name = _name()
+        client.hold([name])  # posted: no answer; the next ping has read it
+        full = client.ping(full=True)
+        assert full["segment_files"] == plain["segment_files"] + 1
+        assert full["records"]["H"] == plain["records"].get("H", 0) + 1
+        assert {"generations_held", "descriptors", "libtorch_mapped"} <= set(full)
+        client.release([name])
+    finally:
+        client.close(keep=True)
+    _quiet(broker_log())
+
+
+# -- S of files after a broker restart, end to end ------------------------------------------
 
 
 def _keep(conn) -> None:
