@@ -253,8 +253,8 @@ def _exit_holding(conn) -> None:
 @pytest.mark.parametrize("atexit", [True, False], ids=["atexit", "os_exit"])
 def test_a_receiver_that_exits_holding_is_counted_out_promptly(strategy, atexit):
     ours, theirs = CTX.Pipe()
-    if atexit:
-        receiver = _Receiver()
+    receiver = _Receiver() if atexit else None
+    if receiver is not None:
         proc = receiver.proc
     else:
         proc = CTX.Process(target=_exit_holding, args=(theirs,))
@@ -262,7 +262,7 @@ def test_a_receiver_that_exits_holding_is_counted_out_promptly(strategy, atexit)
     theirs.close()
     try:
         first = torch.full((NUMEL,), 1.0)
-        if atexit:
+        if receiver is not None:
             assert receiver.ask(first) == float(NUMEL)
         else:
             ours.send(first)
@@ -273,7 +273,7 @@ def test_a_receiver_that_exits_holding_is_counted_out_promptly(strategy, atexit)
         del first, place
         let_go_now()
         assert _holders(seg) == 1
-        if atexit:
+        if receiver is not None:
             assert receiver.stop() == 0
         else:
             ours.send("exit")

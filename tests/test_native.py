@@ -377,7 +377,8 @@ def test_every_dtype_dlpack_carries_comes_back_as_itself(memory, importer) -> No
         t = _made(LOW + 64 * (i + 1), 64, dtype, (n,), (1,))
         assert t is not None and t.dtype == dtype and t.numel() == n, dtype
         kept.append(t)
-    del t, kept
+        del t
+    del kept
     gen.release()
 
 

@@ -203,12 +203,13 @@ def test_what_a_receiver_keeps_is_loaded_in_the_segments_books(strategy, tmp_pat
         assert place is not None
         _gen, sent, loaded, holders = _native.hdr_read(place.segment.addr)
         assert sent == loaded and holders >= 1, (sent, loaded, holders)
+        del place
     client = broker_client.client_for(program.current().directory)
     counters = client.ping(full=True)  # a barrier: the broker has read our records
     # What the exited sender made stays while this process holds it (it may forward it),
     # counted as held, not as in flight.
     assert counters["clients"] == 1 and counters["generations_held"] >= 1, counters
-    del got, t, place
+    del got, t
     let_go_now()  # what this process held is let go of: nothing reaches the sender's segments
     broker_client.close_all()
     # Nothing undelivered: the broker goes after SHMREDUCE_BROKER_GRACE, though the

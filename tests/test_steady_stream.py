@@ -114,4 +114,4 @@ def test_a_slabs_generation_is_held_once_and_let_go_of_with_its_last_storage(str
             transfer.collect()
             return _native.hdr_read(seg.addr)[3] == 0  # no holder left
 
-        assert wait_for(released, 10), _native.hdr_read(seg.addr)
+        assert wait_for(released, 10), _native.hdr_read(seg.addr)  # type: ignore[possibly-undefined]  # the loop above ran six times

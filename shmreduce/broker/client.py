@@ -736,10 +736,9 @@ def hold(directory: str, key: int | str, gen: int) -> tuple[Ledger, int]:
     starts it) if not yet: a broker that does not know this process's ledger would
     count nobody out. Without a broker, nobody could: the entry is written all the
     same."""
-    index = -1
-    while index < 0:
-        ledger = _ledger_for(directory)
-        index = ledger.hold(key, gen)
+    ledger = _ledger_for(directory)
+    while (index := ledger.hold(key, gen)) < 0:
+        ledger = _ledger_for(directory)  # that one was closed meanwhile: the next one
     client = client_for(directory)
     try:
         with client.lock:

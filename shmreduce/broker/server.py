@@ -60,6 +60,7 @@ GRACE = float(os.environ.get("SHMREDUCE_BROKER_GRACE", "1.0"))
 ORPHAN_TTL = float(os.environ.get("SHMREDUCE_ORPHAN_TTL", "60"))  # see Lifetimes in protocol.py
 ACCEPT_PAUSE = 1.0  # seconds the broker stops accepting at its descriptor limit
 _T = TypeVar("_T")
+_Reply = tuple[bytes, bytes, list[int]]  # a record's answer: its op, body and descriptors (kept here)
 SPARE_DESCRIPTORS = 8  # kept for connections and pidfds: two processes' worth, at the limit
 DRAIN_EVERY = 0.1  # seconds between two looks at the draining segments' headers
 LEDGER_SCAN_EVERY = 1.0  # seconds between two reads of every ledger (a held RETIRED generation's holders)
@@ -188,6 +189,17 @@ class Broker:
         # the processes that would load and let them go (_keep_spares, _room).
         self.spares: list[int] = []
         self.records: dict[str, int] = {}  # records read, by op: how often clients need the broker
+        # Each op's handler: its own checks, its own reply (None: a posted record).
+        self.ops: dict[bytes, Callable[[_Conn, bytes, list[int], bool], _Reply | None]] = {
+            P.SEGMENT: self._on_segment,
+            P.DROP: self._on_drop,
+            P.FETCH: self._on_fetch,
+            P.HOLD: self._on_hold,
+            P.RELEASE: self._on_release,
+            P.LEDGER: self._on_ledger,
+            P.KEEP: self._on_keep,
+            P.PING: self._on_ping,
+        }
         self.ledger_bytes_read = 0  # what it read of ledgers (at deaths; a full ping): a plain ping reads none
         self.reading = False
         self.poller = select.epoll()
@@ -891,71 +903,21 @@ class Broker:
             self._let_go_gens(self.departed.pop())
 
     def _handle(self, conn: _Conn, op: bytes, key: bytes, body: bytes, fds: list[int], lost: bool = False) -> bool:
-        """One record; False if the connection was dropped.
+        """One record, by its op's handler (``ops``); False if the connection was dropped.
 
         Whatever goes wrong with one record drops its connection only: the broker
         keeps every other process's segments. Descriptors a record brought and did
         not leave here are closed.
         """
-        client = conn.client
         name = op.decode("ascii", "replace")
         self.records[name] = self.records.get(name, 0) + 1
         try:
-            if op == P.SEGMENT:
-                if conn.post:
-                    raise P.ProtocolError("a segment record comes on the request connection: it is answered")
-                if fds and not lost and not self._keep_spares():
-                    # It took a descriptor kept for connections: the broker is full.
-                    os.close(fds.pop())
-                    self._keep_spares()
-                    lost = True
-                    self._log_full(conn.pid)
-                if lost:
-                    status = P.STATUS_LOST  # its sender fails, before any ref to it is sent
-                elif len(fds) != 1 or not (body in (P.SEG_MADE, P.SEG_TORCH, P.SEG_FORWARDED) or body.startswith(P.SEG_FILE)):
-                    raise P.ProtocolError("a segment record carries one descriptor and its kind")
-                elif body.startswith(P.SEG_FILE):
-                    names = P.decode_names(body[len(P.SEG_FILE) :])
-                    if len(names) != 1:
-                        raise P.ProtocolError("a file's segment record names one file")
-                    self._hold(client, names, fds.pop())
-                else:
-                    self._deposit(client, fds.pop(), body != P.SEG_TORCH, forward=body == P.SEG_FORWARDED)
-                    status = P.STATUS_OK
-                P.send_record(conn.sock, P.DEPOSITED, P.NO_KEY, bytes([status]))
-            elif op == P.DROP:
-                self._drop_deposits(client, P.decode_inos(body), died=False)
-            elif op == P.FETCH:
-                inos = P.decode_inos(body)
-                if len(inos) != 1:
-                    raise P.ProtocolError(f"a fetch names one memfd, not {len(inos)}")
-                seg = self.memfds.get(inos[0])  # deposits are answered: none is still queued
-                if seg is None or seg.fd < 0:
-                    P.send_record(conn.sock, P.FETCHED, P.NO_KEY, P.encode_fetched(P.STATUS_UNKNOWN, 0))
-                else:
-                    P.send_record(conn.sock, P.FETCHED, P.NO_KEY, P.encode_fetched(P.STATUS_OK, 1), [seg.fd])
-            elif op == P.HOLD:
-                self._hold(client, P.decode_names(body))
-            elif op == P.RELEASE:
-                self._release(client, P.decode_names(body), died=False)
-            elif op == P.LEDGER:
-                if lost:
-                    pass  # not counted out if it dies: its holds keep their segments from reuse
-                elif len(fds) != 1 or body or not stat.S_ISREG(os.fstat(fds[0]).st_mode):
-                    raise P.ProtocolError("a ledger record carries one memfd and no body")
-                else:
-                    self._adopt_ledger(client, fds.pop())
-            elif op == P.KEEP:
-                if body:
-                    raise P.ProtocolError("a keep record has no body")
-                client.keeps = True  # it closes and lives on: it counts itself out
-            elif op == P.PING:
-                if body not in (b"", P.PING_FULL):
-                    raise P.ProtocolError(f"a ping's body is empty or {P.PING_FULL!r}")
-                self._read_posts()
-                P.send_record(conn.sock, P.PONG, P.NO_KEY, json.dumps(self.counters(full=body == P.PING_FULL)).encode())
-            else:
+            handler = self.ops.get(op)
+            if handler is None:
                 raise P.ProtocolError(f"unknown op {op!r}")
+            reply = handler(conn, body, fds, lost)
+            if reply is not None:
+                P.send_record(conn.sock, reply[0], P.NO_KEY, reply[1], reply[2])
             return True
         except (OSError, P.ProtocolError) as exc:
             self._drop(conn, f"{op!r} record: {exc}", _level(exc))
@@ -967,6 +929,77 @@ class Broker:
         finally:
             for fd in fds:
                 os.close(fd)
+
+    # -- one handler per op (protocol.py): (conn, body, fds, lost) -> its reply --
+    # A handler takes the descriptors it keeps out of *fds* (``_handle`` closes the
+    # rest); *lost*: the kernel dropped the record's descriptors (at the limit).
+
+    def _on_segment(self, conn: _Conn, body: bytes, fds: list[int], lost: bool) -> _Reply:
+        """S: a memfd this client sends refs in, or a file of its pool gone with a
+        dead broker (SEG_FILE): answered with whether the broker keeps it."""
+        if conn.post:
+            raise P.ProtocolError("a segment record comes on the request connection: it is answered")
+        if fds and not lost and not self._keep_spares():
+            # It took a descriptor kept for connections: the broker is full.
+            os.close(fds.pop())
+            self._keep_spares()
+            lost = True
+            self._log_full(conn.pid)
+        if lost:
+            return P.DEPOSITED, bytes([P.STATUS_LOST]), []  # its sender fails, before any ref to it is sent
+        if len(fds) != 1 or not (body in (P.SEG_MADE, P.SEG_TORCH, P.SEG_FORWARDED) or body.startswith(P.SEG_FILE)):
+            raise P.ProtocolError("a segment record carries one descriptor and its kind")
+        if body.startswith(P.SEG_FILE):
+            names = P.decode_names(body[len(P.SEG_FILE) :])
+            if len(names) != 1:
+                raise P.ProtocolError("a file's segment record names one file")
+            self._hold(conn.client, names, fds.pop())
+        else:
+            self._deposit(conn.client, fds.pop(), body != P.SEG_TORCH, forward=body == P.SEG_FORWARDED)
+        return P.DEPOSITED, bytes([P.STATUS_OK]), []
+
+    def _on_drop(self, conn: _Conn, body: bytes, fds: list[int], lost: bool) -> None:
+        """X: memfds this client no longer sends refs in."""
+        self._drop_deposits(conn.client, P.decode_inos(body), died=False)
+
+    def _on_fetch(self, conn: _Conn, body: bytes, fds: list[int], lost: bool) -> _Reply:
+        """F: the descriptor of one deposited memfd, or unknown."""
+        inos = P.decode_inos(body)
+        if len(inos) != 1:
+            raise P.ProtocolError(f"a fetch names one memfd, not {len(inos)}")
+        seg = self.memfds.get(inos[0])  # deposits are answered: none is still queued
+        if seg is None or seg.fd < 0:
+            return P.FETCHED, P.encode_fetched(P.STATUS_UNKNOWN, 0), []
+        return P.FETCHED, P.encode_fetched(P.STATUS_OK, 1), [seg.fd]
+
+    def _on_hold(self, conn: _Conn, body: bytes, fds: list[int], lost: bool) -> None:
+        """H: files this client made and holds."""
+        self._hold(conn.client, P.decode_names(body))
+
+    def _on_release(self, conn: _Conn, body: bytes, fds: list[int], lost: bool) -> None:
+        """R: files this client let go of."""
+        self._release(conn.client, P.decode_names(body), died=False)
+
+    def _on_ledger(self, conn: _Conn, body: bytes, fds: list[int], lost: bool) -> None:
+        """L: this client's ledger, read at its death."""
+        if lost:
+            return  # not counted out if it dies: its holds keep their segments from reuse
+        if len(fds) != 1 or body or not stat.S_ISREG(os.fstat(fds[0]).st_mode):
+            raise P.ProtocolError("a ledger record carries one memfd and no body")
+        self._adopt_ledger(conn.client, fds.pop())
+
+    def _on_keep(self, conn: _Conn, body: bytes, fds: list[int], lost: bool) -> None:
+        """K: this client closes and lives on."""
+        if body:
+            raise P.ProtocolError("a keep record has no body")
+        conn.client.keeps = True  # it counts itself out
+
+    def _on_ping(self, conn: _Conn, body: bytes, fds: list[int], lost: bool) -> _Reply:
+        """P: the counters, once every post connection is read (a barrier)."""
+        if body not in (b"", P.PING_FULL):
+            raise P.ProtocolError(f"a ping's body is empty or {P.PING_FULL!r}")
+        self._read_posts()
+        return P.PONG, json.dumps(self.counters(full=body == P.PING_FULL)).encode(), []
 
     def _expire(self, now: float) -> None:
         for fd in [fd for fd, shake in self.handshakes.items() if shake.deadline <= now]:
