@@ -11,7 +11,7 @@ Method
   ``tensor.numpy()``, which ForkingPickler pickles by value: every byte goes through the
   pipe, the consumer turns it back into a tensor with ``torch.from_numpy``); ``floor``
   (a bare int through the same queue: the cost of the transport itself).
-* Peers of issue 12, in the same rounds: ``shm-recipe`` (scenarios 1-3), the
+* Peers, in the same rounds: ``shm-recipe`` (scenarios 1-3), the
   ``multiprocessing.shared_memory`` recipe: per message the producer creates one
   ``SharedMemory`` block, copies all the message's tensors into it at 64-byte aligned offsets
   and puts the block's name with each tensor's offset, dtype and shape on the same queue; the
@@ -54,7 +54,7 @@ Method
 * Round trips per message (rows with shmreduce registered): delta of
   ``shmreduce.stats()["round_trips"]`` on the consumer (receiver) side over the timed
   messages, divided by their count.
-* Goals (issue 20) are evaluated on the medians: a ratio goal divides a row's median by
+* Goals are evaluated on the medians: a ratio goal divides a row's median by
   another row's of the same scenario (oriented so that > 1 is better); "ahead of" a row means
   a ratio of at least 1. Each goal prints PASS/FAIL with its number.
 
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             absent = frozenset(TENSORDICT_ROWS)
             print(f"tensordict rows left out: tensordict does not import ({why})", flush=True)
     raw = run_rounds(rounds, budget, only, absent)
-    # The mechanism's own cost (issue 30): dumps + loads CPU per message, lock step.
+    # The mechanism's own cost: dumps + loads CPU per message, lock step.
     cost = mechanism.measure(1 if args.quick else 5, list(mechanism.SCENARIOS)) if only is None or "m" in only else None
     if cost:
         print("\n".join(mechanism.table(cost)), flush=True)

@@ -1,4 +1,4 @@
-"""One copy per host: 4 torchrun ranks sharing a 1 GiB dataset (issue 39), ``make bench-ddp``.
+"""One copy per host: 4 torchrun ranks sharing a 1 GiB dataset, ``make bench-ddp``.
 
 Method
 ------

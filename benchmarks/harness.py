@@ -30,7 +30,7 @@ KIB, MIB = 1024, 1024 * 1024
 # -- implementations ------------------------------------------------------------------
 
 IMPLS = ["shmreduce-fd", "torch-fd", "shmreduce-fs", "torch-fs", "by-value", "floor"]
-PEERS = ["shm-recipe", "tensordict-torch", "tensordict-shmreduce", "memcpy", "make-only"]  # issue 12
+PEERS = ["shm-recipe", "tensordict-torch", "tensordict-shmreduce", "memcpy", "make-only"]  # other ways to move the bytes, and floors
 STRATEGY = {
     "shmreduce-fd": "file_descriptor",
     "torch-fd": "file_descriptor",

@@ -16,7 +16,7 @@ window of one round and double it.
 
 Rows: ``by-value`` (``tensor.numpy()`` pickled, ``torch.from_numpy`` on load),
 ``shmreduce-fd``, ``shmreduce-fs``. Rounds interleave the rows; each row's figure is its
-median round, printed with the spread of its rounds (min-max). Goals (issue 37), per
+median round, printed with the spread of its rounds (min-max). Goals, per
 message and both strategies: dict of 64 x 1 KiB <= 0.9x by value, one 1 KiB tensor
 <= 0.8x.
 

@@ -511,7 +511,7 @@ def flatten_holding(r: dict) -> dict:
 
 @dataclass(frozen=True)
 class Goal:
-    """Issue 20's goals (the native core). With ``versus``: the ratio of ``impl``'s median to that row's (> 1 is
+    """A goal of make bench. With ``versus``: the ratio of ``impl``'s median to that row's (> 1 is
     better, whichever the metric's direction) must be >= ``bound``; without: ``impl``'s median
     (a lower-is-better metric) must be <= ``bound``."""
 
@@ -523,7 +523,7 @@ class Goal:
     metric: str = "median"  # a row's figure other than its scenario's metric (lower is better)
 
 
-GOALS = [  # scenarios 1 and 2 against by value: issue 30's restated goals (the mechanism's own are mechanism.GOALS)
+GOALS = [  # scenarios 1 and 2 against by value (the mechanism's own are mechanism.GOALS)
     Goal("1", "shmreduce-fd", "by-value", 1.3, ">= 1.3x by-value"),
     Goal("1", "shmreduce-fs", "by-value", 1.3, ">= 1.3x by-value"),
     Goal("2", "shmreduce-fd", "by-value", 1.2, ">= 1.2x by-value"),
@@ -538,7 +538,7 @@ GOALS = [  # scenarios 1 and 2 against by value: issue 30's restated goals (the 
     Goal("5a", "shmreduce-fd", "torch-fd", 5, ">= 5x stock"),
     Goal("5b", "shmreduce-fd", "torch-fd", 1.8, ">= 1.8x stock"),
     Goal("6", "shmreduce-fd", None, 64, "<= 64 consumer fds"),
-    # Issue 37: keeping costs less than copying, and no more the more is kept.
+    # Keeping costs less than copying, and no more the more is kept.
     Goal("7", "shmreduce-fd", "by-value", 1 / 0.7, "CPU <= 0.7x by-value (>= 1.43x)"),
     Goal("7", "shmreduce-fs", "by-value", 1 / 0.7, "CPU <= 0.7x by-value (>= 1.43x)"),
     Goal("7", "shmreduce-fd", None, 1.1, "last 600 <= 1.1x first 600", "growth"),

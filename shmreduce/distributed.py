@@ -3,7 +3,7 @@
 ``broadcast_local(obj, src=0, group=None)`` is a collective in the shape of
 ``torch.distributed.broadcast_object_list``: every rank of *group* calls it after
 ``init_process_group``; it returns *src*'s ``obj`` on every rank, its tensors and storages
-mapped from **one copy per host** in shared memory (SPEC 17), everything else pickled as
+mapped from **one copy per host** in shared memory, everything else pickled as
 usual (cloudpickle, as ``shmreduce.dumps``).
 
 What this module owns, and what it must never do:
@@ -14,7 +14,7 @@ What this module owns, and what it must never do:
   ``obj`` by value, through the engine (``send_object_list``, the group's own pickling),
   to each other host's leader only: one copy crosses the network per host, never one per
   rank. Each leader shares its object into its program (``shmreduce.dumps``, moving
-  tensors in place, SPEC 1); its host's ranks load those bytes. A leader alone on its host
+  tensors in place); its host's ranks load those bytes. A leader alone on its host
   (one rank there) keeps its object as it is: nothing to share, nothing copied.
 * **One program per host.** A rank that loads from its leader joins the leader's program
   (its directory, its root, its ``multiprocessing`` authkey): from then on its own
@@ -24,7 +24,7 @@ What this module owns, and what it must never do:
   cannot switch: it gets a ``SharingError`` (every rank does).
 * **The key never crosses the engine.** The group's store and its links are reachable by
   whatever can reach their address; the program's key must stay with this user on this
-  host (SPEC 9). The leader writes the key into a 0600 file, ``join-<128 random bits>``,
+  host. The leader writes the key into a 0600 file, ``join-<128 random bits>``,
   inside its program directory (0700, this user's: ``protocol.is_program_dir``), with the
   shared bytes after it (handles, and what the object holds besides tensors: of no use on
   another host either); only the file's name goes through the engine, so what the ranks
@@ -45,7 +45,7 @@ What this module owns, and what it must never do:
   mid-call leaves the others waiting at most the group's own timeout, as with any
   collective of ``torch.distributed``.
 
-Lifetimes are the program's (SPEC 6, 7): the memory stays while any rank (or any child of
+Lifetimes are the program's: the memory stays while any rank (or any child of
 one) holds a tensor of it, whoever exits or is killed first; the broker counts a killed
 rank out; when the last rank of the host is gone, the broker exits and removes the
 program directory.

@@ -17,7 +17,7 @@ of it lives: ``server.lock_is_free``) and whose processes are gone is stale at o
 no live process of this user names it on its command line (every broker process,
 a launcher between making the directory and locking it included, does) or has a
 file in it open or mapped (``_in_use``). After every process of a program is
-SIGKILLed, ``doctor`` says so and ``cleanup`` removes it at once (issue 38, item 7).
+SIGKILLed, ``doctor`` says so and ``cleanup`` removes it at once.
 Also stale, whatever it holds: a directory whose lock is free and that is
 ``server.STALE_MIN_AGE`` (10 s) old, which is what the sweep at every
 ``register()`` and broker launch removes (``server.sweep_stale``) without looking

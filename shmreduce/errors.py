@@ -32,7 +32,7 @@ def stale_message(what: str) -> SharingError:
 
 
 def too_many_files(detail: str) -> SharingError:
-    """Out of descriptors, with the advice of the strategy in use (issue 38, item 4)."""
+    """Out of descriptors, with the advice of the strategy in use."""
     if _strategy() == "file_system":
         return SharingError(
             f"out of file descriptors ({detail}): under the 'file_system' strategy a process keeps "

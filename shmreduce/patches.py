@@ -23,7 +23,7 @@ shmreduce sets an attribute on either library: importing shmreduce, or a bare
 Invariant: **``is_shared()`` is true => ``share_memory_()`` keeps the memory.**
 While installed, ``is_shared()`` is also true for a storage the storage cache knows
 (a shmreduce segment: torch cannot tell a slab's ``frombuffer`` view from private
-memory; SPEC 3), and ``share_memory_()`` leaves every such storage where it is. After
+memory), and ``share_memory_()`` leaves every such storage where it is. After
 ``remove()`` torch answers both again: a slab storage reports ``False`` and torch's
 ``share_memory_()`` moves it into torch's own shared memory, consistently.
 """
