@@ -137,7 +137,7 @@ KEPT = textwrap.dedent(
         p.start()
         ours.send([torch.full((1 << 15,), float(i)) for i in range(6)])  # 768 KiB in one arena
         assert done.wait(60)
-        transfer._fs_pool.drop_slab()  # the arena's generation ends with its last storage
+        transfer.let_go_slabs()  # the arena's generation ends with its last storage
         transfer._fs_full()
         print(before, used(), p.is_alive())
         leave.set()
