@@ -6,8 +6,9 @@ its mapping, its bounds and, for a memfd, its descriptor. A sending process keep
 ``Pool`` of the segments it made, one per strategy: small storages (up to
 ``SLAB_ITEM_MAX``) are packed at offsets into its thread's current *slab*
 (``SLAB_SIZE`` bytes), across messages; mid-size ones (up to ``ARENA_ITEM_MAX``) the
-same way into its current *arena* (``ARENA_SIZE``); a larger storage gets a segment of
-its size class (eight classes per doubling).
+same way into its current *arena* (``ARENA_SIZE``, less on a small file_system mount:
+``FilePool.arena_size``); a larger storage gets a segment of its size class (eight
+classes per doubling).
 
 Generations. A segment is filled anew in *generations*. A generation is a number
 unique in the program, written into the segment's first ``HEADER`` bytes with its
@@ -42,7 +43,9 @@ name) and checks the header against the handle's generation: a stale handle is a
 ``SharingError``, never another message's bytes. It keeps its ``KEPT_SEGMENTS``
 latest mappings after their last storage dies (one descriptor each under
 ``file_descriptor``, none under ``file_system``): the next message in one costs no
-round trip, no descriptor, no mapping.
+round trip, no descriptor, no mapping. A segment its owner lets go of while free
+has its pages punched out first (``Pool.discard``): a kept mapping of it pins its
+header page only, in memory or in the file_system mount.
 
 Copies: a slab's pages are allocated when it is made, so a small storage is one
 copy into the mapping; a larger one is copied through the mapping into pages its
@@ -105,6 +108,11 @@ SLAB_SIZE = 1 << 20
 ARENA_ITEM_MAX = 1 << 18
 ARENA_SIZE = 16 << 20
 ARENA_CHUNK = 1 << 20
+# A file_system arena is at most this share of its mount (one ARENA_ITEM_MAX storage
+# at least): on a mount smaller than 8 arenas, what a stream pins beyond its live data
+# (the partly dead arenas at either end of a run of messages) stays a small share of
+# the mount, instead of one arena filling it while a few messages in it are in flight.
+ARENA_MOUNT_SHARE = 8
 POOL_BYTES = int(os.environ.get("SHMREDUCE_POOL_BYTES", str(1 << 30)))
 POOL_IDLE = float(os.environ.get("SHMREDUCE_POOL_IDLE", "10"))
 KEPT_SEGMENTS = int(os.environ.get("SHMREDUCE_KEPT_SEGMENTS", "8"))
@@ -550,6 +558,10 @@ class Pool:
     def full(self) -> None:
         """The memory behind this pool is full: free what can be freed."""
 
+    def arena_size(self) -> int:
+        """The size of this pool's next arena."""
+        return ARENA_SIZE
+
     # Placing storages.
     def place(
         self, nbytes: int, source: torch.UntypedStorage | None, zero: bool = True
@@ -631,7 +643,7 @@ class Pool:
         generation spans many messages and ends only once the segment is full (and
         every storage in it is gone). A slab's pages are allocated at once, an arena's
         as it fills (``Segment.reserve``)."""
-        seg = self.take(tier.size)
+        seg = self.take(tier.size if tier is _SLAB else self.arena_size())
         if tier is _SLAB and seg.filled < seg.size:
             self._twice(lambda last: seg.allocate())
         self.drop_current(tier)
@@ -724,7 +736,7 @@ class Pool:
         if seg.pid != os.getpid() or seg.fd is None:
             return
         if seg.retired or not self.active:
-            self.closed(seg)  # not reused: after unregister(), memory goes back as storages die
+            self.discard(seg)  # not reused: after unregister(), memory goes back as storages die
             return
         seg.since = time.monotonic()
         with self.lock:
@@ -765,7 +777,23 @@ class Pool:
         hook takes this pool's lock (the order is written in the module docstring)."""
         for seg in segs:
             _faults.pause("pool.closing")
-            self.closed(seg)
+            self.discard(seg)
+
+    def discard(self, seg: Segment) -> None:
+        """*seg*, free (``hdr_end`` freed its generation: no storage lives in it
+        anywhere, no ref to it waits), leaves the pool, its pages given back first.
+        A receiver keeps its latest mappings after their storages die (``keep``): a
+        kept mapping of a segment let go of would pin its pages (in the file_system
+        mount: a whole arena's) until that receiver maps other segments, and a sender
+        is refused for want of room meanwhile; nor can a sender ask a receiver in
+        another process to let go. The owner punches the pages out of the segment
+        itself, wherever it is mapped: nothing reads them any more (reuse would
+        overwrite them). The header page stays: a stale ref's load counts itself in
+        and out of it (``hdr_hold``), which a page punched in between would split
+        over two pages. A kept mapping pins that page, no more."""
+        start = -(-HEADER // _PAGE) * _PAGE  # the first page after the header
+        _platform.release(seg.addr + start, seg.size - start)
+        self.closed(seg)
 
     def closed(self, seg: Segment) -> None:
         """*seg* leaves the pool (its memory goes once nothing maps it)."""
@@ -907,6 +935,20 @@ class FilePool(Pool):
 
     def full(self) -> None:
         self._full()
+
+    def arena_size(self) -> int:
+        """ARENA_SIZE, or a 1/ARENA_MOUNT_SHARE share of the mount its files go to if
+        that is less (asked at each new arena: a mount can be resized)."""
+        try:
+            # The program directory's parent: the directory itself is made with the
+            # broker, which the first arena may start.
+            mount = os.statvfs(os.path.dirname(self.directory()))
+        except OSError:
+            return ARENA_SIZE  # no mount to ask: making the file says what is wrong
+        share = mount.f_blocks * mount.f_frsize // ARENA_MOUNT_SHARE // _PAGE * _PAGE
+        if share <= 0:
+            return ARENA_SIZE  # a mount without a size (tmpfs size=0)
+        return min(ARENA_SIZE, max(share, class_size(ARENA_ITEM_MAX)))
 
     def directory(self) -> str:
         return self._directory()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -270,3 +271,23 @@ def gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+@contextmanager
+def small_mount(directory: Any, size: str) -> Iterator[str]:
+    """A tmpfs of *size* (mount's ``size=``) mounted at *directory*, made here (the tests
+    run as root, in a private mount namespace): a /dev/shm small enough to fill. At the
+    end of the block it must be empty within 15 s (nothing left behind), and is
+    unmounted. Skips the test where mounting is not allowed."""
+    import pytest
+
+    mnt = str(directory)
+    os.mkdir(mnt)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", "tmpfs", mnt], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        assert wait_for(lambda: not os.listdir(mnt), 15), os.listdir(mnt)
+        subprocess.run(["umount", "-l", mnt], check=True)

@@ -21,7 +21,7 @@ from shmreduce import program, transfer
 from shmreduce.broker import client as broker_client
 from shmreduce.errors import OutOfSharedMemory
 
-from helpers import seg_files, wait_for
+from helpers import seg_files, small_mount, wait_for
 
 CHILD = textwrap.dedent(
     """
@@ -50,16 +50,8 @@ CHILD = textwrap.dedent(
 
 @pytest.fixture
 def tiny_mount(tmp_path):
-    mnt = tmp_path / "shm"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=1777", "tmpfs", str(mnt)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.decode().strip()}")
-    try:
-        yield str(mnt)
-    finally:
-        assert wait_for(lambda: not os.listdir(mnt), 15), os.listdir(mnt)
-        subprocess.run(["umount", "-l", str(mnt)], check=True)
+    with small_mount(tmp_path / "shm", "2m") as mnt:
+        yield mnt
 
 
 @pytest.mark.parametrize("allocate", ["populate", "fallocate"])

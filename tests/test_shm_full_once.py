@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from helpers import wait_for
+from helpers import small_mount
 
 CHILD = textwrap.dedent(
     """
@@ -33,16 +33,8 @@ CHILD = textwrap.dedent(
 
 @pytest.fixture
 def tiny_mount(tmp_path):
-    mnt = tmp_path / "shm"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=1777", "tmpfs", str(mnt)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.decode().strip()}")
-    try:
-        yield str(mnt)
-    finally:
-        assert wait_for(lambda: not os.listdir(mnt), 15), os.listdir(mnt)
-        subprocess.run(["umount", "-l", str(mnt)], check=True)
+    with small_mount(tmp_path / "shm", "2m") as mnt:
+        yield mnt
 
 
 def test_a_full_mount_is_one_out_of_shared_memory_with_its_cause_once(tiny_mount):
