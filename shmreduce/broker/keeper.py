@@ -221,7 +221,7 @@ class Keeper:
     def reach(self, seg: Segment) -> int:
         """What can still reach *seg*, whose users all let go of it:
 
-        HELD       a process holds its generation (the header's holders: exact, each
+        HELD        a process holds its generation (the header's holders: exact, each
                     counted out at its death from its ledger): it may forward it, so
                     the segment stays (a file unlinked once sent == loaded would be
                     gone under the DataLoader batches the main process forwards).
@@ -229,13 +229,13 @@ class Keeper:
                     killed mid-take or mid-let-go): there, a live process's ledger
                     naming it decides (``_held_in_ledgers``), or a phantom hold would
                     keep the segment for the program's life;
-        SENT       refs sent in its generation are not all loaded (a ref loaded again
+        SENT        refs sent in its generation are not all loaded (a ref loaded again
                     counts once: its ticket; a generation whose tickets ran past the
                     bitmap, UNCOUNTED, cannot tell) and one of their senders lives: they
                     wait for it, however long (a timer would drop a retired slab's
                     messages while their sender lives);
-        ORPHANED   such refs, every sender dead: kept ORPHAN_TTL from then;
-        UNREACHED  nothing: it goes now."""
+        ORPHANED    such refs, every sender dead: kept ORPHAN_TTL from then;
+        UNREACHED   nothing: it goes now."""
         try:
             header = self._header(seg)
         except _AtLimit:
