@@ -13,14 +13,14 @@ Nothing else is touched: not a directory shmreduce did not make, not one that ma
 be starting, not a broker still in use.
 
 Stale: a program directory whose lock nobody holds (no broker, janitor or launcher
-of it lives: ``server.lock_is_free``) and whose processes are gone is stale at once:
+of it lives: ``programdir.lock_is_free``) and whose processes are gone is stale at once:
 no live process of this user names it on its command line (every broker process,
 a launcher between making the directory and locking it included, does) or has a
 file in it open or mapped (``_in_use``). After every process of a program is
 SIGKILLed, ``doctor`` says so and ``cleanup`` removes it at once.
 Also stale, whatever it holds: a directory whose lock is free and that is
-``server.STALE_MIN_AGE`` (10 s) old, which is what the sweep at every
-``register()`` and broker launch removes (``server.sweep_stale``) without looking
+``programdir.STALE_MIN_AGE`` (10 s) old, which is what the sweep at every
+``register()`` and broker launch removes (``programdir.sweep_stale``) without looking
 into /proc; those 10 s protect a launcher between making a directory and taking its
 lock (it would find its directory gone and fail its start), which this look sees by
 its command line. A program whose broker died while its processes live and map its
@@ -41,8 +41,7 @@ import time
 
 from shmreduce import program
 from shmreduce.broker import protocol as P
-from shmreduce.broker import server
-from shmreduce.broker.server import lock_is_free, remove_program_dir, stale_dirs, sweep_stale
+from shmreduce.broker.programdir import lock_if_free, lock_is_free, remove_program_dir, stale_dirs, sweep_stale
 
 MIN_SHM_BYTES = 1 << 30  # below 1 GiB of free shm, file_system sends of big batches fail
 MIN_NOFILE = 4096
@@ -140,7 +139,7 @@ def _in_use(base: str) -> set[str]:
 
 def stale_programs(base: str) -> list[str]:
     """The stale program directories of *base* (see the module's docstring): lock free
-    and STALE_MIN_AGE old (``server.stale_dirs``), or lock free and in no live
+    and STALE_MIN_AGE old (``programdir.stale_dirs``), or lock free and in no live
     process's use, at any age."""
     old = stale_dirs(base)
     try:
@@ -159,7 +158,7 @@ def stale_programs(base: str) -> list[str]:
 def _remove_unused(base: str, path: str) -> bool:
     """Remove *path*, holding its lock, if it is still in nobody's use under it (a
     launcher that starts meanwhile finds the lock taken, and its client tries again)."""
-    lock_fd = server._lock_if_free(path)  # the one way to take a program directory's lock
+    lock_fd = lock_if_free(path)  # the one way to take a program directory's lock
     if lock_fd is None:
         return False
     try:

@@ -391,10 +391,10 @@ def _sweep_dead_programs() -> None:
     """What programs killed with their broker and its janitor left in the shm base
     goes at the next program's ``register()`` (issue 29, item 4), not only once it
     starts a broker; ``shmreduce cleanup`` does the same by hand."""
-    from shmreduce.broker import server
+    from shmreduce.broker import programdir
 
     try:
-        server.sweep_stale(program.shm_base(), keep=program.current().directory)
+        programdir.sweep_stale(program.shm_base(), keep=program.current().directory)
     except OSError:
         pass  # a base we cannot read: its owner's to clean
 

@@ -186,10 +186,10 @@ def _launch_while_a_janitor_lets_go(directory: str) -> bool:
     the lock file at the path is still the other launcher's)"""
     import fcntl as real_fcntl
 
+    from shmreduce.broker import programdir, server
     from shmreduce.broker import protocol as P
-    from shmreduce.broker import server
 
-    server._make_program_dir(directory)
+    programdir.make_program_dir(directory)
     old = os.open(os.path.join(directory, P.LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
     real_fcntl.flock(old, real_fcntl.LOCK_EX)  # the dying broker's janitor
     held: list[int] = []
@@ -200,14 +200,14 @@ def _launch_while_a_janitor_lets_go(directory: str) -> bool:
 
         def flock(self, fd, op):
             if not held:
-                server.remove_program_dir(directory, old)  # the janitor's last acts
+                programdir.remove_program_dir(directory, old)  # the janitor's last acts
                 os.close(old)
-                server._make_program_dir(directory)  # another launcher, now the directory's
+                programdir.make_program_dir(directory)  # another launcher, now the directory's
                 held.append(os.open(os.path.join(directory, P.LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600))
                 real_fcntl.flock(held[0], real_fcntl.LOCK_EX)
             return real_fcntl.flock(fd, op)
 
-    server.fcntl = Interleave()  # type: ignore[assignment]
+    programdir.fcntl = Interleave()  # type: ignore[assignment]
     server.launch(directory, os.getpid(), b"k" * 32)
     return os.path.exists(os.path.join(directory, P.SOCKET_NAME))
 

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
+from shmreduce.broker import programdir
 from shmreduce.broker import protocol as P
-from shmreduce.broker import server
 
 from helpers import broker_pids, shm_base, wait_for
 
@@ -56,7 +56,7 @@ def _program_dir(name, age):
 
 
 def test_doctor_flags_low_descriptor_limit_and_stale_dirs(tmp_path):
-    stale = _program_dir("shmreduce-0123456789abcdef", server.STALE_MIN_AGE + 5)
+    stale = _program_dir("shmreduce-0123456789abcdef", programdir.STALE_MIN_AGE + 5)
     try:
         code = (
             "import resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256));"
@@ -69,7 +69,7 @@ def test_doctor_flags_low_descriptor_limit_and_stale_dirs(tmp_path):
         assert "[PROBLEM] descriptor limit" in out.stdout and "file_system" in out.stdout
         assert "[PROBLEM] stale program directories" in out.stdout and "cleanup --yes" in out.stdout
         assert not os.path.exists(stale)  # the doctor's throwaway broker swept it, as any launch does
-        _program_dir(os.path.basename(stale), server.STALE_MIN_AGE + 5)
+        _program_dir(os.path.basename(stale), programdir.STALE_MIN_AGE + 5)
         listed = _run("cleanup")
         assert listed.returncode == 0 and stale in listed.stdout and "--yes" in listed.stdout
         assert os.path.isdir(stale)  # listing removes nothing
@@ -132,10 +132,10 @@ def test_cleanup_and_sweep_leave_a_directory_shmreduce_did_not_make():
     os.mkdir(mine, 0o700)
     with open(os.path.join(mine, "notes.txt"), "w") as f:
         f.write("mine")
-    then = time.time() - server.STALE_MIN_AGE - 5
+    then = time.time() - programdir.STALE_MIN_AGE - 5
     os.utime(mine, (then, then))
     try:
-        assert server.sweep_stale(shm_base()) == []
+        assert programdir.sweep_stale(shm_base()) == []
         out = _run("cleanup", "--yes")
         assert out.returncode == 0 and mine not in out.stdout, out.stdout
         with open(os.path.join(mine, "notes.txt")) as f:
@@ -153,7 +153,7 @@ def test_cleanup_leaves_a_program_directory_that_may_be_starting():
     young = _program_dir("shmreduce-00112233445566ff", 0)
     launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "shmreduce.broker.server", young, "1"])
     try:
-        assert server.sweep_stale(shm_base()) == []
+        assert programdir.sweep_stale(shm_base()) == []
         out = _run("cleanup", "--yes")
         assert out.returncode == 0 and os.path.isdir(young), out.stdout
     finally:

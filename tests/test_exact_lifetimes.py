@@ -834,7 +834,7 @@ def test_a_kept_storage_the_broker_let_go_of_is_forwarded_as_a_copy(registered_f
     bytes; one it sends on from a memfd whose descriptor is gone is shared anew (the
     receiver gets its bytes), one from a newer memfd goes in place; a blob of the oldest,
     loaded again by a process that does not map it, is refused with SharingError."""
-    from shmreduce.broker.server import FORWARDABLE
+    from shmreduce.broker.keeper import FORWARDABLE
 
     q, out, blobs = FORK.Queue(), FORK.Queue(), FORK.Queue()
     forward = Flag()

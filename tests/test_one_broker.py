@@ -86,13 +86,13 @@ def _sweep_while_a_new_broker_takes_the_directory(base: str, directory: str) -> 
     directory is still there)"""
     import fcntl
 
-    from shmreduce.broker import server
+    from shmreduce.broker import programdir
 
-    old = time.time() - 2 * server.STALE_MIN_AGE
-    server._make_program_dir(directory)
+    old = time.time() - 2 * programdir.STALE_MIN_AGE
+    programdir.make_program_dir(directory)
     os.utime(directory, (old, old))
     held: list[int] = []
-    real_lock_is_free = server.lock_is_free
+    real_lock_is_free = programdir.lock_is_free
 
     def lock_is_free(path: str) -> bool:
         free = real_lock_is_free(path)
@@ -101,7 +101,7 @@ def _sweep_while_a_new_broker_takes_the_directory(base: str, directory: str) -> 
             # anew and locks it.
             tomb = directory + ".test-tomb"
             os.rename(directory, tomb)
-            server._make_program_dir(directory)
+            programdir.make_program_dir(directory)
             held.append(os.open(os.path.join(directory, P.LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600))
             fcntl.flock(held[0], fcntl.LOCK_EX)
             os.utime(directory, (old, old))
@@ -110,9 +110,9 @@ def _sweep_while_a_new_broker_takes_the_directory(base: str, directory: str) -> 
             shutil.rmtree(tomb)
         return free
 
-    server.lock_is_free = lock_is_free  # type: ignore[assignment]
+    programdir.lock_is_free = lock_is_free  # type: ignore[assignment]
     try:
-        removed = server.sweep_stale(base)
+        removed = programdir.sweep_stale(base)
         return removed, os.path.exists(os.path.join(directory, P.LOCK_NAME))
     finally:
         import shutil
@@ -134,13 +134,13 @@ def test_a_sweep_never_removes_a_directory_whose_lock_a_live_broker_took_since()
 
 
 def _sweep_a_stale_directory(base: str, directory: str) -> tuple[list[str], bool]:
-    from shmreduce.broker import server
+    from shmreduce.broker import programdir
 
-    old = time.time() - 2 * server.STALE_MIN_AGE
-    server._make_program_dir(directory)
+    old = time.time() - 2 * programdir.STALE_MIN_AGE
+    programdir.make_program_dir(directory)
     os.close(os.open(os.path.join(directory, P.LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600))
     os.utime(directory, (old, old))
-    return server.sweep_stale(base), os.path.exists(directory)
+    return programdir.sweep_stale(base), os.path.exists(directory)
 
 
 def test_a_sweep_removes_a_dead_programs_directory():
@@ -159,14 +159,14 @@ def test_a_sweep_removes_what_an_interrupted_removal_or_making_left():
     import subprocess
     import sys
 
-    from shmreduce.broker import server
+    from shmreduce.broker import programdir
 
     base = program.shm_base()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
     dead_pid = int(dead.stdout)
     names = [f"{P.DIR_PREFIX}{os.urandom(8).hex()}.gone-{dead_pid}", f"{P.DIR_PREFIX}{os.urandom(8).hex()}.new-{dead_pid}"]
     live = f"{P.DIR_PREFIX}{os.urandom(8).hex()}.gone-{os.getpid()}"
-    old = time.time() - server.STALE_MIN_AGE - 5
+    old = time.time() - programdir.STALE_MIN_AGE - 5
     for name in [*names, live]:
         path = os.path.join(base, name)
         os.mkdir(path, 0o700)
@@ -174,7 +174,7 @@ def test_a_sweep_removes_what_an_interrupted_removal_or_making_left():
             f.write(b"x" * 4096)
         os.utime(path, (old, old))
     try:
-        removed = server.sweep_stale(base)
+        removed = programdir.sweep_stale(base)
         assert sorted(os.path.basename(p) for p in removed if ".gone-" in p or ".new-" in p) == sorted(names)
         assert not any(os.path.exists(os.path.join(base, n)) for n in names)
         assert os.path.isdir(os.path.join(base, live)), "a live process's removal was swept from under it"
@@ -200,7 +200,7 @@ def test_the_next_register_removes_what_a_program_killed_with_its_broker_left():
     import subprocess
     import sys
 
-    from shmreduce.broker import server
+    from shmreduce.broker import programdir
 
     root = subprocess.Popen([sys.executable, "-c", _KILLED_PROGRAM], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert root.stdout is not None
@@ -213,7 +213,7 @@ def test_the_next_register_removes_what_a_program_killed_with_its_broker_left():
         root.wait(30)
         assert wait_for(lambda: not broker_procs(directory), 10)
         assert any(n.startswith(P.SEG_PREFIX) for n in os.listdir(directory)), "nothing was left to sweep"
-        old = time.time() - server.STALE_MIN_AGE - 5
+        old = time.time() - programdir.STALE_MIN_AGE - 5
         os.utime(directory, (old, old))  # as if killed STALE_MIN_AGE ago
         nxt = subprocess.run([sys.executable, "-c", "import shmreduce; shmreduce.register()"], capture_output=True, text=True, timeout=60)
         assert nxt.returncode == 0, nxt.stderr

@@ -102,9 +102,6 @@ def _launch_section() -> Iterator[None]:
             _launch_owner = 0
 
 
-STATUS_FD = 3  # where the launcher finds its end of the status socket (server.STATUS_FD)
-
-
 def start_broker(directory: str, root_pid: int) -> None:
     """Run the launcher; return once a broker listens on *directory*.
 
@@ -140,7 +137,7 @@ def start_broker(directory: str, root_pid: int) -> None:
             (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
             out,
             (os.POSIX_SPAWN_DUP2, 1, 2),
-            (os.POSIX_SPAWN_DUP2, theirs.fileno(), STATUS_FD),
+            (os.POSIX_SPAWN_DUP2, theirs.fileno(), P.STATUS_FD),
         ]
         argv = [sys.executable, "-m", "shmreduce.broker.server", directory, str(root_pid)]
         pid = os.posix_spawn(sys.executable, argv, env, file_actions=actions)

@@ -254,6 +254,7 @@ LOCK_NAME = "broker.lock"
 MARKER_NAME = "shmreduce.program"
 DIR_PREFIX = "shmreduce-"
 SEG_PREFIX = "seg-"
+STATUS_FD = 3  # the launcher's end of the starter's status socket (server.py, "Launch handshake")
 
 MAGIC = b"SHMREDUCE1"
 NONCE_LEN = 32
