@@ -54,8 +54,8 @@ any process
                   uncounted (``pool._after_fork_in_child``), and can only let go of them.
     kill          SIGKILL: storages gone, a message being pickled never exists, the
                   ledger stays as it was.
-broker (``shmreduce/broker/server.py``)
-    reap          ``Broker._let_go_gens``: a dead receiver's entry HELD -> ``hdr_unhold``;
+broker (``shmreduce/broker/keeper.py``)
+    reap          ``Keeper.count_out``: a dead receiver's entry HELD -> ``hdr_unhold``;
                   TAKING -> ``hdr_retire_any`` (what the header holds now: a stale
                   load's hold may have counted there); DROPPING -> ``hdr_retire``.
 messages

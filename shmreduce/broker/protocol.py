@@ -89,7 +89,7 @@ Transport
     records still queued, which the broker reads on. A forked child opens its own
     connections (and its own token).
 
-    A closed connection is not a death (issue 27): the broker drops one for a bad
+    A closed connection is not a death: the broker drops one for a bad
     record or an I/O error, and the process lives on. A client whose post or request
     connection the broker closed opens a new one, once per operation, with the same
     token (its ledger posted again on a new post connection); only a broker that
@@ -135,9 +135,9 @@ at most MAX_RECORD bytes. None has a reply but S, F and P.
                  ``s``: body = status
                  (u8): 0 = kept; 2 = lost: the kernel dropped the descriptor, the
                  broker being at its descriptor limit (MSG_CTRUNC). The sender then
-                 fails with a SharingError before any ref to it is sent (issue 29,
-                 item 2: a deposit lost on a fire-and-forget record made every later
-                 fetch of it look stale, and the message was lost silently).
+                 fails with a SharingError before any ref to it is sent (a deposit
+                 lost on a fire-and-forget record would make every later
+                 fetch of it look stale, and lose the message silently).
     X  drop      body = inodes (ASCII decimal, "\n"-joined): this client no longer
                  uses these memfds (out of its pool).
     F  fetch     body = one inode. Reply ``f``: body = status (u8) + descriptors
@@ -155,8 +155,8 @@ at most MAX_RECORD bytes. None has a reply but S, F and P.
                  storages die, so the broker must not count it out at the close. A K
                  not posted within IO_TIMEOUT (the broker stopped, the buffer full)
                  leaves the identity known while its process lives; its ledger goes
-                 to the next identity that posts it, so nothing is counted out twice
-                 (issue 29, item 6); its memfds and files are let go of at its death.
+                 to the next identity that posts it, so nothing is counted out twice;
+                 its memfds and files are let go of at its death.
     P  ping      body empty, or ``full``. Reply ``p`` with body = JSON of the broker's
                  counters, ``records`` among them (how many of each op it has read).
                  A plain ping reads no ledger: its cost does not grow with what
@@ -179,9 +179,9 @@ Lifetimes
     reconnects (same token: it is the same client again) or dies. One that said K is
     done with at its last close (it counts itself out; its memfds and files are let
     go of). Where a pidfd cannot be had (a kernel before 5.3), a client is counted out
-    at its last close, as before.
+    at its last close.
 
-    What a broker killed keeps, and what it loses (issue 36, item 6). Kept: every
+    What a broker killed keeps, and what it loses. Kept: every
     header (in the segments), every ledger (its process's memfd, posted again on
     its next connection), every memfd and file a live owner keeps (it brings them
     to the new broker when it connects: ``transfer._bring_back``), so every hold is
@@ -195,12 +195,12 @@ Lifetimes
     sender sees its post connection's hang-up at its next message
     (``tests/test_broker_kills.py``).
 
-    What keeps a segment (the rule every timer follows, SPEC 15: a timer frees only
+    What keeps a segment (the rule every timer follows: a timer frees only
     what no message or holder can reach any more). A memfd or file is kept while its
     maker uses it (deposited with ``h``, or held: in its pool); then, nobody using
     it (``Broker._reach``), while a process holds its generation (the header's
     holders, each counted out at its death from its ledger: a receiver may forward
-    what an exited maker made, issue 36, item 9), or while refs sent in its
+    what an exited maker made), or while refs sent in its
     generation are not all loaded and one of their senders lives (its maker, a
     forwarder that deposited it with ``f``: a generation retired by a fork keeps
     its queued messages however long they wait, item 8), or ``$SHMREDUCE_ORPHAN_TTL``
@@ -224,7 +224,7 @@ Failures
     ``$SHMREDUCE_LOG_LEVEL`` (default WARNING). WARNING only for what a user must act
     on (a refused connection, a protocol error, out of descriptors, a crash); a peer
     that went away mid-request, a client leaving and the lines above are DEBUG: a
-    program stopped early writes nothing on its user's stderr (SPEC 13). Clients log to
+    program stopped early writes nothing on its user's stderr. Clients log to
     ``logging.getLogger("shmreduce")``: a lost connection, a protocol error, a
     broker that restarted.
 
@@ -359,7 +359,7 @@ def decode_names(blob: bytes) -> list[str]:
 def identity(st: os.stat_result) -> int:
     """A memfd's identity, as refs, deposits, fetches and ledgers name it: its device
     and inode (``st_dev << 64 | st_ino``): a memfd and a ``/dev/shm`` file torch shared
-    may have the same inode number on two devices (issue 27, item 7)."""
+    may have the same inode number on two devices."""
     return st.st_dev << 64 | st.st_ino
 
 
