@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -210,6 +211,38 @@ def test_a_file_descriptor_program_lives_on_when_another_process_punches_its_mem
     for key in ("send_received", "send_own", "load_sent", "load_in_flight", "load_waiting"):
         outcomes = result[key] if isinstance(result[key], list) else [result[key]]
         assert set(outcomes) <= {"ok", "SharingError"}, result
+
+
+_HOLDER = textwrap.dedent(
+    """
+    import os, sys, torch, shmreduce
+    from shmreduce import program
+    shmreduce.register(strategy="file_system")
+    t = torch.ones(1000)
+    shmreduce.dumps(t)  # t moves into a segment file of this program
+    directory = program.current().directory
+    for name in os.listdir(directory):
+        if name.startswith("seg-"):
+            os.truncate(os.path.join(directory, name), 0)
+    print("cut", flush=True)
+    print(float(t.sum()))  # the user's own read of its memory: not shmreduce's to guard
+    """
+)
+
+
+def test_a_tensor_held_in_a_cut_file_faults_as_with_torch(tmp_path):
+    # The guard takes only the faults of shmreduce's own accesses: the user's read of a
+    # tensor whose file was cut goes to the handler it replaced (here the default: the
+    # process ends with SIGBUS), as under torch's own file_system; never swallowed or
+    # retried for ever.
+    script = tmp_path / "holder.py"
+    script.write_text(_HOLDER)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert out.returncode == -signal.SIGBUS and out.stdout == "cut\n", f"{out.returncode}\n{out.stdout}\n{out.stderr}"
+    base = os.environ["SHMREDUCE_SHM_DIR"]
+    assert wait_for(lambda: not os.listdir(base), TIMEOUT), f"left in {base}: {os.listdir(base)}"
+    assert wait_for(lambda: not broker_procs(), TIMEOUT), f"brokers left: {broker_procs()}"
 
 
 if __name__ == "__main__":
