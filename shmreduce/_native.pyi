@@ -16,6 +16,7 @@ END_WAIT: int
 END_FREED: int
 END_RETIRED: int
 UNCOUNTED: int
+CUT_MESSAGE: str
 
 @final
 class Gen:

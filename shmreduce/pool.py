@@ -196,6 +196,7 @@ class Segment:
     )
 
     def __init__(self, kind: str, key: int | str, directory: str, fd: int | None, size: int, map_fd: int) -> None:
+        _native.guard_faults()  # a file another process cuts under this mapping: an error, not a SIGBUS (cut)
         addr = _platform.map_shared(map_fd, size)
         self.kind, self.key, self.directory = kind, key, directory  # directory: fs only
         self.fd, self.addr, self.size = fd, addr, size
@@ -251,6 +252,12 @@ class Segment:
         token = self.live_token(self.gen)
         if token is not None:
             token.seal()  # a slab: nothing more is placed in it
+
+    def lose(self) -> None:
+        """Its file was cut by another process (``cut``): never filled, reused or sent
+        from again; what lies in it is lost."""
+        self.retired = True
+        self.seal()
 
     def live_token(self, gen: int) -> Any | None:
         """The token of *gen*, if it still makes storages here (alive, or dead but not
@@ -327,6 +334,14 @@ class Segment:
         if self.kind == "fs" and exc.errno in _FULL:
             return out_of_shm(self.directory, nbytes, exc.strerror or str(exc))
         return _no_memory(exc, what, nbytes)
+
+
+def cut(exc: OSError) -> bool:
+    """Whether *exc* says a segment's memory is gone: a header function or a copy into
+    it met a SIGBUS, its file truncated by another process of the user (a memfd is
+    sealed against it). The guard (``_native.guard_faults``, installed by every process
+    that maps a segment) turns that SIGBUS into this error."""
+    return exc.errno == errno.EFAULT
 
 
 def _unmap_close(addr: int, size: int, fd: int | None) -> None:
@@ -471,7 +486,10 @@ def settle(dead: list[Any] | None = None) -> None:
             # is cleared after: a process killed in between is retired, not guessed.
             if broker.dropping(entry):  # else this process is exiting: its brokers count it out
                 _faults.point("letgo.ledger")
-                _native.hdr_unhold(seg.addr, gen)
+                try:
+                    _native.hdr_unhold(seg.addr, gen)
+                except OSError:  # cut: nothing left to count out of
+                    pass
                 _faults.point("letgo.unhold")
                 broker.let_go(entry)
             continue
@@ -505,7 +523,10 @@ def retire_in_use() -> None:
     go back to the system once the last process maps them no more."""
     for seg in _in_use():
         if seg.gen:
-            _native.hdr_retire(seg.addr, seg.gen)  # its owner, this process or another, reads it there
+            try:
+                _native.hdr_retire(seg.addr, seg.gen)  # its owner, this process or another, reads it there
+            except OSError:
+                seg.lose()  # cut: never reused anyway
 
 
 # -- generations -------------------------------------------------------------------
@@ -590,7 +611,14 @@ class Pool:
                     self.drop_current(tier)
                     return self._own(nbytes, source, zero)
                 if fits:
-                    put = token.put(nbytes, source, zero)
+                    try:
+                        put = token.put(nbytes, source, zero)
+                    except OSError as exc:
+                        if not cut(exc):
+                            raise
+                        seg.lose()  # its generation ends with its last storage (end)
+                        self.drop_current(tier)
+                        return self.place(nbytes, source, zero)
                     if put is not None:
                         return seg, seg.gen, put[0], put[1], token
             try:
@@ -612,6 +640,11 @@ class Pool:
         token = self._twice(lambda last: self._begin(seg, retry=not last))
         try:
             storage = self._twice(lambda last: seg.fill(token, offset, nbytes, source, zero))
+        except OSError as exc:
+            if not cut(exc):
+                raise
+            seg.lose()  # cut by another process under this copy: its generation ends with the token
+            return self._own(nbytes, source, zero)
         finally:
             token.release()  # the maker's hold: failing, the token's death gives the segment back (settle)
         return seg, seg.gen, offset, storage, token
@@ -660,11 +693,16 @@ class Pool:
             free = self.free.get(size)
         if free:
             with self.lock:
-                if free:
-                    seg = free.pop()
+                seg = free.pop() if free else None
+                if seg is not None:
                     self.free_bytes -= seg.size
-                    self.reused += 1
-                    return seg
+            if seg is not None:
+                if seg.kind == "fs" and seg.fd is not None and os.fstat(seg.fd).st_size < seg.size:
+                    seg.lose()  # cut by another process while free
+                    self.closed(seg)
+                    return self.take(size)
+                self.reused += 1
+                return seg
         seg = self.create(size)
         seg.pool = self
         self.made += 1
@@ -717,7 +755,19 @@ class Pool:
         (``hdr_end``): of every thread that ends (segment, generation), one gives it
         back or closes it; a stale pair (the segment reused since) does nothing.
         *waited*: it is in ``waiting``, taken out by the thread whose transition it was."""
-        done = _native.hdr_end(seg.addr, gen)
+        try:
+            done = _native.hdr_end(seg.addr, gen)
+        except OSError:
+            # Cut by another process: what was sent in it is lost. Closed by the one
+            # caller that takes it out of ``waiting`` (no header says which one now).
+            seg.lose()
+            with self.lock:
+                claimed = not waited or self.waiting.get(seg.key) == (seg, gen)
+                if waited and claimed:
+                    del self.waiting[seg.key]
+            if claimed:
+                self.closed(seg)
+            return True
         if done == _END_WAIT:
             return False
         if waited or done == _END_STALE:
@@ -822,7 +872,10 @@ class Pool:
                 seg.seal()
         for seg, gen in self.waiting.copy().values():
             if gone(seg):
-                _native.hdr_retire(seg.addr, gen)
+                try:
+                    _native.hdr_retire(seg.addr, gen)
+                except OSError:
+                    seg.lose()  # cut: the next reap closes it all the same
         _native.unindex_all()
         taken = []
         with self.lock:

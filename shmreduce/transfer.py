@@ -313,7 +313,10 @@ def share(storage: torch.UntypedStorage) -> tuple:
         template = ("fd", out.program, seg.key, gen, 0)
     ticket = 0
     if gen:
-        ticket = _native.hdr_issue(seg.addr)
+        try:
+            ticket = _native.hdr_issue(seg.addr)
+        except OSError:
+            raise SharingError(_native.CUT_MESSAGE) from None  # nothing of this ref counted yet
         token = seg.live_token(gen)
         if token is not None:
             token.acquire()  # alive: *storage* is one of its storages
@@ -651,7 +654,12 @@ def _new_token(seg: pool.Segment, kind: str, directory: str, segkey: Any, gen: i
         # a process killed in between is retired, not guessed (protocol.py, "Lifetimes").
         entry = broker.hold(directory, segkey, gen)
         _faults.point("load.ledger")
-        if not _native.hdr_hold(seg.addr, gen):
+        try:
+            held = _native.hdr_hold(seg.addr, gen)
+        except OSError:
+            broker.let_go(entry)
+            raise SharingError(_native.CUT_MESSAGE) from None
+        if not held:
             broker.let_go(entry)
             raise stale_message(f"segment {segkey!r} holds other data now (generation {gen:x} is over)")
         _faults.point("load.hold")
@@ -802,7 +810,10 @@ def _bring_back(client: broker.BrokerClient, file_gone: Callable[[pool.Segment],
     segment goes to it with its next ref, as before."""
 
     def reachable(seg: pool.Segment) -> bool:
-        _gen, sent, loaded, holders = _native.hdr_read(seg.addr)
+        try:
+            _gen, sent, loaded, holders = _native.hdr_read(seg.addr)
+        except OSError:
+            return False  # cut by another process: nothing in it to bring back
         return seg.fd is not None and seg.gen != 0 and (holders > 0 or sent > loaded)
 
     for seg in _fd_pool.owned():

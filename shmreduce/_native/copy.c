@@ -110,14 +110,28 @@ typedef struct {
     int fd;
     off_t offset;
     int stream;
-    int error; /* a write's errno, 0 if it wrote every byte */
+    int error;      /* a write's errno, EFAULT for a copy that faulted; 0 if it did all */
+    void *fault_at; /* where a copy faulted */
 } Part;
 
+static void
+copy_guarded(void *arg)
+{
+    Part *part = arg;
+    copy_part(part->dest, part->src, part->n, part->stream);
+}
+
+/* A part, on the calling thread. A copy runs under the SIGBUS guard (header.c): either
+ * side may be memory another process truncated; the guard's jump is per thread, so
+ * each part's thread sets its own. */
 static void
 run_part(Part *part)
 {
     if (part->fd < 0) {
-        copy_part(part->dest, part->src, part->n, part->stream);
+        if (shm_guard(copy_guarded, part) != 0) {
+            part->error = EFAULT;
+            part->fault_at = shm_fault_address();
+        }
         return;
     }
     size_t done = 0;
@@ -186,10 +200,11 @@ shm_copy_threads(Py_ssize_t nbytes)
 }
 
 /* n bytes of src (NULL: zeros) to dest, or, with fd >= 0, written to fd at offset, in
- * `threads` page-aligned parts run at once (shm_copy_threads says how many; GIL
- * released). 0, or the errno of a write that failed. */
+ * `threads` page-aligned parts run at once (shm_copy_threads says how many; the GIL
+ * held or not). 0; or the errno of a write that failed; or EFAULT for a copy that
+ * faulted (a side cut by another process), *fault_at where. */
 int
-shm_copy(char *dest, const char *src, size_t n, int fd, off_t offset, int threads)
+shm_copy(char *dest, const char *src, size_t n, int fd, off_t offset, int threads, void **fault_at)
 {
     Part parts[MAX_THREADS];
     pthread_t ids[MAX_THREADS];
@@ -206,13 +221,12 @@ shm_copy(char *dest, const char *src, size_t n, int fd, off_t offset, int thread
     for (size_t at = 0; used < threads && (at < n || used == 0); at += each, used++) {
         size_t len = n - at < each ? n - at : each;
         parts[used] = (Part){dest != NULL ? dest + at : NULL, src != NULL ? src + at : NULL, len,
-                             fd, offset + (off_t)at, shm_process.streaming > 0, 0};
+                             fd, offset + (off_t)at, shm_process.streaming > 0, 0, NULL};
     }
     for (int i = 1; i < used; i++) {
         started[i] = pthread_create(&ids[i], NULL, part_thread, &parts[i]) == 0;
     }
     run_part(&parts[0]);
-    int error = parts[0].error;
     for (int i = 1; i < used; i++) {
         if (started[i]) {
             pthread_join(ids[i], NULL);
@@ -220,11 +234,16 @@ shm_copy(char *dest, const char *src, size_t n, int fd, off_t offset, int thread
         else {
             run_part(&parts[i]);
         }
-        if (error == 0) {
-            error = parts[i].error;
+    }
+    for (int i = 0; i < used; i++) {
+        if (parts[i].error != 0) {
+            if (fault_at != NULL) {
+                *fault_at = parts[i].fault_at;
+            }
+            return parts[i].error;
         }
     }
-    return error;
+    return 0;
 }
 
 PyDoc_STRVAR(copy_threads_doc,
@@ -267,7 +286,7 @@ native_write(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t narg
     int threads = shm_copy_threads(nbytes);
     int error;
     Py_BEGIN_ALLOW_THREADS
-    error = shm_copy(NULL, address, (size_t)nbytes, (int)fd, (off_t)offset, threads);
+    error = shm_copy(NULL, address, (size_t)nbytes, (int)fd, (off_t)offset, threads, NULL);
     Py_END_ALLOW_THREADS
     if (error != 0) {
         errno = error;

@@ -1,10 +1,11 @@
-/* header.c: a pooled segment's shared header, and the broker's guard on it.
+/* header.c: a pooled segment's shared header, and the guard on memory another process can cut.
  *
  * Owns: every access to a header's words (atomics only: it is shared by every
  * process that maps the segment), the tickets that tell a first load from a
- * repeated one, and the SIGBUS guard the broker runs its header work under.
- * Calls nothing of the others; lifetime.c and pickler.c call issue_ticket and
- * count_loaded. The rules the words follow are written once, in broker/protocol.py
+ * repeated one, and the SIGBUS guard every access to a segment's shared memory
+ * runs under (a file another process truncated: an error, not the process's end).
+ * Calls nothing of the others; lifetime.c and pickler.c call issue_ticket,
+ * count_loaded, count_sent and the guard (shm_guard). The rules the words follow are written once, in broker/protocol.py
  * ("Lifetimes"); tests/test_lifetime_model.py checks them exhaustively.
  */
 #include "native.h"
@@ -38,6 +39,147 @@
 #define FREEING (1ULL << 63)
 /* hdr_hold's wait for an owner's check (a few instructions) */
 #define FREEING_WAIT_NS 1000000000LL
+
+/* ---- the guard on memory another process can cut ----
+ *
+ * A file_system segment is a file any process of the user can truncate (a memfd is
+ * sealed): a read or write of its mapping past the file's new end is then a SIGBUS.
+ * Every access this module makes to a header, and each copy into a segment
+ * (lifetime.c), runs under shm_guard(): with a SIGBUS handler, installed by
+ * guard_faults() in every process that maps a segment, that jumps back, and the
+ * access fails instead of ending the process (a segment found cut is lost). Each
+ * guarded function touches that memory and nothing else (no Python, no lock, no
+ * allocation), so nothing is left half done by the jump. A fault anywhere else (a
+ * user's tensor in a cut file) goes to the handler this one replaced, as with torch. */
+
+/* Initial-exec TLS: its first touch in a thread allocates nothing (a dynamic TLS block
+ * may be malloc'd on first use, which a signal handler must never do). */
+static _Thread_local sigjmp_buf *fault_jump __attribute__((tls_model("initial-exec")));
+/* The address the last guarded fault of this thread was at (a copy tells its
+ * destination's from its source's by it). */
+static _Thread_local void *fault_address __attribute__((tls_model("initial-exec")));
+/* The process's SIGBUS disposition (process-wide: native.h says why). */
+static struct {
+    int on;                    /* guard_faults() was called */
+    struct sigaction previous; /* the handler it replaced (faulthandler's, or the default) */
+} sigbus_guard;
+
+static void
+on_sigbus(int sig, siginfo_t *info, void *context)
+{
+    (void)context;
+    sigjmp_buf *jump = fault_jump;
+    if (jump != NULL) {
+        fault_jump = NULL;
+        fault_address = info != NULL ? info->si_addr : NULL;
+        siglongjmp(*jump, 1);
+    }
+    /* Not ours: the handler it replaced gets it. A fault is chained by returning: the
+     * faulting access runs again and faults into that handler, with its own address
+     * and siginfo. A signal sent (kill, raise) has no access to run again: sent anew. */
+    sigaction(sig, &sigbus_guard.previous, NULL);
+    if (info == NULL || info->si_code <= 0) {
+        raise(sig);
+    }
+}
+
+/* Where the last guarded fault of this thread was. */
+void *
+shm_fault_address(void)
+{
+    return fault_address;
+}
+
+/* fn(arg), guarded: 0, or -1 if it faulted (no Python error set; needs no GIL). */
+int
+shm_guard(void (*fn)(void *), void *arg)
+{
+    if (!sigbus_guard.on) {
+        fn(arg);
+        return 0;
+    }
+    sigjmp_buf jump;
+    if (sigsetjmp(jump, 0)) {
+        return -1; /* the handler cleared fault_jump */
+    }
+    fault_jump = &jump;
+    fn(arg);
+    fault_jump = NULL;
+    return 0;
+}
+
+typedef void (*header_op)(_Atomic uint64_t *h, uint64_t arg, uint64_t *out);
+
+typedef struct {
+    header_op op;
+    _Atomic uint64_t *h;
+    uint64_t arg, *out;
+} HeaderCall;
+
+static void
+run_header_call(void *arg)
+{
+    HeaderCall *call = arg;
+    call->op(call->h, call->arg, call->out);
+}
+
+/* op on the header h, guarded: 0, or -1 (no error set) if the segment was cut. */
+static int
+shm_header(header_op op, _Atomic uint64_t *h, uint64_t arg, uint64_t *out)
+{
+    HeaderCall call = {op, h, arg, out};
+    return shm_guard(run_header_call, &call);
+}
+
+/* The error a Python caller of a header function gets for a cut segment. */
+static void
+set_cut(void)
+{
+    errno = EFAULT;
+    PyErr_SetFromErrno(PyExc_OSError);
+}
+
+/* op on the header h, guarded: 0, or -1 with OSError(EFAULT) raised. */
+static int
+guarded(header_op op, _Atomic uint64_t *h, uint64_t arg, uint64_t *out)
+{
+    if (shm_header(op, h, arg, out) < 0) {
+        set_cut();
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(guard_faults_doc,
+             "guard_faults($module, /)\n--\n\nFrom now on a SIGBUS in a header function, or in "
+             "a copy into a segment, raises instead of ending the process (OSError(EFAULT) from "
+             "the header functions): its segment was truncated by another process. Installed "
+             "again if another handler replaced it since.");
+
+static PyObject *
+guard_faults(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
+{
+    struct sigaction before;
+    if (sigaction(SIGBUS, NULL, &before) < 0) {
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    if ((before.sa_flags & SA_SIGINFO) && before.sa_sigaction == on_sigbus) {
+        sigbus_guard.on = 1;
+        Py_RETURN_NONE;
+    }
+    sigbus_guard.previous = before; /* known before this handler can run */
+    struct sigaction action;
+    memset(&action, 0, sizeof(action));
+    action.sa_sigaction = on_sigbus;
+    /* not blocked in the handler: a sigsetjmp(, 0) needs no mask back */
+    action.sa_flags = SA_SIGINFO | SA_NODEFER;
+    sigemptyset(&action.sa_mask);
+    if (sigaction(SIGBUS, &action, NULL) < 0) {
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    sigbus_guard.on = 1;
+    Py_RETURN_NONE;
+}
 
 static _Atomic uint64_t *
 header_of(PyObject *addr_obj)
@@ -75,25 +217,18 @@ parse_header_gen(PyObject *const *args, Py_ssize_t nargs, const char *name, _Ato
     return 0;
 }
 
-/* A ref's ticket drawn from the header h (the generation is held: by its owner's
- * storage, or by the sender's own hold of a storage it forwards). */
-uint64_t
-shm_issue_ticket(_Atomic uint64_t *h)
+static void
+op_issue(_Atomic uint64_t *h, uint64_t Py_UNUSED(arg), uint64_t *out)
 {
-    assert((uintptr_t)h % 8 == 0); /* a pooled Gen's address, checked when it was made */
-    uint64_t ticket = atomic_fetch_add(&h[HDR_ISSUED], 1);
-    if (ticket >= TICKETS) {
+    out[0] = atomic_fetch_add(&h[HDR_ISSUED], 1);
+    if (out[0] >= TICKETS) {
         atomic_fetch_or(&h[HDR_FLAGS], RETIRED | UNCOUNTED);
     }
-    return ticket;
 }
 
-/* The ref of ticket t loaded (the generation held here): counted once, at its first
- * load. A ticket never issued (a forged ref) counts nothing. */
-void
-shm_count_loaded(_Atomic uint64_t *h, uint64_t ticket)
+static void
+op_loaded(_Atomic uint64_t *h, uint64_t ticket, uint64_t *Py_UNUSED(out))
 {
-    assert((uintptr_t)h % 8 == 0);
     if (ticket >= atomic_load(&h[HDR_ISSUED])) {
         return;
     }
@@ -105,6 +240,44 @@ shm_count_loaded(_Atomic uint64_t *h, uint64_t ticket)
     if (!(atomic_fetch_or(&h[HDR_BITS + ticket / 64], bit) & bit)) {
         atomic_fetch_add(&h[HDR_LOADED], 1);
     }
+}
+
+static void
+op_sent(_Atomic uint64_t *h, uint64_t Py_UNUSED(arg), uint64_t *Py_UNUSED(out))
+{
+    atomic_fetch_add(&h[HDR_SENT], 1);
+}
+
+/* A ref's ticket drawn from the header h (the generation is held: by its owner's
+ * storage, or by the sender's own hold of a storage it forwards): 0, or -1 (no error
+ * set) if the segment was cut under h. */
+int
+shm_issue_ticket(_Atomic uint64_t *h, uint64_t *ticket)
+{
+    assert((uintptr_t)h % 8 == 0); /* a pooled Gen's address, checked when it was made */
+    return shm_header(op_issue, h, 0, ticket);
+}
+
+/* The ref of ticket t loaded (the generation held here): counted once, at its first
+ * load. A ticket never issued (a forged ref) counts nothing. 0, or -1 with
+ * sharing_error raised if the segment was cut under h. */
+int
+shm_count_loaded(_Atomic uint64_t *h, uint64_t ticket, PyObject *sharing_error)
+{
+    assert((uintptr_t)h % 8 == 0);
+    if (shm_header(op_loaded, h, ticket, NULL) < 0) {
+        PyErr_SetString(sharing_error, SHM_CUT_MESSAGE);
+        return -1;
+    }
+    return 0;
+}
+
+/* One ref of the generation at h counted sent; nothing where the segment was cut
+ * (what was sent in it is lost: its loads fail). */
+void
+shm_count_sent(_Atomic uint64_t *h)
+{
+    (void)shm_header(op_sent, h, 0, NULL);
 }
 
 static int
@@ -130,7 +303,11 @@ static PyObject *
 hdr_issue(PyObject *Py_UNUSED(module), PyObject *addr)
 {
     _Atomic uint64_t *h = header_of(addr);
-    return h == NULL ? NULL : PyLong_FromUnsignedLongLong(shm_issue_ticket(h));
+    uint64_t ticket;
+    if (h == NULL || guarded(op_issue, h, 0, &ticket) < 0) {
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(ticket);
 }
 
 PyDoc_STRVAR(
@@ -149,7 +326,9 @@ hdr_loaded(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     if (h == NULL || parse_ticket(args[1], &ticket) < 0) {
         return NULL;
     }
-    shm_count_loaded(h, ticket);
+    if (guarded(op_loaded, h, ticket, NULL) < 0) {
+        return NULL;
+    }
     Py_RETURN_NONE;
 }
 
@@ -157,144 +336,88 @@ PyDoc_STRVAR(hdr_hold_doc, "hdr_hold($module, addr, gen, /)\n--\n\n-> bool\n\nCo
                            "holder of generation gen, then check that the header holds gen: False "
                            "(holding nothing) if it holds another, or is being freed for good.");
 
+/* out[0]: HELD (counted a holder of gen, which the header holds), OTHER (it holds
+ * another: nothing counted) or BUSY (FREEING set: nothing counted, ask again). */
+enum { HOLD_OTHER, HOLD_HELD, HOLD_BUSY };
+
+static void
+op_hold(_Atomic uint64_t *h, uint64_t gen, uint64_t *out)
+{
+    uint64_t n = atomic_load(&h[HDR_HOLDERS]);
+    do {
+        if (n & FREEING) {
+            out[0] = HOLD_BUSY;
+            return;
+        }
+    } while (!atomic_compare_exchange_weak(&h[HDR_HOLDERS], &n, n + 1));
+    if (atomic_load(&h[HDR_GEN]) != gen) {
+        atomic_fetch_sub(&h[HDR_HOLDERS], 1);
+        out[0] = HOLD_OTHER;
+        return;
+    }
+    out[0] = HOLD_HELD;
+}
+
+static void
+op_freeing(_Atomic uint64_t *h, uint64_t Py_UNUSED(arg), uint64_t *out)
+{
+    out[0] = (atomic_load(&h[HDR_HOLDERS]) & FREEING) != 0;
+}
+
 static PyObject *
 hdr_hold(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
     _Atomic uint64_t *h;
-    uint64_t gen;
+    uint64_t gen, out[1];
     if (parse_header_gen(args, nargs, "hdr_hold", &h, &gen) < 0) {
         return NULL;
     }
-    uint64_t n = atomic_load(&h[HDR_HOLDERS]);
     for (;;) {
-        if (n & FREEING) {
-            /* Its owner is checking it free (a few instructions): wait, without the GIL
-             * (nothing here may stall this process's other threads on another process),
-             * at most FREEING_WAIT_NS. A bit still set then was left by an owner killed
-             * mid-check: that generation was being ended (nobody held it, every ref was
-             * loaded), so this load is of a ref loaded already: refused as stale. */
-            int cleared = 0;
-            Py_BEGIN_ALLOW_THREADS
-            struct timespec start, now, pause = {0, 100000};
-            clock_gettime(CLOCK_MONOTONIC, &start);
-            for (long spins = 0;; spins++) {
-                if (spins < 1000) {
-                    sched_yield();
-                }
-                else {
-                    nanosleep(&pause, NULL);
-                }
-                n = atomic_load(&h[HDR_HOLDERS]);
-                if (!(n & FREEING)) {
-                    cleared = 1;
-                    break;
-                }
-                clock_gettime(CLOCK_MONOTONIC, &now);
-                if ((now.tv_sec - start.tv_sec) * 1000000000LL + (now.tv_nsec - start.tv_nsec) >
-                    FREEING_WAIT_NS) {
-                    break;
-                }
-            }
-            Py_END_ALLOW_THREADS
-            if (!cleared) {
-                Py_RETURN_FALSE;
-            }
-            continue;
+        if (guarded(op_hold, h, gen, out) < 0) {
+            return NULL;
         }
-        if (atomic_compare_exchange_weak(&h[HDR_HOLDERS], &n, n + 1)) {
-            break;
+        if (out[0] != HOLD_BUSY) {
+            return PyBool_FromLong(out[0] == HOLD_HELD);
+        }
+        /* Its owner is checking it free (a few instructions): wait, without the GIL
+         * (nothing here may stall this process's other threads on another process),
+         * at most FREEING_WAIT_NS. A bit still set then was left by an owner killed
+         * mid-check: that generation was being ended (nobody held it, every ref was
+         * loaded), so this load is of a ref loaded already: refused as stale. */
+        int cleared = 0, cut = 0;
+        Py_BEGIN_ALLOW_THREADS
+        struct timespec start, now, pause = {0, 100000};
+        clock_gettime(CLOCK_MONOTONIC, &start);
+        for (long spins = 0;; spins++) {
+            if (spins < 1000) {
+                sched_yield();
+            }
+            else {
+                nanosleep(&pause, NULL);
+            }
+            if (shm_header(op_freeing, h, 0, out) < 0) {
+                cut = 1;
+                break;
+            }
+            if (!out[0]) {
+                cleared = 1;
+                break;
+            }
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            if ((now.tv_sec - start.tv_sec) * 1000000000LL + (now.tv_nsec - start.tv_nsec) >
+                FREEING_WAIT_NS) {
+                break;
+            }
+        }
+        Py_END_ALLOW_THREADS
+        if (cut) {
+            set_cut();
+            return NULL;
+        }
+        if (!cleared) {
+            Py_RETURN_FALSE;
         }
     }
-    if (atomic_load(&h[HDR_GEN]) != gen) {
-        atomic_fetch_sub(&h[HDR_HOLDERS], 1);
-        Py_RETURN_FALSE;
-    }
-    Py_RETURN_TRUE;
-}
-
-/* ---- the header work the broker does, guarded ----
- *
- * The broker maps the header of every segment it keeps, and a file_system file can be
- * truncated by any process of the user (a memfd is sealed): a read of its header is
- * then a SIGBUS. Where guard_faults() was called (the broker), each of these runs
- * with a SIGBUS handler that jumps back and raises OSError(EFAULT) instead of ending
- * the process. Each op touches the header and nothing else, so
- * nothing is left half done by the jump. */
-
-/* Initial-exec TLS: its first touch in a thread allocates nothing (a dynamic TLS block
- * may be malloc'd on first use, which a signal handler must never do). */
-static _Thread_local sigjmp_buf *fault_jump __attribute__((tls_model("initial-exec")));
-/* The process's SIGBUS disposition (process-wide: native.h says why). */
-static struct {
-    int on;                    /* guard_faults() was called */
-    struct sigaction previous; /* the handler it replaced (faulthandler's, or the default) */
-} sigbus_guard;
-
-static void
-on_sigbus(int sig, siginfo_t *info, void *context)
-{
-    (void)context;
-    sigjmp_buf *jump = fault_jump;
-    if (jump != NULL) {
-        fault_jump = NULL;
-        siglongjmp(*jump, 1);
-    }
-    /* Not ours: the handler it replaced gets it. A fault is chained by returning: the
-     * faulting access runs again and faults into that handler, with its own address
-     * and siginfo. A signal sent (kill, raise) has no access to run again: sent anew. */
-    sigaction(sig, &sigbus_guard.previous, NULL);
-    if (info == NULL || info->si_code <= 0) {
-        raise(sig);
-    }
-}
-
-typedef void (*header_op)(_Atomic uint64_t *h, uint64_t arg, uint64_t *out);
-
-static int
-guarded(header_op op, _Atomic uint64_t *h, uint64_t arg, uint64_t *out)
-{
-    if (!sigbus_guard.on) {
-        op(h, arg, out);
-        return 0;
-    }
-    sigjmp_buf jump;
-    if (sigsetjmp(jump, 0)) {
-        errno = EFAULT;
-        PyErr_SetFromErrno(PyExc_OSError); /* the segment was truncated under its header */
-        return -1;
-    }
-    fault_jump = &jump;
-    op(h, arg, out);
-    fault_jump = NULL;
-    return 0;
-}
-
-PyDoc_STRVAR(guard_faults_doc,
-             "guard_faults($module, /)\n--\n\nFrom now on the header functions the broker calls "
-             "raise OSError(EFAULT) where a segment was truncated under its header, instead of a "
-             "SIGBUS ending the process.");
-
-static PyObject *
-guard_faults(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
-{
-    struct sigaction action;
-    memset(&action, 0, sizeof(action));
-    action.sa_sigaction = on_sigbus;
-    /* not blocked in the handler: a sigsetjmp(, 0) needs no mask back */
-    action.sa_flags = SA_SIGINFO | SA_NODEFER;
-    sigemptyset(&action.sa_mask);
-    struct sigaction before;
-    if (sigaction(SIGBUS, NULL, &before) < 0) {
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    if (before.sa_sigaction != on_sigbus) {
-        sigbus_guard.previous = before; /* known before this handler can run */
-    }
-    if (sigaction(SIGBUS, &action, NULL) < 0) {
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    sigbus_guard.on = 1;
-    Py_RETURN_NONE;
 }
 
 static void
@@ -382,25 +505,22 @@ PyDoc_STRVAR(hdr_end_doc,
  * generation cannot change under the check, so a caller holding a stale (segment,
  * generation) pair ends nothing of the next one, and exactly one caller frees it or
  * claims its close. */
-static PyObject *
-hdr_end(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+static void
+op_end(_Atomic uint64_t *h, uint64_t gen, uint64_t *out)
 {
-    _Atomic uint64_t *h;
-    uint64_t gen;
-    if (parse_header_gen(args, nargs, "hdr_end", &h, &gen) < 0) {
-        return NULL;
-    }
     if (atomic_load(&h[HDR_GEN]) != gen) {
-        return PyLong_FromLong(END_STALE);
+        out[0] = END_STALE;
+        return;
     }
     uint64_t n = atomic_load(&h[HDR_HOLDERS]);
     do {
         if (n & FREEING) {
             /* another thread or process is deciding: ask again later */
-            return PyLong_FromLong(END_WAIT);
+            out[0] = END_WAIT;
+            return;
         }
     } while (!atomic_compare_exchange_weak(&h[HDR_HOLDERS], &n, n | FREEING));
-    long result = END_WAIT;
+    uint64_t result = END_WAIT;
     if (atomic_load(&h[HDR_GEN]) != gen) {
         result = END_STALE;
     }
@@ -424,7 +544,19 @@ hdr_end(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         result = END_FREED;
     }
     atomic_fetch_and(&h[HDR_HOLDERS], ~FREEING);
-    return PyLong_FromLong(result);
+    out[0] = result;
+}
+
+static PyObject *
+hdr_end(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    _Atomic uint64_t *h;
+    uint64_t gen, out[1];
+    if (parse_header_gen(args, nargs, "hdr_end", &h, &gen) < 0 ||
+        guarded(op_end, h, gen, out) < 0) {
+        return NULL;
+    }
+    return PyLong_FromLong((long)(int64_t)out[0]);
 }
 
 PyDoc_STRVAR(hdr_read_doc, "hdr_read($module, addr, /)\n--\n\n-> (gen, sent, loaded, "

@@ -24,6 +24,7 @@
  */
 #include "native.h"
 
+#include <errno.h>
 #include <stddef.h>
 #include <string.h>
 #include <structmember.h>
@@ -206,7 +207,9 @@ source_address(shm_state *st, PyObject *source, Py_ssize_t nbytes, const char **
 /* nbytes of storage source (NULL: zeros) copied to offset, then the storage there.
  * Copies this large release the GIL: only of storages reduce() never moves (it moves
  * none above SLAB_ITEM_MAX) and Python moves under the storage's lock, so no other
- * thread swaps the source away under the copy. */
+ * thread swaps the source away under the copy. The copy is guarded (header.c): into
+ * a segment truncated by another process, it raises OSError(EFAULT) (the segment is
+ * lost to its pool); from memory truncated so, SharingError. */
 PyObject *
 shm_put_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes, PyObject *source)
 {
@@ -216,21 +219,29 @@ shm_put_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes, PyObject *
         return NULL;
     }
     char *dest = gen->addr + offset;
+    void *at = NULL;
+    int error;
     if (nbytes >= COPY_NOGIL) {
         int threads = shm_copy_threads(nbytes);
         Py_BEGIN_ALLOW_THREADS
-        shm_copy(dest, from, (size_t)nbytes, -1, 0, threads);
+        error = shm_copy(dest, from, (size_t)nbytes, -1, 0, threads, &at);
         Py_END_ALLOW_THREADS
-        if (shm_check_range(gen, offset, nbytes) <
+        if (!error && shm_check_range(gen, offset, nbytes) <
             0) { /* ended while the copy ran without the GIL */
             return NULL;
         }
     }
-    else if (from == NULL) {
-        memset(dest, 0, (size_t)nbytes);
-    }
     else {
-        memmove(dest, from, (size_t)nbytes);
+        error = shm_copy(dest, from, (size_t)nbytes, -1, 0, 1, &at);
+    }
+    if (error) {
+        if ((char *)at >= dest && (char *)at < dest + nbytes) {
+            errno = EFAULT; /* this segment was cut: its pool lets go of it */
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        /* the source's memory was cut (a storage in a lost segment): its bytes are gone */
+        PyErr_SetString(gen->module->sharing_error, SHM_CUT_MESSAGE);
+        return NULL;
     }
     return shm_make_storage(gen, offset, nbytes);
 }
@@ -277,8 +288,9 @@ shm_loaded_new(GenObject *gen, PyObject *key, PyObject *storage, Py_ssize_t nbyt
     if (shm_remember(gen, key, storage) < 0) {
         return -1;
     }
-    if (gen->low) {
-        shm_count_loaded((_Atomic uint64_t *)gen->addr, ticket);
+    if (gen->low &&
+        shm_count_loaded((_Atomic uint64_t *)gen->addr, ticket, gen->module->sharing_error) < 0) {
+        return -1;
     }
     gen->module->loads++;
     gen->module->loaded_bytes += (unsigned long long)nbytes;
@@ -311,8 +323,9 @@ load_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes, uint64_t tick
             goto error;
         }
         if (have == nbytes) {
-            if (gen->low) {
-                shm_count_loaded((_Atomic uint64_t *)gen->addr, ticket);
+            if (gen->low && shm_count_loaded((_Atomic uint64_t *)gen->addr, ticket,
+                                             gen->module->sharing_error) < 0) {
+                goto error;
             }
             gen->module->loaded_again++;
             Py_DECREF(key);
@@ -886,7 +899,7 @@ native_count_sent(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(gens); i++) {
         GenObject *gen = (GenObject *)PyList_GET_ITEM(gens, i);
         if (sent && gen->low) {
-            atomic_fetch_add(&((_Atomic uint64_t *)gen->addr)[HDR_SENT], 1);
+            shm_count_sent((_Atomic uint64_t *)gen->addr);
         }
         shm_drop_count(gen);
     }

@@ -69,7 +69,7 @@ add_constants(PyObject *module)
             return -1;
         }
     }
-    return 0;
+    return PyModule_AddStringConstant(module, "CUT_MESSAGE", SHM_CUT_MESSAGE);
 }
 
 /* The names the C looks up, in the order of native.h's S_* enum. */

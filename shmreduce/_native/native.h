@@ -307,8 +307,15 @@ PyObject *shm_gen_index(GenObject *self, PyObject *template);
 extern PyMethodDef shm_segments_methods[];
 
 /* header.c */
-uint64_t shm_issue_ticket(_Atomic uint64_t *h);
-void shm_count_loaded(_Atomic uint64_t *h, uint64_t ticket);
+/* What a load or send of a segment truncated by another process raises. */
+#define SHM_CUT_MESSAGE                                                                    \
+    "a shared segment was truncated by another process of this user (its file cut short): " \
+    "what was sent in it is lost; send it again from its source"
+int shm_guard(void (*fn)(void *), void *arg);
+void *shm_fault_address(void);
+int shm_issue_ticket(_Atomic uint64_t *h, uint64_t *ticket);
+int shm_count_loaded(_Atomic uint64_t *h, uint64_t ticket, PyObject *sharing_error);
+void shm_count_sent(_Atomic uint64_t *h);
 extern PyMethodDef shm_header_methods[];
 
 /* pickler.c */
@@ -316,7 +323,8 @@ extern PyMethodDef shm_pickler_methods[];
 
 /* copy.c */
 int shm_copy_threads(Py_ssize_t nbytes);
-int shm_copy(char *dest, const char *src, size_t n, int fd, off_t offset, int threads);
+int shm_copy(char *dest, const char *src, size_t n, int fd, off_t offset, int threads,
+             void **fault_at);
 extern PyMethodDef shm_copy_methods[];
 
 /* A weak reference's referent (a new reference), or NULL (no error set) if it died. */

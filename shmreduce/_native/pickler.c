@@ -613,6 +613,9 @@ send_from(shm_state *st, PyObject *storage, Py_ssize_t ptr, Py_ssize_t nbytes, P
     /* its address read at the copy, not ptr */
     PyObject *fresh = shm_put_storage(slab, at, nbytes, storage);
     if (fresh == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_OSError)) {
+            PyErr_Clear(); /* the slab was cut: the general path drops it and takes another */
+        }
         goto error;
     }
     int moved = move_into(st, storage, ptr, fresh);
@@ -715,11 +718,14 @@ share_plain(shm_state *st, PyObject *tensor, PyObject *storage)
     if (gen->template == NULL || gen->ended) {
         return NULL;
     }
+    head.ticket = 0;
+    if (gen->low && shm_issue_ticket((_Atomic uint64_t *)gen->addr, &head.ticket) < 0) {
+        return NULL; /* cut under its header: the general path says so */
+    }
     PyObject *packed = NULL, *args = NULL;
     PyObject *template = Py_NewRef(gen->template);
     head.offset = (uint64_t)offset;
     head.nbytes = (uint64_t)nbytes;
-    head.ticket = gen->low ? shm_issue_ticket((_Atomic uint64_t *)gen->addr) : 0;
     if (gen->low) {
         if (PyList_Append(outgoing, (PyObject *)gen) < 0) {
             goto error;

@@ -640,7 +640,10 @@ class Ledger:
 
     def __init__(self, directory: str = "") -> None:
         self.directory = directory
-        self.fd = os.memfd_create("shmreduce-ledger", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create("shmreduce-ledger", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        # Never shrunk (it grows by doubling): written through a mapping here, it
+        # would be a SIGBUS for this process if another one of the user cut it.
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
         self.size = 0
         self.map: mmap.mmap | None = None
         self.free: list[int] = []  # entries let go of, reused first
