@@ -17,8 +17,9 @@ Children: a marker in the process config (``current_process()._config``, which
 multiprocessing copies into every child it starts and pickles for spawn and
 forkserver) re-registers spawn/forkserver children, with the same program and
 strategy, before their arguments are unpickled; forked children inherit everything.
-A ``register()`` at a main module's top level, which such a child runs first, does
-not start a program of its own there: the marker then adopts the parent's.
+A ``register()`` that such a child runs first (at its main module's top level, or
+earlier: ``sitecustomize``, a ``.pth`` file), or that the forkserver runs, does not
+start a program of its own there: the marker then adopts the parent's.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import io
 import logging
 import multiprocessing
 import multiprocessing.queues
+import multiprocessing.spawn
 import os
 import pickle
 import sys
@@ -315,9 +317,28 @@ def _inherit(prog: program.Program, strategy_name: str, use_cloudpickle: bool = 
 
 
 def _inheriting() -> bool:
-    """True in a spawn/forkserver child (or forkserver) until its parent's state is
-    loaded: multiprocessing's own flag (``spawn._main``, ``forkserver.main``)."""
-    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
+    """True in a process that multiprocessing starts for a parent, until the parent's
+    state (and its marker, with its program) is loaded there: a spawn/forkserver child
+    inside its bootstrap (multiprocessing's own flag, set by ``spawn._main`` and
+    ``forkserver.main``); a spawn child before it, where ``sitecustomize``, a ``.pth``
+    file or a launcher registered (its command line says what it is); and the
+    forkserver itself, whose children each load their own parent's state."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        return True
+    if multiprocessing.parent_process() is not None:
+        return False  # bootstrapped: whatever its command line says, its parent's state is in
+    return multiprocessing.spawn.is_forking(sys.argv) or _is_forkserver()
+
+
+def _is_forkserver() -> bool:
+    """Whether this process is multiprocessing's forkserver: ``python -c 'from
+    multiprocessing.forkserver import main; main(...)'`` (its ``sys.argv`` is only
+    ``['-c']``)."""
+    argv = sys.orig_argv
+    return any(flag == "-c" and code.startswith(_FORKSERVER_CODE) for flag, code in zip(argv, argv[1:], strict=False))
+
+
+_FORKSERVER_CODE = "from multiprocessing.forkserver import main"
 
 
 # -- register / unregister ---------------------------------------------------------
@@ -346,8 +367,9 @@ def register(*, strategy: str | None = None, cloudpickle: bool | None = None) ->
         # The program starts here, so forked children join it rather than each
         # becoming the root of its own (whose broker, and the messages it holds,
         # would go when that child exits: SPEC 7). Not in a spawn/forkserver child
-        # still inheriting: its main module's top level (and a register() there) runs
-        # before the parent's marker is unpickled, which then adopts the parent's.
+        # still inheriting: sitecustomize, a .pth file and its main module's top level
+        # (and a register() there) run before the parent's marker is unpickled, which
+        # then adopts the parent's.
         if not _inheriting():
             program.current()
             _sweep_dead_programs()
