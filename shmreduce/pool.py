@@ -65,12 +65,25 @@ taken out under it and closed after (``_close_all``). The broker client's lock i
 taken before it (a reconnection's hook reads this pool under the client's lock);
 ``transfer`` writes the whole order.
 
+States. Whether a segment is its pool's is ``Segment.pool`` (the pool in its
+owner, until ``Pool.closed``, the one way out: in use, free, waiting, or *leaving*,
+retired with refs in flight, kept until they are loaded). Every path asks it: a memfd
+deposited while its pool keeps it is the pool's (the broker counts it a user, dropped
+at ``closed``, and a broker restart gets it back, ``transfer._bring_back``); one
+deposited once no pool keeps it is a forward, which nobody drops: a received one's,
+or its owner's once its pool let go of it (``Segment.outside_its_pool``), which lasts
+while the owner holds it as a receiver (``settle``) and goes back to a new broker
+while its refs wait to be loaded. A deposit ends in ``Segment.undeposit``, which
+unindexes the segment's token with it: the C sender (``_native.reduce``) never sends
+from a descriptor its broker may have let go of.
+
 Memory bounds: a pool keeps at most ``POOL_BYTES`` of free segments (the
 ``SHMREDUCE_POOL_BYTES`` setting), ``IDLE_SEGMENTS`` of them, and closes any left
 free for ``POOL_IDLE`` seconds; past ``IDLE_SEGMENTS`` waiting, the longest waiting
 leaves the pool, never reused (descriptors stay bounded however much receivers
-keep); a closed memfd's memory returns to the system once no process maps it, a
-closed file's once the broker unlinks it. Segments alive at a ``fork()`` are never
+keep; one per segment with refs in flight, as at the broker); a closed memfd's
+memory returns to the system once no process maps it, a closed file's once the
+broker unlinks it. Segments alive at a ``fork()`` are never
 reused (the child may use their storages without its parent's pool knowing).
 """
 
@@ -203,8 +216,8 @@ class Segment:
         self.pid = os.getpid()
         self.gen = 0  # the generation whose token lives here (or is being filled)
         self.token: weakref.ref | None = None
-        self.pool: Pool | None = None  # the pool that made it, in its owner only
-        self.deposited = False  # a memfd: its descriptor is at this process's broker
+        self.pool: Pool | None = None  # the pool that made it, in its owner only, until it leaves (Pool.closed)
+        self.deposited = False  # a memfd: its descriptor is at this process's broker (undeposit)
         self.tag: tuple[int, int] = (0, 0)  # a file: (generation, its refs' tag), see transfer.fs_tag
         self.retired = False  # never reused: closed once free
         self.sealed = False  # filled no further (its file went with a broker that died)
@@ -258,6 +271,28 @@ class Segment:
         from again; what lies in it is lost."""
         self.retired = True
         self.seal()
+
+    def undeposit(self) -> bool:
+        """Its memfd's descriptor is no longer kept at this process's broker for it:
+        nothing sends from it without depositing it again, ``_native.reduce`` included
+        (its index dropped with the deposit). Whether it was deposited."""
+        was, self.deposited = self.deposited, False
+        _native.unindex(self.addr)
+        return was
+
+    def outside_its_pool(self) -> bool:
+        """Made here (a pooled generation, its descriptor here) and let go of by its
+        pool: this process holds it at most, as any receiver, and what it deposits of
+        it is a forward, which lasts while it holds it."""
+        return self.pool is None and self.fd is not None and self.gen != 0 and self.pid == os.getpid()
+
+    def index(self, token: Any, template: tuple) -> None:
+        """``_native.reduce`` sends storages of *token* from now on, with refs of
+        *template*, while what the caller checked holds: a memfd deposited (another
+        thread may let go of the deposit meanwhile: then it is not indexed)."""
+        token.index(template)
+        if self.kind == "fd" and not self.deposited:
+            _native.unindex(self.addr)
 
     def live_token(self, gen: int) -> Any | None:
         """The token of *gen*, if it still makes storages here (alive, or dead but not
@@ -492,6 +527,10 @@ def settle(dead: list[Any] | None = None) -> None:
                     pass
                 _faults.point("letgo.unhold")
                 broker.let_go(entry)
+            if seg.outside_its_pool():
+                # Its deposit was a forward, kept at the broker while something reaches
+                # it, this hold among them: the next send from it deposits again.
+                seg.undeposit()
             continue
         pool = seg.pool
         if pool is None or seg.gen != gen:
@@ -562,6 +601,10 @@ class Pool:
         # segment key -> (the segment, its generation that is over here, not yet free):
         # the generation its caller saw goes with it to every transition (``end``).
         self.waiting: dict[int | str, tuple[Segment, int]] = {}
+        # Retired past IDLE_SEGMENTS waiting with refs in flight: kept (its descriptor, its
+        # deposit or hold) until every ref sent in it is loaded, so that a broker
+        # restart meanwhile gets it back (``transfer._bring_back``); then closed.
+        self.leaving: dict[int | str, tuple[Segment, int]] = {}
         self.free_bytes = 0
         self.made = 0  # segments made, for stats
         self.reused = 0
@@ -731,6 +774,14 @@ class Pool:
                     if self.waiting.get(seg.key) == (seg, gen):
                         del self.waiting[seg.key]
                         self.waiting[seg.key] = (seg, gen)
+        if most is None and self.leaving:
+            with self.lock:
+                leaving = list(self.leaving.values())
+            loaded = [seg for seg, gen in leaving if not _in_flight(seg, gen)]
+            with self.lock:
+                taken = [seg for seg in loaded if self.leaving.pop(seg.key, (None, 0))[0] is seg]
+            for seg in taken:  # loaded, not free: its holders keep reading it, so closed, not discarded
+                self.closed(seg)
 
     def wait(self, seg: Segment, gen: int) -> None:
         """*seg*'s generation *gen* is over here but not free: reaped later. Past
@@ -739,14 +790,17 @@ class Pool:
             self.waiting[seg.key] = (seg, gen)
             over = list(itertools.islice(self.waiting.values(), max(0, len(self.waiting) - IDLE_SEGMENTS)))
             for old, _gen in over:
-                # Never reused (a reaper that frees it meanwhile closes it: give_back),
-                # and out of the pool: closed, kept by the broker while a process holds
-                # its generation or a ref in it waits to be loaded. Its header is left
-                # as it is: the holders it counts are exact (a RETIRED one's are not).
+                # Never reused (a reaper that frees it meanwhile closes it: give_back).
+                # Its header is left as it is: the holders it counts are exact (a
+                # RETIRED one's are not).
                 old.retired = True
                 del self.waiting[old.key]
-        for old, _gen in over:
-            self.closed(old)
+        for old, old_gen in over:
+            if _in_flight(old, old_gen):
+                with self.lock:
+                    self.leaving[old.key] = (old, old_gen)  # closed once its refs are loaded (reap)
+            else:
+                self.closed(old)  # kept by the broker while a process holds its generation
 
     def end(self, seg: Segment, gen: int, waited: bool = False) -> bool:
         """*seg*'s generation *gen* is over in its owner: given back if free (nobody
@@ -846,16 +900,25 @@ class Pool:
         self.closed(seg)
 
     def closed(self, seg: Segment) -> None:
-        """*seg* leaves the pool (its memory goes once nothing maps it)."""
+        """*seg* leaves the pool, once (its memory goes once nothing maps it): its
+        deposit or hold at the broker let go of. From then on this process is one of
+        its holders at most, as any receiver (``transfer._deposit``)."""
+        if seg.pool is self:
+            seg.pool = None
+            self.let_go_of(seg)
+
+    def let_go_of(self, seg: Segment) -> None:
+        """What the broker keeps of *seg* for this pool is let go of (a strategy's)."""
 
     def owned(self) -> list[Segment]:
-        """Every segment of this pool this process still has: in use, free, or
-        waiting until its generation is free."""
+        """Every segment of this pool this process still has: in use, free,
+        waiting until its generation is free, or leaving once its refs are loaded."""
         found = {id(seg): seg for seg in _mapped_now() if seg.pool is self and seg.live_token(seg.gen) is not None}
         with self.lock:
             for segs in self.free.values():
                 found.update((id(seg), seg) for seg in segs)
         found.update((id(seg), seg) for seg, _gen in self.waiting.copy().values())
+        found.update((id(seg), seg) for seg, _gen in self.leaving.copy().values())
         return [seg for seg in found.values() if seg.pid == os.getpid()]
 
     def retire_where(self, gone: Callable[[Segment], bool]) -> None:
@@ -928,6 +991,7 @@ class Pool:
         """In a forked child: the parent's segments are the parent's."""
         self.free.clear()
         self.waiting.clear()
+        self.leaving.clear()
         self.free_bytes = 0
         self.lock = threading.Lock()
         self.local = threading.local()
@@ -963,9 +1027,8 @@ class FdPool(Pool):
             os.close(fd)
             raise _no_memory(exc, "mapping a new memfd", size) from exc
 
-    def closed(self, seg: Segment) -> None:
-        if seg.deposited:
-            seg.deposited = False
+    def let_go_of(self, seg: Segment) -> None:
+        if seg.undeposit():
             self._drop(seg)
 
 
@@ -1009,12 +1072,19 @@ class FilePool(Pool):
     def create(self, size: int) -> Segment:
         return self._make(size)
 
-    def closed(self, seg: Segment) -> None:
+    def let_go_of(self, seg: Segment) -> None:
         self._release(seg.directory, [seg.name])
 
 
 _FULL = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
 _END_STALE, _END_WAIT, _END_FREED, _END_RETIRED = _native.END_STALE, _native.END_WAIT, _native.END_FREED, _native.END_RETIRED
+
+
+def _in_flight(seg: Segment, gen: int) -> bool:
+    """Whether refs sent in *seg*'s generation *gen* wait to be loaded (its header
+    says; one whose tickets ran past the bitmap cannot tell: they may)."""
+    now, sent, loaded, _holders = _native.hdr_read(seg.addr)
+    return now == gen and (sent > loaded or bool(_native.hdr_flags(seg.addr) & _native.UNCOUNTED))
 
 
 def _no_memory(exc: OSError, what: str, nbytes: int) -> SharingError:
@@ -1050,6 +1120,12 @@ def forget_deposits() -> None:
     for seg in _mapped_now():
         seg.deposited = False
     _native.unindex_all()  # reduce() sends from none until each is deposited again
+
+
+def let_go_of_here() -> list[Segment]:
+    """The memfds this process made that its pool let go of and it still maps (it
+    holds them as a receiver), with their descriptors."""
+    return [seg for seg in _mapped_now() if seg.kind == "fd" and seg.outside_its_pool()]
 
 
 def mapped_stats() -> dict[str, int]:

@@ -320,7 +320,7 @@ def share(storage: torch.UntypedStorage) -> tuple:
         token = seg.live_token(gen)
         if token is not None:
             token.acquire()  # alive: *storage* is one of its storages
-            token.index(template)  # _native.reduce sends from it from now on
+            seg.index(token, template)  # _native.reduce sends from it from now on
         else:
             # A storage a forked child inherited (its generation retired at the fork,
             # never reused): a token of its own only carries the hold and the mapping.
@@ -334,11 +334,13 @@ def share(storage: torch.UntypedStorage) -> tuple:
 def _deposit(seg: pool.Segment, storage: torch.UntypedStorage, gen: int) -> bool:
     """This process's first ref to the memfd *seg*: its descriptor goes to the broker.
     A received one is mapped without a descriptor (``pool.open_fd``): the broker's is
-    fetched once more, for this deposit; False if the broker keeps it no longer."""
+    fetched once more, for this deposit; False if the broker keeps it no longer. One
+    no pool of this process keeps (its own, let go of by its pool: this process holds
+    it as a receiver) is forwarded as a received one is: nothing here will drop it."""
     prog = program.current()
     client = broker.client_for(prog.directory, prog.root_pid)
     if seg.fd is not None:
-        client.segment(seg.fd, header=gen != 0)
+        client.segment(seg.fd, header=gen != 0, forward=seg.outside_its_pool())
     else:
         fd = client.fetch(int(seg.key))
         if fd is None:
@@ -504,7 +506,7 @@ def collect() -> None:
     cache entries dropped."""
     _settle(wait=True)
     for p in (_fd_pool, _fs_pool):
-        if p.waiting:
+        if p.waiting or p.leaving:
             p.reap()
         p.trim()
 
@@ -819,6 +821,13 @@ def _bring_back(client: broker.BrokerClient, file_gone: Callable[[pool.Segment],
     for seg in _fd_pool.owned():
         if not seg.deposited and reachable(seg):
             _quietly(client.segment, seg.fd, True)
+            seg.deposited = True
+    # Its own memfds its pool let go of, which it holds as a receiver: those it sent
+    # refs in that wait to be loaded go back too, as any sender's (a forward).
+    for seg in pool.let_go_of_here():
+        _gen, sent, loaded, _holders = _native.hdr_read(seg.addr)
+        if not seg.deposited and sent > loaded:
+            _quietly(client.segment, seg.fd, True, True)
             seg.deposited = True
     for seg in _fs_pool.owned():
         if file_gone(seg) and reachable(seg):

@@ -647,3 +647,313 @@ def test_a_broken_protocol_is_caught(variant: str) -> None:
     assert result.unsafe, f"{variant}: no violation in {result.states} states"
     # ... and the same world, as written, has none.
     assert not explore(BROKEN_WORLDS[variant]).unsafe
+
+
+# -- a memfd's deposit: the states the caps made ------------------------------------
+#
+# A second model, of one memfd segment's deposit at the broker (who keeps its
+# descriptor, and who may send refs of it) rather than of its header's counts (the
+# model above). The caps on what is kept each made a state of a segment that the other
+# paths meet:
+#
+# retired      past ``pool.IDLE_SEGMENTS`` waiting, it leaves its owner's pool, never
+#              reused: ``LEAVING`` (its descriptor and deposit kept) while refs sent in
+#              it wait to be loaded, then ``LEFT`` (``Pool.closed``: deposit dropped);
+# let go       the broker closes the descriptor of a memfd nobody uses that processes
+#              only hold, every ref loaded (``FORWARDABLE``): a fetch of it fails;
+# indexed      a token ``_native.reduce`` sends from without asking whether its memfd
+#              is deposited (``Gen.index``).
+#
+# Actors: the owner O, which may load its own messages (it then holds the generation as
+# a receiver) and send them on (own-ref resend); a stranger S that maps nothing and
+# fetches the descriptor to load (one that maps it already loads without the broker);
+# the broker. Events: the broker killed and started again (O's next connection brings
+# back what it keeps), ``unregister()`` (the pool keeps nothing free). One pickle is one
+# step here: a deposit checked and its ref counted sent at once.
+#
+# safety    a message sent is never refused at S, which maps nothing, while its sender
+#           lives and has connected to the current broker (README, Limits), but one
+#           sent as a forward (the segment out of its pool) whose broker restarted
+#           after its send, O holding it no more: nothing keeps its descriptor to
+#           bring back, as with any process that forwards what it received;
+# no leak   no deposit the broker counts as O's pool's (a user) outlives that pool's
+#           keeping the segment: nothing would ever drop it (SPEC 12).
+
+IN_USE, WAIT, FREE_, LEAVING, LEFT = "in use", "waiting", "free", "leaving", "left"
+NONE_, USER, FORWARD = "none", "user", "forward"  # O's deposit, and how the broker counts it
+LOADED_, REFUSED = "loaded", "refused"
+
+DEPOSIT_BROKEN = (
+    "close_keeps_index",  # a pool that lets go of a segment leaves its token indexed
+    "left_deposits_as_user",  # a segment its pool let go of is deposited as the pool's
+    "retire_closes_in_flight",  # the cap closes a segment with refs in flight at once
+    "forward_outlives_hold",  # a forward deposit is trusted after O let go of its hold
+)
+
+
+class Rec(NamedTuple):
+    """What the broker keeps of the memfd: a user (O's pool), its descriptor, forwarded."""
+
+    user: bool = False
+    fd: bool = True
+    forwarded: bool = False
+
+
+class Dep(NamedTuple):
+    pool: str = IN_USE  # O's pool: its own storage alive, waiting, free, leaving, left
+    ended: bool = False  # the generation ended (free): a ref of it loads stale
+    o_held: bool = False  # O holds the generation as a receiver
+    s_held: bool = False  # S maps it and holds the generation
+    deposited: str = NONE_
+    indexed: bool = False
+    sent: int = 0
+    loaded: int = 0
+    # Each message: SENT, LOADED_ (first load done) or REFUSED, and for a forward, the
+    # broker restarts before its send (-1: sent from the pool's deposit).
+    msgs: tuple[tuple[str, int], ...] = ()
+    rec: Rec | None = None  # at the current broker
+    connected: bool = True  # O is connected to the current broker
+    restarts: int = 0
+    active: bool = True  # not unregister()ed
+
+
+@dataclass(frozen=True)
+class DepConfig:
+    messages: int = 3
+    restarts: int = 1
+    variant: str = ""
+
+
+def _holders(d: Dep) -> int:
+    return int(d.o_held) + int(d.s_held)
+
+
+def _closed(d: Dep, cfg: DepConfig) -> Dep:
+    """``Pool.closed``: out of the pool; its deposit let go of (``Segment.undeposit``)."""
+    rec = d.rec
+    if d.deposited == USER and rec is not None and d.connected:
+        rec = _with(rec, user=False)
+    indexed = d.indexed if cfg.variant == "close_keeps_index" else False
+    return _with(d, pool=LEFT, deposited=NONE_ if d.deposited == USER else d.deposited, indexed=indexed, rec=rec)
+
+
+def _over_here(d: Dep, cfg: DepConfig) -> Dep:
+    """``hdr_end``: free (the generation ends) if nobody holds it and every ref is loaded."""
+    if _holders(d) or d.sent > d.loaded:
+        return _with(d, pool=WAIT)
+    d = _with(d, pool=FREE_, ended=True)
+    return d if d.active else _closed(d, cfg)
+
+
+def dep_drop_own(d: Dep, cfg: DepConfig) -> Dep | None:
+    if d.pool != IN_USE:
+        return None
+    return _over_here(_with(d, indexed=False), cfg)  # the owner's token dies: unindexed (``dead``)
+
+
+def dep_reap(d: Dep, cfg: DepConfig) -> Dep | None:
+    if d.pool == WAIT and not _holders(d) and d.sent == d.loaded:
+        return _over_here(d, cfg)
+    if d.pool == LEAVING and d.sent == d.loaded:
+        return _closed(d, cfg)
+    return None
+
+
+def dep_cap(d: Dep, cfg: DepConfig) -> Dep | None:
+    """Another segment's wait pushes this one out of the pool (``Pool.wait``)."""
+    if d.pool != WAIT:
+        return None
+    if d.sent > d.loaded and cfg.variant != "retire_closes_in_flight":
+        return _with(d, pool=LEAVING)
+    return _closed(d, cfg)
+
+
+def dep_trim(d: Dep, cfg: DepConfig) -> Dep | None:
+    return _closed(d, cfg) if d.pool == FREE_ else None
+
+
+def dep_send(d: Dep, cfg: DepConfig) -> Dep | None:
+    """O pickles a ref of a storage it has: from an indexed token, by ``_native.reduce``
+    (nothing checked); else ``transfer.share``, which deposits it first if need be."""
+    if not (d.pool == IN_USE or d.o_held) or not d.connected or len(d.msgs) >= cfg.messages:
+        return None
+    if not d.indexed and d.deposited == NONE_:
+        kind = USER if d.pool != LEFT or cfg.variant == "left_deposits_as_user" else FORWARD
+        rec = d.rec or Rec(fd=True)
+        rec = _with(rec, fd=True, user=rec.user or kind == USER, forwarded=rec.forwarded or kind == FORWARD)
+        d = _with(d, deposited=kind, rec=rec)
+    msg = (SENT, d.restarts if d.deposited == FORWARD else -1)
+    return _with(d, indexed=True, sent=d.sent + 1, msgs=d.msgs + (msg,))
+
+
+def _msg_is(d: Dep, j: int, state: str) -> Dep:
+    return _with(d, msgs=d.msgs[:j] + ((state, d.msgs[j][1]),) + d.msgs[j + 1 :])
+
+
+def _first_load(d: Dep, j: int) -> Dep:
+    if d.msgs[j][0] != SENT:
+        return d
+    return _with(_msg_is(d, j, LOADED_), loaded=d.loaded + 1)
+
+
+def dep_load_own(d: Dep, j: int, cfg: DepConfig) -> Dep | None:
+    """O loads one of its messages (again, or for the first time) once its own storage died."""
+    if d.pool == IN_USE or d.ended or d.msgs[j][0] == REFUSED:
+        return None
+    return _with(_first_load(d, j), o_held=True)
+
+
+def dep_drop_held(d: Dep, cfg: DepConfig) -> Dep | None:
+    """O's last storage of what it loaded dies: its token (indexed or not) with it; a
+    deposit no pool keeps (a forward) lasted while O held it (``pool.settle``)."""
+    if not d.o_held:
+        return None
+    keep = d.deposited != FORWARD or cfg.variant == "forward_outlives_hold"
+    return _with(d, o_held=False, indexed=False, deposited=d.deposited if keep else NONE_)
+
+
+def dep_load_stranger(d: Dep, j: int, cfg: DepConfig) -> Dep | None:
+    """S loads a message for the first time: fetching the descriptor, unless it maps it."""
+    if d.msgs[j][0] != SENT or not d.connected:
+        return None  # before O connected to a new broker, a loss is documented
+    if not d.s_held and (d.rec is None or not d.rec.fd):
+        return _msg_is(d, j, REFUSED)
+    return _with(_first_load(d, j), s_held=True)
+
+
+def dep_drop_stranger(d: Dep, cfg: DepConfig) -> Dep | None:
+    return _with(d, s_held=False) if d.s_held else None
+
+
+def dep_let_go_descriptor(d: Dep, cfg: DepConfig) -> Dep | None:
+    """The broker closes the descriptor of a memfd only held, every ref loaded, not
+    forwarded (``Broker._forwardable``), once newer ones push it out."""
+    rec = d.rec
+    if rec is None or rec.user or not rec.fd or rec.forwarded or not _holders(d) or d.sent > d.loaded:
+        return None
+    return _with(d, rec=_with(rec, fd=False))
+
+
+def dep_close_unreached(d: Dep, cfg: DepConfig) -> Dep | None:
+    """The broker lets go of a memfd nobody uses, holds, or has refs in flight in."""
+    rec = d.rec
+    if rec is None or rec.user or _holders(d) or d.sent > d.loaded:
+        return None
+    return _with(d, rec=None)
+
+
+def dep_restart(d: Dep, cfg: DepConfig) -> Dep | None:
+    if d.restarts >= cfg.restarts:
+        return None
+    return _with(d, rec=None, connected=False, restarts=d.restarts + 1)
+
+
+def dep_connect(d: Dep, cfg: DepConfig) -> Dep | None:
+    """O's next send (of anything) connects to the new broker: its deposits forgotten,
+    every token unindexed, and what another process may load brought back
+    (``transfer._bring_back``): what its pool keeps, as its pool's; what it holds of its
+    own past its pool, with refs in flight, as a forward."""
+    if d.connected:
+        return None
+    d = _with(d, connected=True, deposited=NONE_, indexed=False)
+    if d.pool != LEFT and (_holders(d) or d.sent > d.loaded):
+        return _with(d, deposited=USER, rec=Rec(user=True))
+    if d.pool == LEFT and d.o_held and d.sent > d.loaded:
+        return _with(d, deposited=FORWARD, rec=Rec(forwarded=True))
+    return d
+
+
+def dep_unregister(d: Dep, cfg: DepConfig) -> Dep | None:
+    if not d.active:
+        return None
+    d = _with(d, active=False)
+    return _closed(d, cfg) if d.pool == FREE_ else d
+
+
+DEP_STEPS = (
+    dep_drop_own,
+    dep_reap,
+    dep_cap,
+    dep_trim,
+    dep_send,
+    dep_drop_held,
+    dep_drop_stranger,
+    dep_let_go_descriptor,
+    dep_close_unreached,
+    dep_restart,
+    dep_connect,
+    dep_unregister,
+)
+DEP_LOADS = (dep_load_own, dep_load_stranger)
+
+
+def dep_unsafe(d: Dep) -> str | None:
+    for state, forwarded_at in d.msgs:
+        if state == REFUSED and not 0 <= forwarded_at < d.restarts:
+            return "a message refused at a process that maps nothing, its sender alive and connected"
+    return None
+
+
+def dep_leaked(d: Dep) -> str | None:
+    if d.rec is not None and d.rec.user and d.pool == LEFT:
+        return "a deposit counted as the pool's, which let go of the segment: nothing drops it"
+    return None
+
+
+def explore_deposits(cfg: DepConfig) -> tuple[list[str], set[str], int]:
+    """Every reachable state, breadth first: (the shortest trace to a violation, or
+    [], the steps taken, the states)."""
+    start = Dep()
+    parent: dict[Dep, tuple[Dep | None, str]] = {start: (None, "start")}
+    frontier, seen = [start], set()
+    while frontier:
+        following = []
+        for d in frontier:
+            moves = [(step.__name__, step(d, cfg)) for step in DEP_STEPS]
+            moves += [(f"{load.__name__} {j}", load(d, j, cfg)) for load in DEP_LOADS for j in range(len(d.msgs))]
+            for label, after in moves:
+                if after is None:
+                    continue
+                seen.add(label.split(" ")[0])
+                if after in parent:
+                    continue
+                parent[after] = (d, label)
+                following.append(after)
+                why = dep_unsafe(after) or dep_leaked(after)
+                if why is not None:
+                    steps = [why]
+                    at: Dep | None = after
+                    while at is not None:
+                        at, step_label = parent[at]
+                        steps.append(step_label)
+                    return steps[::-1], seen, len(parent)
+        frontier = following
+    return [], seen, len(parent)
+
+
+def test_no_deposit_state_loses_a_message_or_pins_a_memfd() -> None:
+    trace, seen, states = explore_deposits(DepConfig())
+    assert not trace, "\n".join(trace)
+    assert seen == {step.__name__ for step in DEP_STEPS + DEP_LOADS}, "a step never taken"
+    assert states > 1_000, states
+
+
+@pytest.mark.parametrize("variant", DEPOSIT_BROKEN)
+def test_a_path_that_ignores_a_deposit_state_is_caught(variant: str) -> None:
+    """Each way a path ignored a state the caps made (before each was fixed) loses a
+    message or pins a memfd here."""
+    trace, _seen, states = explore_deposits(DepConfig(variant=variant))
+    assert trace, f"{variant}: no violation in {states} states"
+    assert trace[-1] == (dep_leaked if variant == "left_deposits_as_user" else dep_unsafe)(_final(trace, variant)), trace
+
+
+def _final(trace: list[str], variant: str) -> Dep:
+    """The state *trace* (labels, as ``explore_deposits`` gives them) leads to."""
+    cfg, d = DepConfig(variant=variant), Dep()
+    steps = {step.__name__: step for step in DEP_STEPS}
+    for label in trace[1:-1]:
+        name, *j = label.split(" ")
+        after = steps[name](d, cfg) if not j else {load.__name__: load for load in DEP_LOADS}[name](d, int(j[0]), cfg)
+        assert after is not None, label
+        d = after
+    return d

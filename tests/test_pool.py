@@ -630,9 +630,10 @@ def test_a_take_looks_at_a_bounded_number_of_waiting_segments(strategy: str, mon
 
 def test_past_its_cap_the_longest_waiting_segments_are_retired_and_still_load(strategy: str) -> None:
     """40 segments wait for refs in flight (blobs never loaded yet): the pool keeps
-    IDLE_SEGMENTS of them, each with its descriptor; the longest waiting are retired
-    (closed here, never reused) and the broker keeps them for their refs: every blob
-    loads its own bytes, and every segment goes once loaded and dropped."""
+    IDLE_SEGMENTS of them waiting; the longest waiting are retired (never reused), each
+    keeping its descriptor only until its refs are loaded (a broker restart meanwhile
+    gets it back): every blob loads its own bytes, the retired ones are closed once
+    loaded, and every segment goes once loaded and dropped."""
     numel = pool.ARENA_ITEM_MAX // 4 + 1024
     p = transfer._current_pool()
     before = shmreduce.stats()["descriptors"]
@@ -644,13 +645,16 @@ def test_past_its_cap_the_longest_waiting_segments_are_retired_and_still_load(st
     gc.collect()
     transfer._settle(wait=True)
     assert len(p.waiting) == pool.IDLE_SEGMENTS, len(p.waiting)
-    assert shmreduce.stats()["descriptors"] <= before + pool.IDLE_SEGMENTS + 2, shmreduce.stats()
+    assert len(p.leaving) == 40 - pool.IDLE_SEGMENTS, len(p.leaving)
     fresh = [torch.full((numel,), -float(i)) for i in range(8)]  # made now: never in a retired segment
     for t in fresh:
         transfer.share_in_place(t.untyped_storage())
     for i, blob in enumerate(blobs):
         assert bool((shmreduce.loads(blob) == float(i)).all()), f"blob {i} lost its bytes"
     assert all(bool((t == -float(i)).all()) for i, t in enumerate(fresh))
+    let_go_now()
+    assert not p.leaving, len(p.leaving)
+    assert shmreduce.stats()["descriptors"] <= before + pool.IDLE_SEGMENTS + len(fresh) + 2, shmreduce.stats()
     del blobs, fresh
     let_go_now()
     assert wait_for(lambda: not p.waiting, 10)

@@ -4,7 +4,8 @@
  * each entry with a weak reference to its Segment (segment_at()) and the Gen reduce()
  * sends storages lying in it from: one Python indexed (Gen.index) once it sent a ref
  * from it itself (its memfd deposited, its file's tag computed). A Gen leaves when
- * dead() reports it; all leave at unindex_all() (a new broker, a sealed file, a fork).
+ * dead() reports it, or its segment's deposit is let go of (unindex()); all leave at
+ * unindex_all() (a new broker, a sealed file, a fork).
  * A storage in a segment with no indexed Gen takes the general path: it is never
  * moved again. Strong references to the indexed Gens. Calls nothing of the others.
  */
@@ -141,14 +142,26 @@ drop_range(Range *r)
 PyDoc_STRVAR(unmapped_doc, "unmapped($module, addr, /)\n--\n\nThe segment mapped at addr is no "
                            "longer (before its munmap).");
 
-static PyObject *
-native_unmapped(PyObject *Py_UNUSED(module), PyObject *addr)
+/* The range mapped at the address Python passed in addr (*r NULL if none); -1 if addr is
+ * not an address. */
+static int
+range_arg(PyObject *addr, Range **r)
 {
     char *at = PyLong_AsVoidPtr(addr);
     if (at == NULL && PyErr_Occurred()) {
+        return -1;
+    }
+    *r = range_of(at);
+    return 0;
+}
+
+static PyObject *
+native_unmapped(PyObject *Py_UNUSED(module), PyObject *addr)
+{
+    Range *r;
+    if (range_arg(addr, &r) < 0) {
         return NULL;
     }
-    Range *r = range_of(at);
     if (r != NULL) {
         drop_range(r);
     }
@@ -204,11 +217,29 @@ native_unindex_all(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(unindex_doc, "unindex($module, addr, /)\n--\n\nreduce() sends from no Gen of the "
+                          "segment mapped at addr until Python indexes one again (its deposit "
+                          "let go of).");
+
+static PyObject *
+native_unindex(PyObject *Py_UNUSED(module), PyObject *addr)
+{
+    Range *r;
+    if (range_arg(addr, &r) < 0) {
+        return NULL;
+    }
+    if (r != NULL && r->gen != NULL) {
+        shm_unindex(r->gen);
+    }
+    Py_RETURN_NONE;
+}
+
 PyMethodDef shm_segments_methods[] = {
     {"mapped", (PyCFunction)(void (*)(void))native_mapped, METH_FASTCALL, mapped_doc},
     {"unmapped", native_unmapped, METH_O, unmapped_doc},
     {"forget_mapped", native_forget_mapped, METH_NOARGS, forget_mapped_doc},
     {"segment_at", (PyCFunction)(void (*)(void))native_segment_at, METH_FASTCALL, segment_at_doc},
     {"unindex_all", native_unindex_all, METH_NOARGS, unindex_all_doc},
+    {"unindex", native_unindex, METH_O, unindex_doc},
     {NULL, NULL, 0, NULL},
 };
