@@ -93,9 +93,9 @@ _PROGRAMS = textwrap.dedent(
         closed, exiting = threading.Event(), threading.Event()
         close_all, client_for = client.close_all, client.client_for
 
-        def close_all_seen(*args):
+        def close_all_seen(*args, **kwargs):
             closed.set()
-            close_all(*args)
+            close_all(*args, **kwargs)
 
         def client_for_behind(*args):
             found = client_for(*args)
