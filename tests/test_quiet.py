@@ -33,6 +33,7 @@ _PROGRAMS = textwrap.dedent(
     """
     import multiprocessing as mp
     import sys
+    from multiprocessing.reduction import ForkingPickler
     import threading
     import time
 
@@ -90,7 +91,7 @@ _PROGRAMS = textwrap.dedent(
         # feeder is done).
         from shmreduce.broker import client
 
-        closed, exiting = threading.Event(), threading.Event()
+        closed, exiting, taken = threading.Event(), threading.Event(), threading.Event()
         close_all, client_for = client.close_all, client.client_for
 
         def close_all_seen(*args, **kwargs):
@@ -100,14 +101,17 @@ _PROGRAMS = textwrap.dedent(
         def client_for_behind(*args):
             found = client_for(*args)
             if exiting.is_set() and threading.current_thread() is not threading.main_thread():
+                taken.set()
                 closed.wait(2)
             return found
 
         client.close_all, client.client_for = close_all_seen, client_for_behind
+        ForkingPickler.dumps(torch.zeros(100))  # this process has shared: its broker runs
         q = mp.get_context("fork").Queue()
         exiting.set()
         for i in range(5):
             q.put(torch.full((100_000,), float(i)))
+        taken.wait(60)  # the exit begins with the feeder inside its first share
 
 
     def kept():
