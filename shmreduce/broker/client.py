@@ -633,7 +633,8 @@ def close_all(exiting: bool = False) -> None:
 def _close_all_at_exit() -> None:
     global exiting
     if not multiprocessing.util.is_exiting():
-        # Registered after multiprocessing's exit function, this runs before it; but
+        # Registered at the first client, after multiprocessing's exit function (at
+        # this module's import of multiprocessing.util), this runs before it; but
         # that function joins the queues' feeder threads, still pickling what was put
         # (a loaded machine runs them late), through these connections: close after
         # them, as its last finalizer. Were they closed first, each such message
