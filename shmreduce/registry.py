@@ -212,23 +212,118 @@ def _forking_dispatch_table() -> DispatchTable:
 
 
 def _forking_dumps(cls: type, obj: Any, protocol: int | None = None) -> memoryview:
-    buf = io.BytesIO()
-    if _use_cloudpickle:
-        pickler: Any = _CloudPickler(buf, protocol)
-    elif cls is ForkingPickler:
-        pickler = pickle.Pickler(buf, protocol)  # what ForkingPickler adds is its table
-        pickler.dispatch_table = _forking_dispatch_table()
-    else:  # a subclass may set up its own table: extend whatever it made
-        pickler = cls(buf, protocol)
-        pickler.dispatch_table = DispatchTable((pickler.dispatch_table,))
+    if not _dumps_begin():
+        # unregister() began after this call found the patch: ForkingPickler's own
+        # dumps (put back by then) pickles it, with torch's reducers.
+        return cls.dumps(obj, protocol)  # type: ignore[attr-defined]
     try:
-        with transfer.sending():
-            pickler.dump(obj)
-    except errors.SharingError as exc:
-        if not _in_feeder_thread():
-            raise
-        return _failed_send(exc)
-    return buf.getbuffer()
+        buf = io.BytesIO()
+        if _use_cloudpickle:
+            pickler: Any = _CloudPickler(buf, protocol)
+        elif cls is ForkingPickler:
+            pickler = pickle.Pickler(buf, protocol)  # what ForkingPickler adds is its table
+            pickler.dispatch_table = _forking_dispatch_table()
+        else:  # a subclass may set up its own table: extend whatever it made
+            pickler = cls(buf, protocol)
+            pickler.dispatch_table = DispatchTable((pickler.dispatch_table,))
+        try:
+            with transfer.sending():
+                pickler.dump(obj)
+        except errors.SharingError as exc:
+            if not _in_feeder_thread():
+                raise
+            return _failed_send(exc)
+        return buf.getbuffer()
+    finally:
+        _dumps_end()
+
+
+# -- unregister() and the dumps in flight -------------------------------------------
+#
+# A queue's feeder thread pickles whenever it gets to a message, after the put
+# returned: it may be inside ``_forking_dumps`` when another thread calls
+# ``unregister()``, sharing into pools and through broker connections that
+# ``unregister()`` is about to close, and that it would open again behind it (a broker,
+# its directory and the descriptors kept for the process's life). So a dumps counts
+# itself in flight, or, if ``unregister()`` began first, goes through torch's
+# reducers; and ``unregister()`` closes once those in flight are done: at once if they
+# finish within UNREGISTER_WAIT, else the last of them closes as it finishes.
+# ``_dumps_cond`` is a leaf: taken under ``_lock`` or alone, nothing is called under it.
+
+UNREGISTER_WAIT = broker.START_TIMEOUT + broker.IO_TIMEOUT  # a share's worst case: a broker launched, then a round trip
+_dumps_cond = threading.Condition(threading.Lock())
+_dumps_in_flight = 0
+_dumps_by_thread: dict[int, int] = {}  # thread ident -> its dumps in flight (nested: a pickle inside a pickle)
+_close_when_done = False  # unregister() stopped waiting: the last dumps in flight closes
+
+
+def _dumps_begin() -> bool:
+    """Count a registered dumps in flight; False once ``unregister()`` began."""
+    global _dumps_in_flight
+    with _dumps_cond:
+        if not _registered:
+            return False
+        _dumps_in_flight += 1
+        me = threading.get_ident()
+        _dumps_by_thread[me] = _dumps_by_thread.get(me, 0) + 1
+        return True
+
+
+def _dumps_end() -> None:
+    global _dumps_in_flight, _close_when_done
+    with _dumps_cond:
+        _dumps_in_flight -= 1
+        me = threading.get_ident()
+        if _dumps_by_thread[me] > 1:
+            _dumps_by_thread[me] -= 1
+        else:
+            del _dumps_by_thread[me]
+        if _dumps_in_flight:
+            return
+        _dumps_cond.notify_all()
+        close, _close_when_done = _close_when_done and not _registered, False
+    if close:
+        _let_go_of_program()
+
+
+def _close_after_dumps() -> None:
+    """``unregister()``: close once no dumps that began before it is in flight (unless
+    ``register()`` came again meanwhile: the connections are the new registration's)."""
+    global _close_when_done
+    me = threading.get_ident()
+    with _dumps_cond:
+        others = lambda: _dumps_in_flight - _dumps_by_thread.get(me, 0)  # noqa: E731
+        if not _dumps_cond.wait_for(lambda: not others() or _registered, UNREGISTER_WAIT):
+            log.debug("unregister(): a message still being pickled; shmreduce closes once it is done")
+            _close_when_done = True
+            return
+        if _registered:
+            return
+        if _dumps_in_flight:
+            # Called from inside a dumps of this thread (a finalizer or a reducer that
+            # unregisters while it pickles): waiting for it would wait for ever; it
+            # closes as it finishes.
+            _close_when_done = True
+            return
+    _let_go_of_program()
+
+
+def _let_go_of_program() -> None:
+    broker.close_all()
+    transfer.let_go()
+
+
+def _after_fork_in_child() -> None:
+    # The parent's threads, and the dumps they had in flight, did not come along (one
+    # may have held the condition's lock).
+    global _dumps_cond, _dumps_in_flight, _dumps_by_thread, _close_when_done
+    _dumps_cond = threading.Condition(threading.Lock())
+    _dumps_in_flight = 0
+    _dumps_by_thread = {}
+    _close_when_done = False
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # -- a failure in a queue's feeder thread (SPEC 16) ----------------------------------
@@ -351,7 +446,7 @@ def register(*, strategy: str | None = None, cloudpickle: bool | None = None) ->
     makes queues and pipes pickle with cloudpickle (lambdas, closures, local
     classes), the way loky lets users choose its pickler; ``unregister()`` undoes it.
     """
-    global _registered, _use_cloudpickle, _strategy_before
+    global _use_cloudpickle, _strategy_before
     with _lock:
         before = _strategy.get_sharing_strategy()
         if strategy is not None:
@@ -377,7 +472,7 @@ def register(*, strategy: str | None = None, cloudpickle: bool | None = None) ->
         # The fd strategy holds one descriptor per received storage (#973): raise the
         # soft limit to the hard one, as servers do.
         _platform.raise_nofile_limit()
-        _registered = True
+        _set_registered(True)
 
 
 _workers_warned = False
@@ -450,7 +545,7 @@ def unregister() -> None:
     """Put back exactly the reducers installed before ``register()``, and the strategy
     before it if ``register(strategy=...)`` changed it (one set with the toggle since
     is the user's and stays). Idempotent."""
-    global _registered, _use_cloudpickle, _strategy_before, _strategy_set
+    global _use_cloudpickle, _strategy_before, _strategy_set
     with _lock:
         if not _registered:
             return
@@ -458,10 +553,17 @@ def unregister() -> None:
         if _strategy_set is not None and _strategy_before is not None and _strategy.get_sharing_strategy() == _strategy_set:
             _strategy.set_sharing_strategy(_strategy_before)
         _strategy_before = _strategy_set = None
-        _registered = False
+        _set_registered(False)
         _use_cloudpickle = False
-    broker.close_all()
-    transfer.let_go()
+    _close_after_dumps()
+
+
+def _set_registered(registered: bool) -> None:
+    """Under ``_lock``; and under ``_dumps_cond``, which ``_forking_dumps`` reads it under."""
+    global _registered
+    with _dumps_cond:
+        _registered = registered
+        _dumps_cond.notify_all()  # a waiting unregister() stops waiting for a registration that came again
 
 
 def is_registered() -> bool:

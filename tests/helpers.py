@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -291,3 +292,28 @@ def small_mount(directory: Any, size: str) -> Iterator[str]:
     finally:
         assert wait_for(lambda: not os.listdir(mnt), 15), os.listdir(mnt)
         subprocess.run(["umount", "-l", mnt], check=True)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_program(script: str, *args: str, env: dict[str, str] | None = None, timeout: float = 20.0) -> subprocess.CompletedProcess:
+    """Run *script* as a program of its own (its root: its broker goes with it), in its
+    own session, with the tests' helpers importable; killed whole if it outlives *timeout*."""
+    full_env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.path.join(ROOT, 'tests')}", **(env or {}))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full_env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return subprocess.CompletedProcess(proc.args, -signal.SIGKILL, out, err)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

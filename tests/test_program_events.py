@@ -30,7 +30,6 @@ import multiprocessing as mp
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -45,7 +44,7 @@ from shmreduce import _native, program, transfer
 from shmreduce.broker import client as broker_client
 from shmreduce.cache import cache
 
-from helpers import let_go_now, wait_for
+from helpers import let_go_now, run_program, wait_for
 
 FORK = mp.get_context("fork")
 TIMEOUT = 20.0  # any single wait
@@ -120,25 +119,7 @@ def _holders(addr: int) -> int:
 
 
 def _run_program(script: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run *script* as a program of its own (its root: its broker goes with it), in its
-    own session; killed whole if it outlives TIMEOUT."""
-    full_env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", script, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=full_env,
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        return subprocess.CompletedProcess(proc.args, -signal.SIGKILL, out, err)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return run_program(script, *args, env=env, timeout=TIMEOUT)
 
 
 # -- item 6: a broker restart forgets nothing a live process holds ------------------------

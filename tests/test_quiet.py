@@ -14,7 +14,10 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+import pytest
 import torch
 import torch.multiprocessing as tmp
 
@@ -30,6 +33,7 @@ _PROGRAMS = textwrap.dedent(
     """
     import multiprocessing as mp
     import sys
+    from multiprocessing.reduction import ForkingPickler
     import threading
     import time
 
@@ -61,7 +65,9 @@ _PROGRAMS = textwrap.dedent(
 
 
     def dropped_queue():
-        # A queue nobody reads, and one read in part: both dropped with items in them.
+        # A queue nobody reads, and one read in part: both dropped with items in them;
+        # and one put just before the program exits, its feeder thread still pickling
+        # them (each a segment of its own: a round trip to the broker) as the exit begins.
         ctx = mp.get_context("fork")
         unread = ctx.Queue()
         for i in range(5):
@@ -73,6 +79,39 @@ _PROGRAMS = textwrap.dedent(
         assert [t[0].item() for t in got] == [0.0, 1.0, 2.0]
         p.join(60)
         assert p.exitcode == 0
+        last = ctx.Queue()
+        for i in range(5):
+            last.put(torch.full((100_000,), float(i)))
+
+
+    def feeder_behind_exit():
+        # A queue put just before the program exits, its feeder thread taken off the CPU
+        # between taking its broker client and using it (as on a loaded machine), until
+        # this process closes its connections (2 s at most: none closed before the
+        # feeder is done).
+        from shmreduce.broker import client
+
+        closed, exiting, taken = threading.Event(), threading.Event(), threading.Event()
+        close_all, client_for = client.close_all, client.client_for
+
+        def close_all_seen(*args, **kwargs):
+            closed.set()
+            close_all(*args, **kwargs)
+
+        def client_for_behind(*args):
+            found = client_for(*args)
+            if exiting.is_set() and threading.current_thread() is not threading.main_thread():
+                taken.set()
+                closed.wait(2)
+            return found
+
+        client.close_all, client.client_for = close_all_seen, client_for_behind
+        ForkingPickler.dumps(torch.zeros(100))  # this process has shared: its broker runs
+        q = mp.get_context("fork").Queue()
+        exiting.set()
+        for i in range(5):
+            q.put(torch.full((100_000,), float(i)))
+        taken.wait(60)  # the exit begins with the feeder inside its first share
 
 
     def kept():
@@ -149,8 +188,22 @@ def _run(script, shape: str, strategy: str) -> tuple[str, int, str, str]:
     return f"{shape} under {strategy}", proc.returncode, proc.stdout, proc.stderr
 
 
+@contextmanager
+def busy_machine(processes: int = 2) -> Iterator[None]:
+    """*processes* CPU burners for the block: what runs first at a program's exit (its
+    queues' feeder threads, its exit hooks) is then decided as on a loaded machine."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+
+
 def test_normal_programs_write_nothing_on_stderr(tmp_path):
-    """Every shape under each strategy: two loops at once, one per strategy."""
+    """Every shape under each strategy: two loops at once, one per strategy, beside
+    two busy processes."""
     script = tmp_path / "programs.py"
     script.write_text(_PROGRAMS)
     results: list[tuple[str, int, str, str]] = []
@@ -163,15 +216,27 @@ def test_normal_programs_write_nothing_on_stderr(tmp_path):
         threading.Thread(target=loop, args=("file_descriptor", SHAPES)),
         threading.Thread(target=loop, args=("file_system", SHAPES[::-1])),
     ]
-    for th in loops:
-        th.start()
-    for th in loops:
-        th.join(600)
+    with busy_machine():
+        for th in loops:
+            th.start()
+        for th in loops:
+            th.join(600)
     assert len(results) == 2 * len(SHAPES), results
     failed = [
         f"{shape}: exit status {code}, stdout {out!r}, stderr:\n{err}" for shape, code, out, err in results if code or out != "ok\n" or err
     ]
     assert not failed, "\n\n".join(failed)
+
+
+@pytest.mark.parametrize("strategy_name", ["file_descriptor", "file_system"])
+def test_a_feeder_still_pickling_at_exit_writes_nothing_on_stderr(tmp_path, strategy_name):
+    """The queue's feeder thread still pickles what was put when the program's exit
+    begins: its messages are shared, and nothing is written on stderr (before: the exit
+    closed the broker connections under it, and each failure was logged there)."""
+    script = tmp_path / "programs.py"
+    script.write_text(_PROGRAMS)
+    shape, code, out, err = _run(script, "feeder_behind_exit", strategy_name)
+    assert (code, out, err) == (0, "ok\n", ""), f"{shape}: exit status {code}, stdout {out!r}, stderr:\n{err}"
 
 
 def _put_many(q, n):

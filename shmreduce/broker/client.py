@@ -19,6 +19,7 @@ import json
 import logging
 import mmap
 import multiprocessing
+import multiprocessing.util
 import os
 import select
 import signal
@@ -608,6 +609,11 @@ def existing_clients() -> list[BrokerClient]:
     return list(_clients.values())
 
 
+# Below the priority of a queue's feeder join (-5), which multiprocessing's exit runs
+# first, highest first.
+_AFTER_FEEDERS = -100
+
+
 def close_all(exiting: bool = False) -> None:
     """Close every connection of this process (the clients are dropped). Unless
     *exiting*, this process keeps what it holds (see ``BrokerClient.close``)."""
@@ -623,6 +629,15 @@ def close_all(exiting: bool = False) -> None:
 
 def _close_all_at_exit() -> None:
     global exiting
+    if not multiprocessing.util.is_exiting():
+        # Registered at the first client, after multiprocessing's exit function (at
+        # this module's import of multiprocessing.util), this runs before it; but
+        # that function joins the queues' feeder threads, still pickling what was put
+        # (a loaded machine runs them late), through these connections: close after
+        # them, as its last finalizer. Were they closed first, each such message
+        # failed, and the failure was written on stderr (SPEC 13).
+        multiprocessing.util.Finalize(None, _close_all_at_exit, exitpriority=_AFTER_FEEDERS)
+        return
     exiting = True
     for ledger in list(_ledgers.values()):
         ledger.freeze()  # what it holds now, its brokers count out
