@@ -146,8 +146,9 @@ def dlpack_table() -> dict[torch.dtype, tuple[int, int, int, int]]:
 #
 # So ``prepare`` meets, once, what the reducers meet in torch: the dtype table, the
 # quantized engine, and a tiny tensor of each kind taken apart and rebuilt (nothing is
-# shared), but a quantized one (torch warns once a process as it makes one: the user's
-# own would not). ``register()`` runs it in its caller's thread; without it (``dumps`` and
+# shared), but a quantized one and a compressed sparse one (torch warns once a process
+# as it makes the first of either kind, whatever filter is active: the user's own would
+# not; their first share and load initialize a few op handles). ``register()`` runs it in its caller's thread; without it (``dumps`` and
 # ``loads`` unregistered) the first thread that needs the table does. It runs under
 # ``_prepare_lock``, which a fork waits for; re-entrant, so that a fork from inside it
 # (a finalizer on the same thread) takes it again rather than waiting for itself.
@@ -166,23 +167,23 @@ def prepare() -> None:
             return
         _faults.pause("prepare.torch")
         _DLPACK.update((dtype, (*code, dtype.itemsize)) for dtype, code in _torch.dlpack_dtypes(_native.dltype).items())
-        _torch.quantized_engine()  # what a quantized tensor's rebuild would settle
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch calls nested tensors a prototype
-            for example in _examples():
-                try:
+        try:
+            _torch.quantized_engine()  # what a quantized tensor's rebuild would settle
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch calls nested tensors a prototype
+                for example in _examples():
                     rebuild, args = reduce_tensor(example)
                     rebuild(*args)
-                except (RuntimeError, TypeError, ValueError, SharingError):
-                    continue  # a kind this torch cannot make or take: its users meet the error, not register()
-        _prepared = True
+        except (RuntimeError, TypeError, ValueError, SharingError):
+            pass  # a kind this torch cannot make or take: its first user meets the error, not register()
+        finally:
+            _prepared = True
 
 
 def _examples() -> list[torch.Tensor]:
     """A tiny tensor of each kind ``reduce_tensor`` takes apart, none with a byte to share."""
     x = torch.empty(0)
     z = torch.empty(0, dtype=torch.complex64)
-    block = torch.empty((0, 0)).to_sparse_bsr((1, 1))
     return [
         x,
         z.conj(),
@@ -190,10 +191,6 @@ def _examples() -> list[torch.Tensor]:
         torch.empty(0, requires_grad=True),
         torch.nn.Parameter(x),
         torch.empty((0, 0)).to_sparse(),
-        torch.empty((0, 0)).to_sparse_csr(),
-        torch.empty((0, 0)).to_sparse_csc(),
-        block,
-        block.to_sparse_bsc((1, 1)),
         _torch.nested_from_buffer(
             x, torch.zeros((1, 1), dtype=torch.int64), torch.ones((1, 1), dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
         ),
