@@ -142,7 +142,7 @@ def dlpack_table() -> dict[torch.dtype, tuple[int, int, int, int]]:
 # progress" that no thread of its own will ever finish: the child waits there for ever
 # the first time it takes that path. The dtype table makes a tensor of every dtype: a
 # queue's feeder thread building it (inside qEngine's initialization) while the main
-# thread forked left the child waiting in qEngine's guard at its first load.
+# thread forks leaves the child waiting in qEngine's guard at its first load.
 #
 # So ``prepare`` meets, once, what the reducers meet in torch: the dtype table, the
 # quantized engine, and a tiny tensor of each kind taken apart and rebuilt (nothing is

@@ -1,17 +1,19 @@
 """SPEC 8 at a program's first uses: a fork while another thread initializes what
 shmreduce or torch initializes on first use never hangs the child.
 
-torch's ``test_fs_sharing`` pattern (register, put ``[x, x[:, 1]]`` on a queue, fork a
-Process that gets it) hung the child in some fresh programs: the queue's feeder thread
-was building the dtype table, inside torch's first-use initialization of its quantized
-engine (a C++ static, whose guard a forked child inherits "in progress" and waits on
-for ever), when the main thread forked. Now ``register()`` initializes all that in its
-caller's thread, and a fork waits for an initialization in progress on another thread.
+torch initializes an op, an argument parser or its quantized engine in a C++ static on
+first use; a child forked while another thread is inside such an initialization
+inherits its guard "in progress" and waits on it for ever the first time it takes that
+path. In torch's ``test_fs_sharing`` pattern (register, put ``[x, x[:, 1]]`` on a queue,
+fork a Process that gets it) the queue's feeder thread, left to build the dtype table,
+is inside torch's quantized engine's initialization when the main thread forks. So
+``register()`` initializes all that in its caller's thread, and a fork waits for an
+initialization in progress on another thread.
 
-Two tests: the issue's program itself, in fresh interpreters, with torch's first-use
+Two tests. The issue's program itself, in fresh interpreters, with torch's first-use
 initializations slowed on every thread but the main one and each fork made to land
-inside one if any is under way (``slow_first_use.c``): it hung every time before, and
-no thread but the main one initializes anything in torch now. And fresh programs
+inside one if any is under way (``slow_first_use.c``): a first use left to another
+thread hangs the child every time, and the log names every one. And fresh programs
 (``first_use_programs.py``) stopped at each first-use initialization of shmreduce's
 that a thread other than the caller of ``register()`` reaches, or that such a thread
 can be inside of, while the main thread forks.
