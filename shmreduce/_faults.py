@@ -20,6 +20,11 @@ Pause points (``pause``):
 ``send.counted``  a sending scope closes, its refs not yet counted sent
 ``reap.end``      ``Pool.reap`` took its snapshot of the waiting segments, before it ends one
 ``pool.closing``  a pool closes a free segment it trimmed (its memfd dropped, its file released)
+``pool.new_current``  a thread's next slab or arena is made, not its current one yet
+``broker.launch``  the broker's launcher is started, its answer not read yet
+``prepare.torch``  ``reductions.prepare`` holds its lock, the dtype table not built yet
+``registry.locked``  ``register()`` holds the registry's lock
+``fork.waits``  a fork's before-hook is about to wait for one of those two locks
 """
 
 from __future__ import annotations

@@ -34,14 +34,20 @@ swap_memory: Callable[[torch.UntypedStorage, torch.UntypedStorage], None] = Unty
 from_dlpack: Callable[[object], torch.Tensor] = torch._C._from_dlpack
 
 
+# The quantized dtypes (torch's own list, ``torch.storage``): DLPack carries none, and
+# making a tensor of one warns that they are deprecated, once a process, through
+# whatever filter is active then, so the user's own first one would not warn.
+QUANTIZED_DTYPES = frozenset({torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+
+
 def dlpack_dtypes(dltype: Callable[[object], tuple[int, int, int]]) -> dict[torch.dtype, tuple[int, int, int]]:
     """The DLPack dtype (code, bits, lanes) of every torch dtype that goes to DLPack and
     comes back as itself through ``from_dlpack`` (checked here, once, on this torch);
     *dltype* reads a capsule's. The others (sub-byte and quantized ones) are absent."""
     table = {}
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch warns of experimental and deprecated dtypes as it makes them
-        for dtype in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}:
+        warnings.simplefilter("ignore")  # torch warns of experimental dtypes as it makes them
+        for dtype in {v for v in vars(torch).values() if isinstance(v, torch.dtype)} - QUANTIZED_DTYPES:
             try:
                 capsule = torch.utils.dlpack.to_dlpack(torch.empty(1, dtype=dtype))
                 code = dltype(capsule)
@@ -51,6 +57,13 @@ def dlpack_dtypes(dltype: Callable[[object], tuple[int, int, int]]) -> dict[torc
             if back.dtype == dtype:
                 table[dtype] = code
     return table
+
+
+def quantized_engine() -> str:
+    """The quantized engine (``torch.backends.quantized.engine``): reading it settles
+    the one torch's quantized kernels use, as the first quantized tensor would, and
+    makes no tensor (nothing warns)."""
+    return str(torch.backends.quantized.engine)
 
 
 # torch's own answer, bound at import: while registered, ``patches`` makes

@@ -722,6 +722,7 @@ class Pool:
         seg = self.take(tier.size if tier is _SLAB else self.arena_size())
         if tier is _SLAB and seg.filled < seg.size:
             self._twice(lambda last: seg.allocate())
+        _faults.pause("pool.new_current")
         self.drop_current(tier)
         hold = Hold(seg, self._begin(seg, retry=False), take=False)
         self.local.__dict__[tier.name] = hold

@@ -11,11 +11,14 @@ and storages rebuild as meta.
 
 from __future__ import annotations
 
+import os
+import threading
+import warnings
 from typing import Any, NamedTuple
 
 import torch
 
-from shmreduce import _native, _torch, pool, transfer
+from shmreduce import _faults, _native, _torch, pool, transfer
 from shmreduce.errors import SharingError
 
 _SPARSE_COMPRESSED = {
@@ -119,14 +122,88 @@ def reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple]:
 
 
 _EMPTY: dict[torch.dtype, torch.Tensor] = {}  # one empty tensor per dtype: new_empty is cheap
-_DLPACK = pool.dtypes  # (code, bits, lanes, itemsize) of each dtype DLPack carries, filled on first use
+_DLPACK = pool.dtypes  # (code, bits, lanes, itemsize) of each dtype DLPack carries, filled by prepare()
 
 
 def dlpack_table() -> dict[torch.dtype, tuple[int, int, int, int]]:
     """The dtypes ``_native.rebuild`` makes tensors of (``pool.dtypes``), filled once."""
-    if not _DLPACK:
-        _DLPACK.update((dtype, (*code, dtype.itemsize)) for dtype, code in _torch.dlpack_dtypes(_native.dltype).items())
+    if not _prepared:
+        prepare()
     return _DLPACK
+
+
+# -- what torch initializes on first use ---------------------------------------------
+#
+# torch initializes much on first use, in C++ function-local statics: each op's
+# dispatcher handle and each binding's argument parser at its first call, the
+# quantized engine (``at::Context::qEngine``, which reads the CPU's features) at the
+# first quantized tensor. A thread that meets one being initialized waits on its guard
+# (``__cxa_guard_acquire``, a futex), and a forked child inherits a guard marked "in
+# progress" that no thread of its own will ever finish: the child waits there for ever
+# the first time it takes that path. The dtype table makes a tensor of every dtype: a
+# queue's feeder thread building it (inside qEngine's initialization) while the main
+# thread forks leaves the child waiting in qEngine's guard at its first load.
+#
+# So ``prepare`` meets, once, what the reducers meet in torch: the dtype table, the
+# quantized engine, and a tiny tensor of each kind taken apart and rebuilt (nothing is
+# shared), but a quantized one and a compressed sparse one (torch warns once a process
+# as it makes the first of either kind, whatever filter is active: the user's own would
+# not; their first share and load initialize a few op handles). ``register()`` runs it in its caller's thread; without it (``dumps`` and
+# ``loads`` unregistered) the first thread that needs the table does. It runs under
+# ``_prepare_lock``, which a fork waits for; re-entrant, so that a fork from inside it
+# (a finalizer on the same thread) takes it again rather than waiting for itself.
+_prepare_lock = threading.RLock()
+_prepared = False
+
+
+def prepare() -> None:
+    """Build the dtype table and initialize what torch initializes on the reducers'
+    first use (see above): at once, in this thread, and once a process."""
+    global _prepared
+    if _prepared:
+        return
+    with _prepare_lock:
+        if _prepared or _DLPACK:  # done, or under way in this very thread (its examples need the table)
+            return
+        _faults.pause("prepare.torch")
+        _DLPACK.update((dtype, (*code, dtype.itemsize)) for dtype, code in _torch.dlpack_dtypes(_native.dltype).items())
+        try:
+            _torch.quantized_engine()  # what a quantized tensor's rebuild would settle
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch calls nested tensors a prototype
+                for example in _examples():
+                    rebuild, args = reduce_tensor(example)
+                    rebuild(*args)
+        except (RuntimeError, TypeError, ValueError, SharingError):
+            pass  # a kind this torch cannot make or take: its first user meets the error, not register()
+        finally:
+            _prepared = True
+
+
+def _examples() -> list[torch.Tensor]:
+    """A tiny tensor of each kind ``reduce_tensor`` takes apart, none with a byte to share."""
+    x = torch.empty(0)
+    z = torch.empty(0, dtype=torch.complex64)
+    return [
+        x,
+        z.conj(),
+        z.conj().imag,  # the negative bit
+        torch.empty(0, requires_grad=True),
+        torch.nn.Parameter(x),
+        torch.empty((0, 0)).to_sparse(),
+        _torch.nested_from_buffer(
+            x, torch.zeros((1, 1), dtype=torch.int64), torch.ones((1, 1), dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+        ),
+        torch.empty(0, device="meta"),
+    ]
+
+
+def _before_fork() -> None:
+    _faults.pause("fork.waits")  # a test's sign that a fork waits here
+    _prepare_lock.acquire()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_prepare_lock.release, after_in_child=_prepare_lock.release)
 
 
 def _plain(meta: Any) -> tuple | None:

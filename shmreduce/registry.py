@@ -42,7 +42,7 @@ from typing import Any
 import cloudpickle
 import torch
 
-from shmreduce import _platform, errors, patches, program, reductions, transfer
+from shmreduce import _faults, _platform, errors, patches, program, reductions, transfer
 from shmreduce import strategy as _strategy
 from shmreduce.broker import client as broker
 
@@ -190,6 +190,17 @@ def unregister_reducer(cls: type) -> None:
 def list_reducers() -> dict[type, Reducer]:
     """The user reducers registered with ``register_reducer``."""
     return dict(_user)
+
+
+def _before_fork() -> None:
+    _faults.pause("fork.waits")
+    _lock.acquire()
+
+
+# A fork waits for a register(), unregister() or reducer change in progress on another
+# thread: else the child inherits _lock held by a thread it does not have, and its own
+# register() waits for ever. Re-entrant: a fork from inside one takes it again.
+os.register_at_fork(before=_before_fork, after_in_parent=_lock.release, after_in_child=_lock.release)
 
 
 def _changed() -> None:
@@ -447,7 +458,11 @@ def register(*, strategy: str | None = None, cloudpickle: bool | None = None) ->
     classes), the way loky lets users choose its pickler; ``unregister()`` undoes it.
     """
     global _use_cloudpickle, _strategy_before
+    # In this thread, before any message: what the reducers initialize on first use
+    # is then never initialized by a queue's feeder thread while another forks.
+    reductions.prepare()
     with _lock:
+        _faults.pause("registry.locked")
         before = _strategy.get_sharing_strategy()
         if strategy is not None:
             _register_strategy(strategy, before)

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
+from shmreduce import _faults
 from shmreduce.broker import protocol as P
 from shmreduce.errors import SharingError, broker_gone, deposit_lost, stale_message, too_many_files
 
@@ -143,6 +144,7 @@ def start_broker(directory: str, root_pid: int) -> None:
         argv = [sys.executable, "-m", "shmreduce.broker.server", directory, str(root_pid)]
         pid = os.posix_spawn(sys.executable, argv, env, file_actions=actions)
         _let_go_of_launch_socket(theirs)
+        _faults.pause("broker.launch")
         answer = _launch_answer(ours, pid, deadline)
     except OSError as exc:
         raise SharingError(f"could not start the shmreduce broker: {exc}") from exc
