@@ -109,7 +109,14 @@ PROGRAM = textwrap.dedent(
             gc.collect()
             found = brokers()
             rows.append({"ok": ok, "brokers": len(found), "directories": sorted(set(found.values())), **held()})
-        print(json.dumps({"mine": mine, "late": late, "rows": rows}), flush=True)
+        torch_in = []  # brokers that imported torch (the hook runs in them too)
+        for pid in brokers():
+            try:
+                with open(f"/proc/{pid}/maps", "rb") as f:
+                    torch_in += [pid] if b"libtorch" in f.read() else []
+            except OSError:
+                pass
+        print(json.dumps({"mine": mine, "late": late, "rows": rows, "torch_in_broker": torch_in}), flush=True)
     """
 )
 
@@ -151,6 +158,8 @@ def test_a_child_registered_before_its_bootstrap_joins_its_parents_program(tmp_p
     assert result["late"] is True and all(row["ok"] is True for row in rows), result
     # Every broker is the parent's program's: no child started one of its own.
     assert all(row["directories"] == [result["mine"]] for row in rows), result
+    # The hook's register() does nothing in the broker, which never imports torch.
+    assert result["torch_in_broker"] == [], result
 
     # The program exited: its broker and its directory go with it.
     assert wait_for(lambda: not brokers_under(private_base), 15), brokers_under(private_base)

@@ -141,7 +141,9 @@ def start_broker(directory: str, root_pid: int) -> None:
             (os.POSIX_SPAWN_DUP2, 1, 2),
             (os.POSIX_SPAWN_DUP2, theirs.fileno(), P.STATUS_FD),
         ]
-        argv = [sys.executable, "-m", "shmreduce.broker.server", directory, str(root_pid)]
+        # -S: no site hooks (sitecustomize, .pth files), which may register() and so
+        # import torch: the broker runs the stdlib and this package only (PYTHONPATH).
+        argv = [sys.executable, "-S", "-m", "shmreduce.broker.server", directory, str(root_pid)]
         pid = os.posix_spawn(sys.executable, argv, env, file_actions=actions)
         _let_go_of_launch_socket(theirs)
         _faults.pause("broker.launch")
