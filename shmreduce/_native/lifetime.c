@@ -115,10 +115,9 @@ shm_drop_count(GenObject *gen)
 }
 
 /* torch's deleter: any thread, maybe without the GIL. Atomics and pushes only. */
-void
-shm_ctx_deleter(DLManagedTensorVersioned *managed)
+static void
+ctx_deleted(Ctx *ctx)
 {
-    Ctx *ctx = (Ctx *)managed->manager_ctx;
     GenObject *gen = ctx->gen;
     if (atomic_load_explicit(&ctx->importing, memory_order_acquire)) {
         /* torch's importer took the tensor, then failed (an element count that overflows
@@ -134,6 +133,18 @@ shm_ctx_deleter(DLManagedTensorVersioned *managed)
     } while (!atomic_compare_exchange_weak_explicit(&shm_process.free_ctx, &head, ctx,
                                                     memory_order_release, memory_order_relaxed));
     shm_drop_count(gen);
+}
+
+void
+shm_ctx_deleter(DLManagedTensorVersioned *managed)
+{
+    ctx_deleted((Ctx *)managed->manager_ctx);
+}
+
+void
+shm_ctx_deleter_legacy(DLManagedTensor *managed)
+{
+    ctx_deleted((Ctx *)managed->manager_ctx);
 }
 
 /* ---- GIL held from here on ---- */
