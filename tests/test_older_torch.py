@@ -83,16 +83,18 @@ def test_without_the_swap_a_storage_sent_moves_through_torch_in_place_and_receiv
         t = torch.arange(100.0)
         view = t[10:20]
         big = torch.ones(1 << 18)  # past the slab: the general path in any case
-        got, got_big = echo((view, big))
+        tiny = torch.tensor(7, dtype=torch.int32), torch.tensor(True)  # torch's memfds of 4 bytes, of 1
+        got, got_big, got_tiny = echo((view, big, tiny))
         t[10] = -1.0
         assert got[0].item() == -1.0 and got.tolist()[1:] == list(range(11, 20))  # one memory, both ways
         assert t.is_shared() and torch.equal(got_big, big)
+        assert [x.item() for x in got_tiny] == [7, True]
         stats = shmreduce.stats()
         assert stats["move_path"] == "adopt"
         # Nothing was claimed in a pool: the native core hands the tensor over untouched.
         assert stats["fd_segments_made"] == before["fd_segments_made"] and stats["fs_segments_made"] == before["fs_segments_made"]
-        assert stats["storages_shared"] == before["storages_shared"] + 2
-        del got, got_big
+        assert stats["storages_shared"] == before["storages_shared"] + 4
+        del got, got_big, got_tiny
 
 
 def _sum_each(conn) -> None:

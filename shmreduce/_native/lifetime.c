@@ -689,8 +689,9 @@ gen_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return NULL;
     }
     /* A pooled generation (low > 0) writes its header's words and ticket bits: its
-     * storages start past the whole header, which lies aligned at addr. */
-    if (size < 8 || low < 0 || low > size ||
+     * storages start past the whole header, which lies aligned at addr. One that is not
+     * pooled (a storage torch shared) may be as small as its storage: a byte. */
+    if (size <= 0 || low < 0 || low > size ||
         (low > 0 && (low < HEADER_BYTES || (uintptr_t)addr % 8))) {
         PyErr_Format(
             PyExc_ValueError,
