@@ -57,11 +57,10 @@ class _Adopted(weakref.ref):
     (run where the storage dies, any thread, perhaps mid-call of this cache) only
     queues it."""
 
-    __slots__ = ("key", "place", "token")
+    __slots__ = ("key", "place")
 
     key: int
     place: Place
-    token: Any  # its segment's generation-0 token, held while the storage lives (its identity map)
 
 
 class StorageCache:
@@ -88,14 +87,12 @@ class StorageCache:
                 return entry.place
         return None
 
-    def remember_adopted(self, storage: torch.UntypedStorage, place: Place, key: int, token: Any = None) -> None:
+    def remember_adopted(self, storage: torch.UntypedStorage, place: Place, key: int) -> None:
         """A storage torch shared by descriptor lies in *place* (a segment mapped
-        elsewhere in this process), until it dies; *token*: a hold of its segment's
-        token, whose identity map gives this process the storage back, let go of then.
-        Constant time: a dead storage's entry is queued by its weak reference's
-        callback, not looked for."""
+        elsewhere in this process), until it dies. Constant time: a dead storage's
+        entry is queued by its weak reference's callback, not looked for."""
         entry = _Adopted(storage, self._dead.append)
-        entry.key, entry.place, entry.token = key, place, token
+        entry.key, entry.place = key, place
         with self._lock:
             self._adopted[key] = entry
 
@@ -108,8 +105,6 @@ class StorageCache:
                 entry = self._dead.popleft()
                 if self._adopted.get(entry.key) is entry:
                     del self._adopted[entry.key]
-                if entry.token is not None:
-                    entry.token.release()
                 segs.append(entry.place.segment)
         return segs
 

@@ -422,13 +422,7 @@ def _adopt(storage: torch.UntypedStorage, key: int, nbytes: int) -> Place | None
         segments.refuse_foreign_file(storage)
         return None
     place = Place(seg, 0, 0, nbytes)
-    # A ref of it loaded here gives this very storage back, as torch does, through its
-    # segment's token (held while the storage lives: nothing of the token's own counts it).
-    token = seg.live_token(0)
-    if token is None or not token.acquire():
-        token = seg.new_token(0, None)
-    token.remember(0, storage)
-    cache.remember_adopted(storage, place, key, token)
+    cache.remember_adopted(storage, place, key)
     return place
 
 
