@@ -60,7 +60,7 @@ static _Thread_local sigjmp_buf *fault_jump __attribute__((tls_model("initial-ex
 static _Thread_local void *fault_address __attribute__((tls_model("initial-exec")));
 /* The process's SIGBUS disposition (process-wide: native.h says why). */
 static struct {
-    int on;                    /* guard_faults() was called */
+    _Atomic int on; /* guard_faults() was called: set under the GIL, read by any thread without it */
     struct sigaction previous; /* the handler it replaced (faulthandler's, or the default) */
 } sigbus_guard;
 
@@ -94,7 +94,7 @@ shm_fault_address(void)
 int
 shm_guard(void (*fn)(void *), void *arg)
 {
-    if (!sigbus_guard.on) {
+    if (!atomic_load_explicit(&sigbus_guard.on, memory_order_acquire)) {
         fn(arg);
         return 0;
     }
@@ -164,7 +164,7 @@ guard_faults(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     if ((before.sa_flags & SA_SIGINFO) && before.sa_sigaction == on_sigbus) {
-        sigbus_guard.on = 1;
+        atomic_store_explicit(&sigbus_guard.on, 1, memory_order_release);
         Py_RETURN_NONE;
     }
     sigbus_guard.previous = before; /* known before this handler can run */
@@ -177,7 +177,7 @@ guard_faults(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
     if (sigaction(SIGBUS, &action, NULL) < 0) {
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    sigbus_guard.on = 1;
+    atomic_store_explicit(&sigbus_guard.on, 1, memory_order_release);
     Py_RETURN_NONE;
 }
 
