@@ -76,8 +76,6 @@ def init(
     error: type[Exception],
     dtypes: dict[torch.dtype, tuple[int, int, int, int]],
     published: dict[tuple, Gen],
-    swap: Callable[[torch.UntypedStorage, torch.UntypedStorage], None] | None,
-    versioned: bool,
     /,
 ) -> None: ...
 def dead() -> list[Gen]: ...
