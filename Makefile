@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 TORCH ?= 2.13.0
 CONSTRAINTS ?= constraints-dev.txt
 
-.PHONY: install test lint format typecheck pythons suite-python suite-torch bench bench-chart bench-ddp asan tsan debug stress clean
+.PHONY: install test lint format typecheck pythons suite-python suite-torch gpu-check bench bench-chart bench-ddp asan tsan debug stress clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,14 @@ suite-torch:
 	test -x .venv-torch-$(TORCH)/bin/python || $(PYTHON) -m venv .venv-torch-$(TORCH)
 	grep -v '^torch==' constraints-dev.txt > .venv-torch-$(TORCH)/constraints.txt
 	$(MAKE) test VENV=.venv-torch-$(TORCH) TORCH=$(TORCH) CONSTRAINTS=.venv-torch-$(TORCH)/constraints.txt
+
+# The GPU check, on a GPU machine as it comes (often cut off from package indexes): its own
+# python3 with torch, pytest, hypothesis and cloudpickle, the extension built in place, no
+# venv and no install; then the suite's CUDA tests. Without CUDA every test skips, saying so.
+gpu-check:
+	python3 setup.py -q build_ext --inplace
+	python3 -m pytest -q tests/gpu
+	python3 -m pytest -q tests/test_semantics.py -k cuda
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py --update-readme $(BENCH_ARGS)

@@ -76,6 +76,8 @@ def init(
     error: type[Exception],
     dtypes: dict[torch.dtype, tuple[int, int, int, int]],
     published: dict[tuple, Gen],
+    swap: Callable[[torch.UntypedStorage, torch.UntypedStorage], None] | None,
+    versioned: bool,
     /,
 ) -> None: ...
 def dead() -> list[Gen]: ...

@@ -1,18 +1,54 @@
 """The private torch storage API shmreduce relies on, wrapped in one place.
 
-The newest of them, ``UntypedStorage._swap_data_ptr_`` (``swap_memory``), came in torch
-2.12, hence ``torch>=2.12`` (docs/compatibility.md, "The private torch API", has each wrapper's
-history); ``tests/test_torch_api.py`` fails loudly if a release changes any of them.
+Every wrapper here is in torch 2.8, hence ``torch>=2.8`` (docs/compatibility.md, "The
+private torch API", has each wrapper's history); importing this module under an older
+torch raises ``ImportError`` saying so. One is newer: ``UntypedStorage._swap_data_ptr_``
+(``swap_memory``, torch 2.12), with which a sender's storage moves into shmreduce's pool
+in place. Where torch lacks it, ``swap_memory`` is None and torch moves the storage
+itself (``share_fd``), into a memfd shmreduce then adopts (``path()`` says which); what
+decides is whether the method exists, never the version. ``tests/test_torch_api.py``
+fails loudly if a release changes any of them.
 """
 
 from __future__ import annotations
 
+import itertools
 import operator
 import warnings
 from collections.abc import Callable
 from typing import cast
 
 import torch
+
+# The oldest torch every wrapper below has been checked on (tests/test_torch_api.py).
+FLOOR = (2, 8)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """A torch version's (major, minor): "2.11.0+cu130" -> (2, 11); () if unreadable."""
+    parts = []
+    for part in version.split("+")[0].split(".")[:2]:
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            return ()
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def check_floor(version: str) -> None:
+    """ImportError unless torch *version* is FLOOR or newer (an unreadable one passes:
+    a build of torch's main branch names itself oddly)."""
+    release = _release(version)
+    if release and release < FLOOR:
+        need = ".".join(map(str, FLOOR))
+        raise ImportError(
+            f"shmreduce needs torch>={need}, and this Python has torch {version}: its private storage API "
+            f"lacks what shmreduce calls. Upgrade torch (pip install 'torch>={need},<3'), or keep torch's own "
+            "sharing (do not call shmreduce.register())"
+        )
+
+
+check_floor(getattr(torch, "__version__", ""))
 
 UntypedStorage = torch.UntypedStorage
 
@@ -25,12 +61,30 @@ def map_file(path: str, nbytes: int) -> torch.UntypedStorage:
 # Swap the memory of two storages in place (same size): every tensor viewing the
 # first now reads and writes the second's memory; the second is left holding the old
 # memory, freed when it is dropped. Bound, not wrapped: one call per storage shared.
-swap_memory: Callable[[torch.UntypedStorage, torch.UntypedStorage], None] = UntypedStorage._swap_data_ptr_  # type: ignore[attr-defined]
+# None on a torch without it (before 2.12): see ``share_fd``.
+swap_memory: Callable[[torch.UntypedStorage, torch.UntypedStorage], None] | None = getattr(UntypedStorage, "_swap_data_ptr_", None)
+
+
+def share_fd(storage: torch.UntypedStorage) -> None:
+    """Move *storage* into a memfd of torch's own, in place (``_share_fd_cpu_``): torch
+    allocates it, copies, and repoints the same StorageImpl, so every view of it sees
+    the shared memory. The one way to move a storage in place where torch has no
+    ``swap_memory``; shmreduce then adopts the memfd (``pool.adopt``). torch's
+    ``_share_filename_cpu_`` leaves no descriptor to adopt, so this serves under both
+    strategies."""
+    storage._share_fd_cpu_()
+
+
+def path() -> str:
+    """How a sender's storage moves into shared memory on this torch: "swap" (into
+    shmreduce's pool, with ``swap_memory``) or "adopt" (by torch, ``share_fd``)."""
+    return "adopt" if swap_memory is None else "swap"
 
 
 # torch's DLPack importer for a "dltensor" capsule (the legacy, unversioned ABI, which
-# every torch 2.x reads): the tensor aliases the capsule's memory, and torch calls the
-# capsule's deleter when the storage dies. ``shmreduce._native`` calls it from C.
+# every torch 2.x reads) or, from torch 2.9, a "dltensor_versioned" one: the tensor
+# aliases the capsule's memory, and torch calls the capsule's deleter when the storage
+# dies. ``shmreduce._native`` calls it from C.
 from_dlpack: Callable[[object], torch.Tensor] = torch._C._from_dlpack
 
 
@@ -38,6 +92,17 @@ from_dlpack: Callable[[object], torch.Tensor] = torch._C._from_dlpack
 # making a tensor of one warns that they are deprecated, once a process, through
 # whatever filter is active then, so the user's own first one would not warn.
 QUANTIZED_DTYPES = frozenset({torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+
+
+def dlpack_versioned() -> bool:
+    """Whether ``from_dlpack`` takes DLPack 1.x ("dltensor_versioned") capsules
+    (torch 2.9 on); where it does not, ``_native`` hands it legacy ones. Tried once:
+    a torch that takes them can also make one (``__dlpack__(max_version=...)``)."""
+    try:
+        from_dlpack(torch.zeros(1).__dlpack__(max_version=(1, 0)))
+    except (TypeError, RuntimeError, BufferError):
+        return False
+    return True
 
 
 def dlpack_dtypes(dltype: Callable[[object], tuple[int, int, int]]) -> dict[torch.dtype, tuple[int, int, int]]:
@@ -77,8 +142,11 @@ storage_key: Callable[[torch.UntypedStorage], int] = operator.attrgetter("_cdata
 
 
 def storage_fd(storage: torch.UntypedStorage) -> int:
-    """The descriptor of an fd-backed shared storage, or -1 (owned by the storage)."""
-    return storage._share_fd_cpu_()[0]
+    """The descriptor of an fd-backed shared storage, or -1 (owned by the storage);
+    RuntimeError for one that has none (shared by file name, or not shared). Read,
+    never moved: ``_share_fd_cpu_`` would move one torch shared by file name out of
+    the file its peers map."""
+    return cast(int, storage._get_shared_fd())  # type: ignore[attr-defined]  # private, not in torch's stub
 
 
 # A weak reference to a storage's Python object is one to its StorageImpl: torch

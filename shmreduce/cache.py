@@ -7,7 +7,10 @@ address (``pool.segment_at``), with no record kept per storage. So a storage sen
 twice is moved once, and a received storage (or a slice of one) sent on goes out
 from where it is. The one exception, a storage torch shared by descriptor itself
 (a segment shmreduce maps elsewhere, generation 0), is remembered by its
-StorageImpl (``remember_adopted``) with a weak reference.
+StorageImpl (``remember_adopted``) with a weak reference; when that storage dies,
+its entry and segment go to ``take_dead_adopted`` (``transfer.collect`` drops the
+memfd at the broker: a stream of fresh tensors on a torch without the swap,
+``_torch.path()``, would otherwise keep every one until the sender exits).
 
 Which storage lies at a place is not kept here: it is the identity map of each token
 (a generation in this process, ``Gen.stored`` / ``Gen.remember``, in C), so that
@@ -29,6 +32,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from collections import deque
 from typing import Any, NamedTuple
 
 import torch
@@ -48,9 +52,21 @@ class Place(NamedTuple):
     nbytes: int
 
 
+class _Adopted(weakref.ref):
+    """A weak reference to an adopted storage, with its key and place: its callback
+    (run where the storage dies, any thread, perhaps mid-call of this cache) only
+    queues it."""
+
+    __slots__ = ("key", "place")
+
+    key: int
+    place: Place
+
+
 class StorageCache:
     def __init__(self) -> None:
-        self._adopted: dict[int, tuple[weakref.ref, Place]] = {}  # storage key -> place
+        self._adopted: dict[int, _Adopted] = {}  # storage key -> its entry
+        self._dead: deque[_Adopted] = deque()  # entries whose storage died, not yet taken
         self._after_fork()
         os.register_at_fork(after_in_child=self._after_fork)
 
@@ -67,22 +83,36 @@ class StorageCache:
             return Place(seg, seg.gen, ptr - seg.addr, nbytes)
         if self._adopted:
             entry = self._adopted.get(storage_key(storage) if key is None else key)
-            if entry is not None and entry[0]() is not None:
-                return entry[1]
+            if entry is not None and entry() is not None:
+                return entry.place
         return None
 
     def remember_adopted(self, storage: torch.UntypedStorage, place: Place, key: int) -> None:
         """A storage torch shared by descriptor lies in *place* (a segment mapped
-        elsewhere in this process)."""
+        elsewhere in this process), until it dies. Constant time: a dead storage's
+        entry is queued by its weak reference's callback, not looked for."""
+        entry = _Adopted(storage, self._dead.append)
+        entry.key, entry.place = key, place
         with self._lock:
-            for dead in [k for k, (weak, _) in self._adopted.items() if weak() is None]:
-                del self._adopted[dead]
-            self._adopted[key] = (weakref.ref(storage), place)
+            self._adopted[key] = entry
+
+    def take_dead_adopted(self) -> list[Any]:
+        """The segments of adopted storages that died since the last call, their
+        entries forgotten (an entry a new storage of the same key replaced stays)."""
+        segs = []
+        with self._lock:
+            while self._dead:
+                entry = self._dead.popleft()
+                if self._adopted.get(entry.key) is entry:
+                    del self._adopted[entry.key]
+                segs.append(entry.place.segment)
+        return segs
 
     def clear(self) -> None:
         """Forget everything (a test acting as a process that never saw these storages)."""
         with self._lock:
             self._adopted.clear()
+            self._dead.clear()
 
 
 cache = StorageCache()

@@ -2,7 +2,8 @@
 
 Light by design: stdlib only, never imports torch. ``doctor`` checks what would bite a
 program that shares tensors here (shm mount size and free space, descriptor limits,
-memfd, starting and pinging a throwaway broker, stale program directories) and exits
+memfd, the torch a child process imports and the path its storages take, starting and
+pinging a throwaway broker, stale program directories) and exits
 non-zero if something would, then lists the running programs of this user (broker
 pid, root, connections, segment files and their bytes) in a table, or as JSON with
 ``--json``. A program can print its own state, pools included, with
@@ -36,6 +37,7 @@ import resource
 import secrets
 import shutil
 import signal
+import subprocess
 import sys
 import time
 
@@ -165,6 +167,34 @@ def _remove_unused(base: str, path: str) -> bool:
         return path not in _in_use(base) and remove_program_dir(path, lock_fd)
     finally:
         os.close(lock_fd)
+
+
+# Run in a child: doctor itself never imports torch (seconds, and gigabytes mapped).
+_TORCH_PROBE = "import torch; from shmreduce import _torch; print(torch.__version__, _torch.path())"
+
+
+def _check_torch() -> tuple[bool, str]:
+    """Which torch a program run with this Python gets, and the path a sender's storage
+    takes into shared memory on it (``shmreduce._torch.path``); a torch below the floor
+    is a problem, no torch is none (this machine may run brokers only)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    try:
+        out = subprocess.run([sys.executable, "-W", "ignore", "-c", _TORCH_PROBE], capture_output=True, text=True, env=env, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"could not import torch in a child process ({exc})"
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        if "No module named 'torch'" in last:
+            return True, "not installed for this Python: shmreduce shares tensors only where torch is"
+        return False, last
+    version, path = out.stdout.split()
+    if path == "swap":
+        return True, f"{version}: storages move into shmreduce's pool in place (UntypedStorage._swap_data_ptr_)"
+    return True, (
+        f"{version}: no UntypedStorage._swap_data_ptr_ (torch 2.12 and up): torch moves each storage sent into a memfd of "
+        "its own, which shmreduce sends from (no slab packing; docs/compatibility.md says what it costs)"
+    )
 
 
 def _check_broker(base: str) -> tuple[bool, str]:
@@ -336,6 +366,8 @@ def doctor(as_json: bool = False) -> int:
             else ""
         ),
     )
+    ok, detail = _check_torch()
+    report(ok, "torch", detail)
     ok, detail = _check_broker(base)
     report(ok, "broker", detail)
     running = programs()

@@ -150,7 +150,7 @@ live: dict[tuple, Any] = {}
 # DLPack's dtype (code, bits, lanes) and the itemsize of each torch dtype it carries
 # (``reductions`` fills it on first use).
 dtypes: dict[torch.dtype, tuple[int, int, int, int]] = {}
-_native.init(_torch.from_dlpack, SharingError, dtypes, live)
+_native.init(_torch.from_dlpack, SharingError, dtypes, live, _torch.swap_memory, _torch.dlpack_versioned())
 
 
 class _Tier:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shmreduce import _platform, pool, transfer
+from shmreduce import _platform, _torch, pool, transfer
 from shmreduce.broker import client as broker
 
 
@@ -38,8 +38,13 @@ def stats() -> dict[str, Any]:
     (1 MiB) or arena (16 MiB) if it was placed in one (``shmreduce.pool``);
     a receiver's ``bytes_mapped`` over the bytes it keeps is the memory a partly
     kept slab or arena costs.
+    move_path: how a storage sent from here moves into shared memory on this torch:
+    "swap" (into shmreduce's pool, in place: torch 2.12 and up) or "adopt" (torch
+    moves it into a memfd of its own, which shmreduce sends from: older torch, see
+    docs/compatibility.md).
     """
     result: dict[str, Any] = transfer.counters()
+    result["move_path"] = _torch.path()
     result.update(transfer.stats())
     clients = broker.existing_clients()
     result["round_trips"] = sum(c.round_trips for c in clients)

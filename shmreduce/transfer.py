@@ -383,6 +383,8 @@ def _move_once(storage: torch.UntypedStorage, key: int) -> Place:
                 place = _adopt(storage, key, nbytes)
                 if place is not None:
                     return place
+            if _torch.swap_memory is None:
+                return _moved_by_torch(storage, key, nbytes)
             ptr = storage.data_ptr()
             seg, gen, offset, shared, token = _current_pool().place(nbytes, storage)
             if _native.move(storage, ptr, shared):
@@ -390,6 +392,25 @@ def _move_once(storage: torch.UntypedStorage, key: int) -> Place:
             # Moved meanwhile, by _native.reduce in another thread (which takes no
             # stripe): where it lies now is found on the next turn, under this lock.
             del shared
+
+
+def _moved_by_torch(storage: torch.UntypedStorage, key: int, nbytes: int) -> Place:
+    """*storage*'s place once torch moved it into a memfd of its own, in place, and
+    shmreduce adopted it: the way in on a torch that cannot swap a storage's memory
+    (``_torch.path()``), under either strategy. Its memfd is let go of at the broker
+    once the storage dies (``cache.take_dead_adopted``)."""
+    try:
+        _torch.share_fd(storage)
+    except RuntimeError as exc:
+        raise SharingError(f"torch could not move a storage of {nbytes} bytes into shared memory: {exc}") from exc
+    place = _adopt(storage, key, nbytes)
+    if place is None:
+        raise SharingError("torch moved a storage into shared memory that has no descriptor to send")
+    _counters["storages_shared"] += 1
+    _counters["bytes_shared"] += nbytes
+    if not _collector.started:
+        _collector.ensure()  # lets go of its memfd once it dies
+    return place
 
 
 def _current_pool() -> pool.Pool:
@@ -505,10 +526,24 @@ def collect() -> None:
     a receiver), waiting segments given back once free, idle segments closed, dead
     cache entries dropped."""
     _settle(wait=True)
+    _drop_adopted(cache.take_dead_adopted())
     for p in (_fd_pool, _fs_pool):
         if p.waiting or p.leaving:
             p.reap()
         p.trim()
+
+
+def _drop_adopted(segs: list[pool.Segment]) -> None:
+    """The memfds of adopted storages that died here: this process sends no more refs
+    to them (the broker keeps each ORPHAN_TTL for the refs in flight)."""
+    keys = []
+    for seg in segs:
+        if seg.deposited:
+            seg.deposited = False  # sent again (forwarded from a mapping here): deposited anew
+            keys.append(seg.key)
+    client = broker.connected_client(_program_dir()) if keys else None
+    if client is not None:
+        _quietly(client.drop, keys)
 
 
 class _Collector:

@@ -39,6 +39,14 @@ if tmp is not None:
 
     torch.set_num_threads(1)  # whatever OMP_NUM_THREADS said before
 
+    from shmreduce import _torch  # noqa: E402
+
+    if _torch.path() == "adopt":
+        # A torch without the swap (before 2.12): every storage sent is a memfd of torch's,
+        # which a broker keeps SHMREDUCE_ORPHAN_TTL after its sender let go of it (nothing
+        # counts its refs in flight): 1 s, not 60, or each module's leak check waits for it.
+        os.environ.setdefault("SHMREDUCE_ORPHAN_TTL", "1")
+
 from helpers import open_fds, shutdown_and_check_leaks  # noqa: E402
 
 

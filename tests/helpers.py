@@ -37,6 +37,24 @@ def without_dlpack_exchange_api() -> Iterator[type]:
         reductions.bind_sender()
 
 
+@contextmanager
+def without_swap() -> Iterator[None]:
+    """This process as on a torch without ``UntypedStorage._swap_data_ptr_`` (before
+    2.12): torch moves each storage sent and shmreduce adopts it (``_torch.path()``,
+    in Python and in the native core); the swap bound again after."""
+    from shmreduce import _native, _torch, pool
+    from shmreduce.errors import SharingError
+
+    swap = _torch.swap_memory
+    _torch.swap_memory = None
+    _native.init(_torch.from_dlpack, SharingError, pool.dtypes, pool.live, None, _torch.dlpack_versioned())
+    try:
+        yield
+    finally:
+        _torch.swap_memory = swap
+        _native.init(_torch.from_dlpack, SharingError, pool.dtypes, pool.live, swap, _torch.dlpack_versioned())
+
+
 def wait_for(cond: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

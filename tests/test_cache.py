@@ -77,4 +77,20 @@ def test_torch_shared_storages_are_remembered_weakly() -> None:
     gc.collect()
     other = torch.ones(4)
     local.remember_adopted(other.untyped_storage(), Place(segment, 0, 0, 16), other.untyped_storage()._cdata)
-    assert len(local._adopted) == 1, "a dead entry goes when the next one comes"
+    # The dead one's segment is handed over once (its memfd let go of), its entry gone;
+    # a live one stays, even under the dead one's key (a StorageImpl address reused).
+    assert local.take_dead_adopted() == [segment] and local.take_dead_adopted() == []
+    assert len(local._adopted) == 1 and local.place_of(other.untyped_storage()) is not None
+
+
+def test_an_entry_replaced_under_its_key_stays_when_the_dead_one_is_taken() -> None:
+    local = StorageCache()
+    a, b = torch.ones(4), torch.ones(4)
+    first, second = object(), object()
+    local.remember_adopted(a.untyped_storage(), Place(first, 0, 0, 16), 7)
+    del a
+    gc.collect()
+    # A new StorageImpl at the dead one's address, remembered before the dead one is taken.
+    local.remember_adopted(b.untyped_storage(), Place(second, 0, 0, 16), 7)
+    assert local.take_dead_adopted() == [first]
+    assert local.place_of(b.untyped_storage(), 7) == Place(second, 0, 0, 16)

@@ -13,6 +13,8 @@ import torch
 
 from shmreduce import _torch
 
+from helpers import run_in_child
+
 # A storage torch itself shared by descriptor (what segments.adopt_fd meets), and
 # a shared storage to swap memory with.
 _new_shared_fd = torch.UntypedStorage._new_shared_fd_cpu  # type: ignore[attr-defined]  # private, not in torch's stub: pinned on purpose
@@ -28,7 +30,54 @@ def test_new_shared_fd_dups_and_is_shared():
     assert own >= 0 and os.readlink(f"/proc/self/fd/{own}").startswith("/memfd:t")
 
 
+RELEASE = _torch._release(torch.__version__)
+
+
+def test_which_release_has_each_api_shmreduce_chooses_its_path_by():
+    # shmreduce asks torch whether each exists, never its version; this pins which
+    # release has which, so a release that adds or drops one shows up here first.
+    assert (_torch.swap_memory is not None) == (RELEASE >= (2, 12)), "UntypedStorage._swap_data_ptr_ moved: fix _torch.swap_memory"
+    assert _torch.path() == ("swap" if RELEASE >= (2, 12) else "adopt")
+    assert _torch.dlpack_versioned() == (RELEASE >= (2, 9)), "torch._C._from_dlpack's capsules changed: fix _torch.dlpack_versioned"
+    assert hasattr(torch.Tensor, "__dlpack_c_exchange_api__") == (RELEASE >= (2, 10))
+    assert RELEASE >= _torch.FLOOR
+
+
+def test_share_fd_moves_a_storage_into_a_memfd_in_place_under_live_views():
+    t = torch.arange(8, dtype=torch.int64)
+    view = t[2:5]
+    _torch.share_fd(t.untyped_storage())
+    assert t.is_shared() and view.is_shared() and view.tolist() == [2, 3, 4]
+    assert view.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    assert _torch.storage_fd(t.untyped_storage()) >= 0
+
+
+def _fd_of_a_storage_shared_by_file_name() -> tuple[str, bool]:
+    s = torch.UntypedStorage(64)
+    s._share_filename_cpu_()
+    ptr = s.data_ptr()
+    try:
+        _torch.storage_fd(s)
+        outcome = "a descriptor"
+    except RuntimeError:
+        outcome = "none"  # no descriptor: shmreduce does not adopt it
+    return outcome, s.data_ptr() == ptr
+
+
+def test_storage_fd_reads_a_storage_torch_shared_by_file_name_without_moving_it():
+    # In a child: torch's file_system sharing connects to its torch_shm_manager for good.
+    assert run_in_child(_fd_of_a_storage_shared_by_file_name) == ("ok", ("none", True)), (
+        "storage_fd moved the storage out of the file torch's peers map"
+    )
+    ptr = (plain := torch.UntypedStorage(8)).data_ptr()
+    with pytest.raises(RuntimeError):
+        _torch.storage_fd(plain)  # not shared at all: not moved either
+    assert plain.data_ptr() == ptr
+
+
 def test_swap_memory_moves_memory_under_live_views():
+    if _torch.swap_memory is None:
+        pytest.skip(f"torch {torch.__version__} has no UntypedStorage._swap_data_ptr_ (2.12 on): the adopt path")
     t = torch.arange(8, dtype=torch.int64)
     view = t[2:5]
     fd = os.memfd_create("t", os.MFD_CLOEXEC)
@@ -241,6 +290,9 @@ def test_tensor_has_the_dlpack_exchange_api_native_reduce_reads():
     # a capsule of a DLPack 1.x table. Without it every tensor takes the general path.
     import ctypes
 
+    if RELEASE < (2, 10):
+        pytest.skip(f"torch {torch.__version__} has no DLPack exchange API (2.10 on): every tensor takes the general path")
+
     capsule = torch.Tensor.__dlpack_c_exchange_api__
     get = ctypes.pythonapi.PyCapsule_GetPointer
     get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
@@ -254,7 +306,6 @@ def test_neg_view_sets_the_negative_bit_over_the_same_storage():
     x = torch.arange(3.0)
     v = _torch.neg_view(x)
     assert v.is_neg() and torch.equal(v, -x) and v.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
-    _require(torch.UntypedStorage, "_swap_data_ptr_", "swap_memory")
 
 
 def test_quantized_reduce_is_torchs_rebuild_over_a_typed_storage():

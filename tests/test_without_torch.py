@@ -41,9 +41,11 @@ def test_importing_shmreduce_imports_nothing_heavy():
     assert out.returncode == 0, out.stderr
 
 
-def test_a_broker_keeps_a_memfd_and_hands_it_back():
+def test_a_broker_keeps_a_memfd_and_hands_it_back(monkeypatch):
     # A sender deposits a memfd, a second client fetches it by inode (a descriptor of
-    # the same file), the sender drops it and the broker lets go of it.
+    # the same file), the sender drops it and the broker lets go of it: one without a
+    # header (a storage torch shared) SHMREDUCE_ORPHAN_TTL later, for refs in flight.
+    monkeypatch.setenv("SHMREDUCE_ORPHAN_TTL", "0.5")  # the broker started below reads it
     directory = os.path.join(shm_base(), f"{P.DIR_PREFIX}{secrets.token_hex(8)}")
     sender = broker_client.BrokerClient(directory, os.getpid())
     receiver = broker_client.BrokerClient(directory, None)
@@ -58,7 +60,8 @@ def test_a_broker_keeps_a_memfd_and_hands_it_back():
         assert got is not None and P.identity(os.fstat(got)) == ino
         assert os.pread(got, 13, 0) == b"no torch here"
         sender.drop([ino])
-        sender.ping()
+        assert sender.ping()["draining"] == 1
+        assert wait_for(lambda: sender.ping()["segments"] == 0, 10)
         assert receiver.fetch(ino) is None
     finally:
         for d in (fd, got):
@@ -193,9 +196,10 @@ def test_handles_are_checked_before_any_tensor_is_formed() -> None:
             gen.storage(64)  # type: ignore[call-arg]
     finally:
         gen.release()
-    for size, low in [(4, 0), (SIZE, -1), (SIZE, SIZE + 1), (SIZE, 64), (SIZE, LOW - 8)]:
+    for size, low in [(0, 0), (SIZE, -1), (SIZE, SIZE + 1), (SIZE, 64), (SIZE, LOW - 8)]:
         with pytest.raises(ValueError, match="segment from byte"):
             _native.Gen(object(), 4096, size, 7, low)
+    _native.Gen(object(), 4096, 4, 0, 0).release()  # not pooled (a storage torch shared): as small as its storage
     with pytest.raises(ValueError, match="null"):
         _native.Gen(object(), 0, SIZE, 7, LOW)
 

@@ -11,7 +11,8 @@
 
 /* A tensor over the mapping at offset: ctx's dtype, shape and strides set. Handed to
  * torch in one C call through its DLPack exchange API where it has one, else as a
- * "dltensor_versioned" capsule through torch._C._from_dlpack. A failed import
+ * "dltensor_versioned" capsule through torch._C._from_dlpack (a "dltensor" one where
+ * torch reads no versioned capsule: init()'s versioned). A failed import
  * changes no count, whether torch's importer called the deleter (then ctx->deleted
  * says so) or never took the tensor (the capsule keeps its name; the exchange API
  * calls the deleter of one it took). */
@@ -48,11 +49,19 @@ shm_import_tensor(GenObject *gen, Ctx *ctx, Py_ssize_t offset)
         }
     }
     else {
-        PyObject *capsule = PyCapsule_New(&ctx->managed, "dltensor_versioned", NULL);
+        const char *name = st->versioned ? "dltensor_versioned" : "dltensor";
+        void *managed = &ctx->managed;
+        if (!st->versioned) {
+            ctx->legacy.dl_tensor = ctx->managed.dl_tensor;
+            ctx->legacy.manager_ctx = ctx;
+            ctx->legacy.deleter = shm_ctx_deleter_legacy;
+            managed = &ctx->legacy;
+        }
+        PyObject *capsule = PyCapsule_New(managed, name, NULL);
         if (capsule != NULL) {
             tensor = PyObject_CallOneArg(st->from_dlpack, capsule);
             /* torch renames what it takes */
-            consumed = !PyCapsule_IsValid(capsule, "dltensor_versioned");
+            consumed = !PyCapsule_IsValid(capsule, name);
             Py_DECREF(capsule);
         }
     }

@@ -65,10 +65,9 @@ shm_drop_count(GenObject *gen)
 }
 
 /* torch's deleter: any thread, maybe without the GIL. Atomics and pushes only. */
-void
-shm_ctx_deleter(DLManagedTensorVersioned *managed)
+static void
+ctx_deleted(Ctx *ctx)
 {
-    Ctx *ctx = (Ctx *)managed->manager_ctx;
     GenObject *gen = ctx->gen;
     if (atomic_load_explicit(&ctx->importing, memory_order_acquire)) {
         /* torch's importer took the tensor, then failed (an element count that overflows
@@ -84,6 +83,18 @@ shm_ctx_deleter(DLManagedTensorVersioned *managed)
     } while (!atomic_compare_exchange_weak_explicit(&shm_process.free_ctx, &head, ctx,
                                                     memory_order_release, memory_order_relaxed));
     shm_drop_count(gen);
+}
+
+void
+shm_ctx_deleter(DLManagedTensorVersioned *managed)
+{
+    ctx_deleted((Ctx *)managed->manager_ctx);
+}
+
+void
+shm_ctx_deleter_legacy(DLManagedTensor *managed)
+{
+    ctx_deleted((Ctx *)managed->manager_ctx);
 }
 
 /* ---- GIL held from here on ---- */
@@ -629,8 +640,9 @@ gen_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return NULL;
     }
     /* A pooled generation (low > 0) writes its header's words and ticket bits: its
-     * storages start past the whole header, which lies aligned at addr. */
-    if (size < 8 || low < 0 || low > size ||
+     * storages start past the whole header, which lies aligned at addr. One that is not
+     * pooled (a storage torch shared) may be as small as its storage: a byte. */
+    if (size <= 0 || low < 0 || low > size ||
         (low > 0 && (low < HEADER_BYTES || (uintptr_t)addr % 8))) {
         PyErr_Format(
             PyExc_ValueError,

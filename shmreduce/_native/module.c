@@ -9,24 +9,37 @@
 
 shm_process_state shm_process = {.streaming = -1};
 
-PyDoc_STRVAR(init_doc, "init($module, from_dlpack, error, dtypes, published, /)\n--\n\nBind "
-                       "torch's DLPack importer, the exception type handles raise, and rebuild()'s "
-                       "dtype table and published Gens (dicts the caller fills).");
+PyDoc_STRVAR(init_doc, "init($module, from_dlpack, error, dtypes, published, swap, versioned, "
+                       "/)\n--\n\nBind "
+                       "torch's DLPack importer, the exception type handles raise, rebuild()'s "
+                       "dtype table and published Gens (dicts the caller fills), and torch's "
+                       "UntypedStorage._swap_data_ptr_ (None where torch has none: nothing is "
+                       "moved here then); versioned: whether from_dlpack takes DLPack 1.x "
+                       "capsules (else it gets legacy ones).");
 
 static PyObject *
 native_init(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     shm_state *st = shm_get_state(module);
-    if (shm_check_nargs("init", nargs, 4, 4) < 0) {
+    if (shm_check_nargs("init", nargs, 6, 6) < 0) {
         return NULL;
     }
-    PyObject *importer = args[0], *error = args[1], *table = args[2], *gens = args[3];
+    PyObject *importer = args[0], *error = args[1], *table = args[2], *gens = args[3],
+             *swap = args[4];
+    int versioned = PyObject_IsTrue(args[5]);
+    if (versioned < 0) {
+        return NULL;
+    }
     if (!PyDict_Check(table) || !PyDict_Check(gens) || !PyCallable_Check(importer) ||
         !PyType_Check(error) ||
-        !PyType_IsSubtype((PyTypeObject *)error, (PyTypeObject *)PyExc_Exception)) {
-        PyErr_SetString(PyExc_TypeError, "init(callable, exception type, dict, dict)");
+        !PyType_IsSubtype((PyTypeObject *)error, (PyTypeObject *)PyExc_Exception) ||
+        (swap != Py_None && !PyCallable_Check(swap))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "init(callable, exception type, dict, dict, callable or None, bool)");
         return NULL;
     }
+    Py_XSETREF(st->swap, swap == Py_None ? NULL : Py_NewRef(swap));
+    st->versioned = versioned;
     Py_XSETREF(st->from_dlpack, Py_NewRef(importer));
     Py_XSETREF(st->sharing_error, Py_NewRef(error));
     Py_XSETREF(st->dtypes, Py_NewRef(table));
@@ -85,7 +98,6 @@ static const char *const name_text[N_NAMES] = {
     [S_IS_QUANTIZED] = "is_quantized",
     [S_IS_CONJ] = "is_conj",
     [S_IS_NEG] = "is_neg",
-    [S_SWAP] = "_swap_data_ptr_",
     [S_SHARING_STRATEGY] = "_sharing_strategy",
     [S_FILE_SYSTEM] = "file_system",
     [S_SLAB_FD] = "shmreduce.slab.fd",
@@ -142,6 +154,7 @@ native_traverse(PyObject *module, visitproc visit, void *arg)
     }
     Py_VISIT(st->gen_type);
     Py_VISIT(st->from_dlpack);
+    Py_VISIT(st->swap);
     Py_VISIT(st->sharing_error);
     Py_VISIT(st->dtypes);
     Py_VISIT(st->published);
@@ -172,6 +185,7 @@ native_clear(PyObject *module)
         Py_CLEAR(st->names[i]);
     }
     Py_CLEAR(st->from_dlpack);
+    Py_CLEAR(st->swap);
     Py_CLEAR(st->sharing_error);
     Py_CLEAR(st->dtypes);
     Py_CLEAR(st->published);

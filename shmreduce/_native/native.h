@@ -28,8 +28,9 @@
 #include <sys/types.h>
 
 /* ---- DLPack 1.x, from the public spec: a versioned managed tensor is what this
- * extension hands torch; the legacy, unversioned one is only read ("dltensor"
- * capsules torch's to_dlpack makes, for their dtype) ---- */
+ * extension hands torch; the legacy, unversioned one is read ("dltensor" capsules
+ * torch's to_dlpack makes, for their dtype) and handed to a torch that takes no
+ * other (2.8) ---- */
 
 typedef struct {
     int32_t device_type;
@@ -122,6 +123,7 @@ typedef struct shm_state shm_state;
 /* One storage's DLPack context; recycled through a lock-free free list. */
 typedef struct Ctx {
     DLManagedTensorVersioned managed;
+    DLManagedTensor legacy; /* managed's tensor in the unversioned form, for a torch that reads no other */
     int64_t shape[MAX_DIMS];
     int64_t strides[MAX_DIMS];
     GenObject *gen;
@@ -164,7 +166,6 @@ enum {
     S_IS_QUANTIZED,
     S_IS_CONJ,
     S_IS_NEG,
-    S_SWAP,
     S_SHARING_STRATEGY,
     S_FILE_SYSTEM,
     S_SLAB_FD,
@@ -187,6 +188,8 @@ struct shm_state {
     PyObject *names[N_NAMES];
     /* bound by init() */
     PyObject *from_dlpack;   /* torch._C._from_dlpack, or NULL before init() */
+    PyObject *swap; /* UntypedStorage._swap_data_ptr_, or NULL: torch has none (before 2.12) */
+    int versioned;  /* from_dlpack takes "dltensor_versioned" capsules (torch 2.9 on), else "dltensor" */
     PyObject *sharing_error; /* shmreduce.errors.SharingError (RuntimeError until init()) */
     PyObject *dtypes;        /* torch dtype -> (code, bits, lanes, itemsize) */
     PyObject *published;     /* a receiver's Gens by their refs' template */
@@ -278,6 +281,7 @@ void shm_drop_count(GenObject *gen);
 Ctx *shm_take_ctx(shm_state *st);
 void shm_give_back_ctx(Ctx *ctx);
 void shm_ctx_deleter(DLManagedTensorVersioned *managed);
+void shm_ctx_deleter_legacy(DLManagedTensor *managed);
 int shm_check_range(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes);
 Py_ssize_t shm_claim(GenObject *gen, Py_ssize_t nbytes);
 PyObject *shm_stored_at(GenObject *gen, PyObject *key);

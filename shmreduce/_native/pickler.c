@@ -518,6 +518,10 @@ is_plain(shm_state *st, PyObject *tensor)
 static int
 move_into(shm_state *st, PyObject *storage, Py_ssize_t ptr, PyObject *fresh)
 {
+    if (st->swap == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "move() on a torch without _swap_data_ptr_");
+        return -1;
+    }
     Py_ssize_t now = call_int(st, storage, S_DATA_PTR);
     if (now == -1 && PyErr_Occurred()) {
         return -1;
@@ -525,7 +529,8 @@ move_into(shm_state *st, PyObject *storage, Py_ssize_t ptr, PyObject *fresh)
     if (now != ptr) {
         return 0;
     }
-    PyObject *done = PyObject_CallMethodOneArg(storage, st->names[S_SWAP], fresh);
+    PyObject *pair[2] = {storage, fresh};
+    PyObject *done = PyObject_Vectorcall(st->swap, pair, 2, NULL);
     Py_XDECREF(done);
     return done == NULL ? -1 : 1;
 }
@@ -593,8 +598,8 @@ send_from(shm_state *st, PyObject *storage, Py_ssize_t ptr, Py_ssize_t nbytes, P
         st->reuses++;
         return gen;
     }
-    if (nbytes > SLAB_ITEM_MAX) {
-        return NULL;
+    if (nbytes > SLAB_ITEM_MAX || st->swap == NULL) {
+        return NULL; /* without the swap, torch moves it and Python adopts it */
     }
     /* torch's own: a storage it shared is adopted */
     PyObject *shared = PyObject_CallOneArg(st->torch_is_shared, storage);

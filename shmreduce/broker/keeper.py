@@ -202,18 +202,17 @@ class Keeper:
 
     def _unuse(self, seg: Segment, died: bool) -> None:
         """One user less; with none left, *seg* goes once nothing reaches it
-        (``reach``). A segment without a header (a storage torch shared) that its
-        depositor *died* with is kept for ORPHAN_TTL: a receiver may still load what
-        that process sent. A file never made (a name held for later) goes."""
+        (``reach``). A segment without a header (a storage torch shared) is kept for
+        ORPHAN_TTL once its depositor died with it or let go of it (its storage died
+        there: *died* makes no difference): no header counts its refs in flight, and a
+        receiver may still load what was sent in it. A file never made (a name held for
+        later) goes."""
         seg.users -= 1
         if seg.users > 0:
             return
         if isinstance(seg.key, int) and not seg.header:
-            if died:
-                seg.until = time.monotonic() + ORPHAN_TTL
-                self.draining.add(seg)
-            else:
-                self._close(seg)
+            seg.until = time.monotonic() + ORPHAN_TTL
+            self.draining.add(seg)
             return
         self.draining.add(seg)
         self.settle(seg, time.monotonic())

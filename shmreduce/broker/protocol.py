@@ -208,7 +208,8 @@ Lifetimes
     an exited sender put, and a program whose workers come and go does not keep
     their unread messages for its whole life. Else it is closed or unlinked at once:
     a relay's deposits of what exited producers made go once loaded and dropped
-    (item 10). A memfd without a header whose depositor died is kept ORPHAN_TTL. A
+    (item 10). A memfd without a header whose depositor died, or dropped it, is kept
+    ORPHAN_TTL (nothing counts its refs in flight). A
     hold that is never counted out (its process died while no broker ran) keeps its
     segment at the broker until the program's root exits. The broker exits once it
     has had no client for GRACE seconds and either keeps nothing draining or the

@@ -1,0 +1,126 @@
+"""shmreduce on a torch older than its newest private API: the floor (torch 2.8) and
+the path a sender's storage takes without ``UntypedStorage._swap_data_ptr_`` (torch
+2.8 to 2.11: torch moves it into a memfd, shmreduce adopts it). On a torch with the
+swap, that path is taken by hiding the swap (``helpers.without_swap``); on 2.8 to
+2.11 the whole suite takes it (docs/compatibility.md)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import shmreduce
+from shmreduce import _torch, program
+from shmreduce.broker import client as broker_client
+
+from helpers import broker_pids, let_go_now, pipe_echo, running, wait_for, without_swap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _short_orphan_ttl():
+    """The brokers of this module keep a memfd torch shared 0.5 s after its last sender
+    let go of it (nothing counts its refs in flight), not 60: the module's leak check
+    finds them gone."""
+    broker_client.close_all()
+    assert wait_for(lambda: not broker_pids(), 15)
+    before = os.environ.get("SHMREDUCE_ORPHAN_TTL")
+    os.environ["SHMREDUCE_ORPHAN_TTL"] = "0.5"
+    yield
+    if before is None:
+        del os.environ["SHMREDUCE_ORPHAN_TTL"]
+    else:
+        os.environ["SHMREDUCE_ORPHAN_TTL"] = before
+
+
+def _fake_torch(tmp_path, version: str) -> str:
+    """A directory holding a 'torch' package that says it is *version* and has what
+    shmreduce's modules touch before they check the floor."""
+    pkg = tmp_path / "torch"
+    (pkg / "multiprocessing").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    (pkg / "multiprocessing" / "__init__.py").write_text("")
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("version", ["2.7.1+cu126", "1.13.1"])
+def test_register_under_a_torch_below_the_floor_says_which_torch_and_what_to_do(tmp_path, version):
+    code = textwrap.dedent(
+        """
+        import shmreduce  # needs no torch: nothing to check yet
+        try:
+            shmreduce.register()
+        except ImportError as exc:
+            print("ERROR", exc)
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([_fake_torch(tmp_path, version), ROOT]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ERROR"), out.stdout
+    assert f"torch {version}" in out.stdout and "torch>=2.8" in out.stdout and "pip install" in out.stdout
+
+
+def test_the_floor_reads_the_versions_torch_gives_itself():
+    assert _torch._release("2.11.0+cu130") == (2, 11) and _torch._release("2.8.0") == (2, 8)
+    assert _torch._release("2.13.0.dev20260101+cpu") == (2, 13) and _torch._release("main") == ()
+    _torch.check_floor("2.8.0")
+    _torch.check_floor("2.16.0a0+git1234")
+    with pytest.raises(ImportError, match="torch 2.7.0"):
+        _torch.check_floor("2.7.0")
+
+
+def test_without_the_swap_a_storage_sent_moves_through_torch_in_place_and_receivers_alias_it(strategy):
+    with without_swap(), pipe_echo(mp.get_context("spawn")) as echo:
+        before = shmreduce.stats()
+        t = torch.arange(100.0)
+        view = t[10:20]
+        big = torch.ones(1 << 18)  # past the slab: the general path in any case
+        tiny = torch.tensor(7, dtype=torch.int32), torch.tensor(True)  # torch's memfds of 4 bytes, of 1
+        got, got_big, got_tiny = echo((view, big, tiny))
+        t[10] = -1.0
+        assert got[0].item() == -1.0 and got.tolist()[1:] == list(range(11, 20))  # one memory, both ways
+        assert t.is_shared() and torch.equal(got_big, big)
+        assert [x.item() for x in got_tiny] == [7, True]
+        stats = shmreduce.stats()
+        assert stats["move_path"] == "adopt"
+        # Nothing was claimed in a pool: the native core hands the tensor over untouched.
+        assert stats["fd_segments_made"] == before["fd_segments_made"] and stats["fs_segments_made"] == before["fs_segments_made"]
+        assert stats["storages_shared"] == before["storages_shared"] + 4
+        del got, got_big, got_tiny
+
+
+def _sum_each(conn) -> None:
+    while (t := conn.recv()) is not None:
+        conn.send(float(t.sum()))
+
+
+def test_a_storage_torch_moved_is_let_go_of_at_the_broker_once_it_died():
+    # A stream of fresh tensors must not keep a memfd each at the broker until the sender
+    # exits: each is let go of when its storage dies (kept ORPHAN_TTL there for refs in
+    # flight, which nothing counts: here 0.5 s).
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    with shmreduce.registered(strategy="file_descriptor"):
+        proc = ctx.Process(target=_sum_each, args=(child,))
+        with running(proc):
+            child.close()
+            for i in range(6):
+                t = torch.full((1000,), float(i))
+                t.untyped_storage()._share_fd_cpu_()  # torch shares it itself: shmreduce adopts it
+                parent.send(t)
+                assert parent.poll(60) and parent.recv() == 1000.0 * i
+                del t
+            let_go_now()
+            client = broker_client.connected_client(program.current().directory)
+            assert client is not None
+            assert wait_for(lambda: client.ping()["segments"] == 0, 15), client.ping()
+            parent.send(None)
+    parent.close()
