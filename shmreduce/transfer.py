@@ -46,6 +46,7 @@ sent (``_Outgoing``): its generation cannot end under a ref in flight.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import logging
@@ -54,7 +55,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -550,20 +551,44 @@ class _Collector:
     """A daemon thread that runs ``collect`` every PURGE_EVERY, whether or not anything
     else is sent or received: memory is reusable (or returned) within about a second
     of the last process letting go (issue 12). Started with this process's first
-    segment, again in a forked child."""
+    segment, again in a forked child. It waits on a condition, not in a sleep, so
+    that a new period (``collect_every``) applies at once: a wait begun under an hour
+    would otherwise last the hour."""
 
     def __init__(self) -> None:
-        self.started = False
         self.logged = float("-inf")  # when it last logged an error
+        self.reset()
+
+    def reset(self) -> None:
+        """As new: also in a forked child, where the parent's thread did not come along
+        and may have held the condition's lock."""
+        self.started = False
+        self.changed = threading.Condition()
+        self.changes = 0  # of the period, counted by ``repace``
+        self.waits_under = 0  # the count the thread's current wait began under
 
     def ensure(self) -> None:
         if not self.started:
             self.started = True
             threading.Thread(target=self._run, name="shmreduce-collect", daemon=True).start()
 
+    def repace(self) -> None:
+        """Wakes the thread to wait PURGE_EVERY anew and returns once it does, so that
+        no pass begun before the change runs after the return (10 s at most: a pass
+        that takes longer runs on)."""
+        with self.changed:
+            self.changes += 1
+            self.changed.notify_all()
+            if self.started:
+                self.changed.wait_for(lambda: self.waits_under == self.changes, 10.0)
+
     def _run(self) -> None:
         while True:
-            time.sleep(PURGE_EVERY)
+            with self.changed:
+                self.waits_under = self.changes
+                self.changed.notify_all()
+                if self.changed.wait_for(lambda: self.changes != self.waits_under, PURGE_EVERY):
+                    continue  # a new period, waited from now
             try:
                 collect()
             except Exception:  # noqa: BLE001  a failure here must not stop the letting go for good
@@ -576,6 +601,23 @@ class _Collector:
 
 
 _collector = _Collector()
+
+
+@contextlib.contextmanager
+def collect_every(seconds: float) -> Iterator[None]:
+    """PURGE_EVERY is *seconds* inside the block (a test sets an hour to keep the
+    collector thread out of its way), and back after it: the thread waits each new
+    period from the moment it is set, and no pass it began before runs inside the
+    block (``_Collector.repace``)."""
+    global PURGE_EVERY
+    before = PURGE_EVERY
+    PURGE_EVERY = seconds
+    _collector.repace()
+    try:
+        yield
+    finally:
+        PURGE_EVERY = before
+        _collector.repace()
 
 
 # -- receiving ---------------------------------------------------------------------
@@ -784,7 +826,7 @@ def _after_fork_in_child() -> None:
     _releases_lock = threading.Lock()
     _tokens_lock = threading.RLock()
     _names.names.clear()  # the parent's holds, not ours
-    _collector.started = False  # its thread did not come along
+    _collector.reset()
     _fd_pool.reset_after_fork()
     _fs_pool.reset_after_fork()
     _local.__dict__.clear()

@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 
+import pytest
 import torch
 
 import shmreduce
@@ -173,6 +174,45 @@ def test_a_segment_whose_file_went_with_the_broker_is_never_reused():
             ours.close()
             theirs.close()
         assert proc.exitcode == 0
+
+
+def _message(i: int) -> tuple[int, list[torch.Tensor]]:
+    # A small tensor (a slab), a mid-size one (an arena) and a large one (a segment of its own).
+    return i, [torch.full((n,), float(i)) for n in (300, 30_000, ARENA_ITEM_MAX // 4 + 16)]
+
+
+def _load_each_as_a_stranger(blobs: list[bytes]) -> list[str]:
+    forget_mappings()
+    outcomes = []
+    for blob in blobs:
+        try:
+            i, tensors = shmreduce.loads(blob)
+            outcomes.append("ok" if all(bool((t == i).all()) for t in tensors) else "wrong bytes")
+        except shmreduce.SharingError as exc:
+            outcomes.append("gone" if "is gone" in str(exc) else str(exc))
+    return outcomes
+
+
+@pytest.mark.parametrize("killed", ["the server alone", "the server and its janitor"])
+def test_file_system_messages_sent_before_a_broker_kill_are_lost_to_a_stranger_only_if_its_janitor_removed_the_files(killed):
+    """Under file_system a ref names a file of the program directory. The janitor of a
+    broker killed alone removes the directory, files and all: a process that maps none
+    of them is refused each message pickled before the kill ("is gone"), though their
+    sender lives. A broker killed with its janitor leaves the files, and the new one
+    serves them. Every message pickled after the kill arrives (docs/limits.md)."""
+    with shmreduce.registered(strategy="file_system"):
+        before = [shmreduce.dumps(_message(i)) for i in range(5)]
+        directory = program.current().directory
+        server = broker_client.client_for(directory, program.current().root_pid).broker_pid
+        victims = [server, broker_procs(directory)[server]] if killed == "the server and its janitor" else [server]
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        assert wait_for(lambda: all(gone(pid) for pid in victims), 10)  # its connections closed
+        after = [shmreduce.dumps(_message(i)) for i in range(5, 10)]  # through a new broker
+        status, outcomes = run_in_child(_load_each_as_a_stranger, before + after, timeout=60)
+        assert status == "ok", outcomes
+        lost = "gone" if killed == "the server alone" else "ok"
+        assert outcomes == [lost] * 5 + ["ok"] * 5, outcomes
 
 
 # A broker killed again and again during a stream (issue 19, item 4): tests/test_broker_kills.py,

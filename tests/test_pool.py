@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
@@ -205,6 +206,38 @@ def test_a_slab_comes_back_after_a_receiver_that_dropped_each_message(strategy: 
         stats = _pool_stats(strategy)
         conn.send(None)
     assert freed, f"the slab was not free within 5 s of the receiver's last message: {stats}"
+
+
+def _collects_after_an_hour_and_back() -> bool:
+    """Whether the collector thread runs a pass within 5 s of its period set to an
+    hour and back (nothing else collects here meanwhile)."""
+    transfer._collector.ensure()
+    with transfer.collect_every(3600.0):
+        pass  # a test that keeps the collector out of its way runs here
+    passed = threading.Event()
+    real = transfer.collect
+
+    def seen() -> None:
+        if threading.current_thread().name == "shmreduce-collect":
+            passed.set()
+        real()
+
+    setattr(transfer, "collect", seen)  # noqa: B010  the thread looks it up at each pass
+    try:
+        return passed.wait(5.0)
+    finally:
+        setattr(transfer, "collect", real)  # noqa: B010
+
+
+@pytest.mark.parametrize("where", ["here", "in a forked child"])
+def test_the_collector_collects_again_within_seconds_once_its_period_is_an_hour_and_back(where: str) -> None:
+    # A wait begun under the hour lasted the hour: later tests, and a process that
+    # set the period back, saw nothing collected. A forked child's collector waits
+    # on a condition of its own.
+    if where == "here":
+        assert _collects_after_an_hour_and_back(), "no pass of the collector within 5 s"
+    else:
+        assert run_in_child(_collects_after_an_hour_and_back) == ("ok", True)
 
 
 # -- stale handles ---------------------------------------------------------------------
@@ -590,12 +623,19 @@ def test_a_memfd_is_known_by_its_device_and_inode() -> None:
         os.unlink(path)
 
 
+@pytest.fixture
+def quiet_collector() -> Iterator[None]:
+    """The collector thread out of the way: its passes out of the test's count."""
+    with transfer.collect_every(3600.0):
+        yield
+
+
+@pytest.mark.usefixtures("quiet_collector")
 def test_a_take_looks_at_a_bounded_number_of_waiting_segments(strategy: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A replay buffer: every segment a receiver keeps waits in its owner's pool. A
     take() of a new one looks at REAP_PER_TAKE of them, not at all of them (which
     made a sender's CPU per message grow with what was kept: n^2/2 calls), and each
     in turn: the longest waiting first, to the back of the line if it still waits."""
-    monkeypatch.setattr(transfer, "PURGE_EVERY", 3600.0)  # the collector's full passes out of the count
     monkeypatch.setattr(pool, "IDLE_SEGMENTS", 64)  # all 40 wait (the cap is the next test's)
     numel = pool.ARENA_ITEM_MAX // 4 + 1024
     p = transfer._current_pool()
@@ -657,12 +697,7 @@ def test_past_its_cap_the_longest_waiting_segments_are_retired_and_still_load(st
     assert shmreduce.stats()["descriptors"] <= before + pool.IDLE_SEGMENTS + len(fresh) + 2, shmreduce.stats()
     del blobs, fresh
     let_go_now()
-
-    def settled() -> bool:
-        transfer.collect()  # as the collector thread does: test_a_take_looks_at_a_bounded_number_... leaves it asleep
-        return not p.waiting
-
-    assert wait_for(settled, 10)
+    assert wait_for(lambda: not p.waiting, 10)
 
 
 def test_a_pool_keeps_at_most_its_cap_of_free_segments() -> None:

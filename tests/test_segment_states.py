@@ -156,14 +156,7 @@ def test_messages_in_segments_the_pool_retired_survive_a_broker_restart_while_th
         if consumer.is_alive():
             consumer.kill()
             consumer.join()
-
-    # collect() as the collector thread does (an earlier test module may have set it to
-    # sleep for an hour: test_pool, test_thread_races).
-    def closed() -> bool:
-        transfer.collect()
-        return not p.leaving and not p.waiting and _brokers_memfds_are_its_pools()
-
-    assert wait_for(closed, TIMEOUT), (
+    assert wait_for(lambda: not p.leaving and not p.waiting and _brokers_memfds_are_its_pools(), TIMEOUT), (
         [(_native.hdr_read(s.addr), g) for s, g in p.leaving.values()],
         len(p.waiting),
         _memfds(),

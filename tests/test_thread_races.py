@@ -69,12 +69,10 @@ class _Window:
 
 
 @pytest.fixture
-def quiet_collector(monkeypatch):
+def quiet_collector():
     """The collector thread out of the way: the test's threads are the only actors."""
-    monkeypatch.setattr(transfer, "PURGE_EVERY", 3600.0)
-    # A collector asleep now wakes once more at most; wait that out.
-    threading.Event().wait(0.6)
-    yield
+    with transfer.collect_every(3600.0):
+        yield
 
 
 def _seg_of(t: torch.Tensor) -> pool.Segment:
