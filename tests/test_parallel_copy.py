@@ -115,6 +115,37 @@ def test_a_write_through_a_descriptor_gives_every_byte(threads):
             os.close(fd)
 
 
+@pytest.mark.parametrize("populating", [True, False], ids=["populated", "refused"])
+@pytest.mark.parametrize("threads", [3, 4])
+def test_a_write_on_several_threads_through_the_mapping_gives_every_byte(threads, populating):
+    """On 3 threads and up, each allocates its part's new pages and copies through the
+    mapping; where the kernel refuses to populate (as one older than 5.14 does), the parts
+    are written through the descriptor. Either way: every byte, nothing around it."""
+    from shmreduce import _platform
+
+    was = _native.set_populating(populating)
+    try:
+        for i, nbytes in enumerate(SIZES):
+            for offset in (PAGE, _native.HEADER_BYTES + 64):
+                source = pattern(nbytes, i)
+                size = offset + nbytes + PAGE
+                fd = os.memfd_create("shmreduce-test")
+                addr = 0
+                try:
+                    os.ftruncate(fd, size)
+                    addr = _platform.map_shared(fd, size)
+                    _native.write(fd, source.data_ptr(), nbytes, offset, addr, threads)
+                    with mmap.mmap(fd, size) as m:
+                        assert m[:offset] == bytes(offset) and m[offset + nbytes :] == bytes(size - offset - nbytes)
+                        assert hashlib.sha256(m[offset : offset + nbytes]).hexdigest() == digest(source), nbytes
+                finally:
+                    if addr:
+                        _platform.unmap(addr, size)
+                    os.close(fd)
+    finally:
+        _native.set_populating(was)
+
+
 def test_a_failed_write_is_an_os_error():
     source = pattern(8 * MIB, 0)
     r, w = os.pipe()
