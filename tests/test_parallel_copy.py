@@ -85,6 +85,26 @@ def test_every_thread_copies_with_the_setting_of_the_process(registered_fd):
             assert recv.recv() == 1
 
 
+class _CopyThreads(torch.utils.data.Dataset):
+    """Each item: the threads a 64 MiB copy takes in the process that makes it."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([_native.copy_threads(64 * MIB), torch.get_num_threads()])
+
+
+def test_a_dataloader_worker_copies_on_one_thread(registered_fd):
+    """DataLoader sets one intra-op thread in each worker: its copies (the batches it
+    shares) take one thread, whatever its parent's setting."""
+    with intra_op_threads(2):
+        loader = torch.utils.data.DataLoader(_CopyThreads(), batch_size=2, num_workers=1, multiprocessing_context="fork")
+        [batch] = list(loader)
+        assert _native.copy_threads(64 * MIB) == min(len(os.sched_getaffinity(0)), 2)  # the parent's own
+    assert batch.tolist() == [[1, 1], [1, 1]]
+
+
 def _threads_pinned_to_one_cpu(conn) -> None:
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     torch.set_num_threads(8)
