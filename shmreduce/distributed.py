@@ -249,8 +249,7 @@ def _offer(obj: Any, ranks_here: int) -> tuple[str, str]:
     their cores idle. torchrun starts every rank with one intra-op thread
     (OMP_NUM_THREADS=1): one thread would copy a host's whole dataset while the others
     wait for it."""
-    threads = torch.get_num_threads()
-    _native.set_intra_op_threads(threads * ranks_here)
+    _native.set_intra_op_threads(torch.get_num_threads() * ranks_here)
     try:
         data = registry.dumps(obj)
     finally:

@@ -26,7 +26,7 @@
  * threads cannot: a write to a tmpfs file holds its inode's lock throughout, so writes to
  * one segment run one after another however many threads make them. Each thread then
  * allocates and maps its part's pages itself (MADV_POPULATE_WRITE, no fault per page;
- * no inode lock) and copies through the mapping: 0.63 s of CPU a GiB a thread (the kernel
+ * no inode lock) and copies through the mapping: 0.63-0.66 s of CPU a GiB a thread (the kernel
  * zeroes each page first), so two threads would take about one pwrite's time for 75%
  * more CPU, and MAPPED_THREADS and more take less. A kernel that cannot (older than 5.14:
  * EINVAL) has the part written through the descriptor. */
