@@ -20,7 +20,7 @@ import torch
 import shmreduce
 from shmreduce import _native
 
-from helpers import let_go_now, running
+from helpers import let_go_now, running, small_mount
 
 MIB = 1 << 20
 PAGE = mmap.PAGESIZE
@@ -164,6 +164,33 @@ def test_a_write_on_several_threads_through_the_mapping_gives_every_byte(threads
                     os.close(fd)
     finally:
         _native.set_populating(was)
+
+
+def test_a_write_through_the_mapping_into_a_full_mount_is_an_os_error(tmp_path):
+    """Each thread allocates its part's pages before it copies: a mount too small for them
+    is ENOSPC from the write, never a SIGBUS in the copy."""
+    import errno
+
+    from shmreduce import _platform
+
+    _native.guard_faults()  # as every process that maps a segment has it
+    nbytes = 9 * MIB
+    source = pattern(nbytes, 0)
+    with small_mount(tmp_path / "shm", "4m") as mnt:
+        path = os.path.join(mnt, "segment")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        addr = 0
+        try:
+            os.ftruncate(fd, PAGE + nbytes)
+            addr = _platform.map_shared(fd, PAGE + nbytes)
+            with pytest.raises(OSError) as raised:
+                _native.write(fd, source.data_ptr(), nbytes, PAGE, addr, 3)
+            assert raised.value.errno == errno.ENOSPC
+        finally:
+            if addr:
+                _platform.unmap(addr, PAGE + nbytes)
+            os.close(fd)
+            os.unlink(path)
 
 
 def test_a_failed_write_is_an_os_error():
