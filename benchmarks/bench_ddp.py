@@ -205,16 +205,21 @@ def _job(mode: str) -> dict:
         shutil.rmtree(base, ignore_errors=True)
 
 
+def rank_envs(base: str, world: int) -> list[dict[str, str]]:
+    """The environment of each of *world* rank processes started as torchrun starts them
+    (one intra-op thread each; gloo on a free port), sharing through the shm base *base*."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    common = dict(os.environ, SHMREDUCE_SHM_DIR=base, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    return [dict(common, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)) for rank in range(world)]
+
+
 def _kill_job() -> dict:
     base = tempfile.mkdtemp(prefix="bench-ddp-kill-", dir="/dev/shm")
     procs = []
     try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = str(s.getsockname()[1])
-        for rank in range(WORLD):
-            env = dict(os.environ, SHMREDUCE_SHM_DIR=base, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-            env.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
+        for env in rank_envs(base, WORLD):
             procs.append(subprocess.Popen([sys.executable, __file__, "--kill-rank"], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT))
         ranks = []
         for proc in procs:
@@ -222,11 +227,16 @@ def _kill_job() -> dict:
             ranks += [json.loads(ln[len("KILL ") :]) for ln in out.splitlines() if ln.startswith("KILL ")]
         return {"codes": [p.returncode for p in procs], "ranks": ranks, "left": _left(base)}
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        shutil.rmtree(base, ignore_errors=True)
+        end_job(procs, base)
+
+
+def end_job(procs: list[subprocess.Popen], base: str) -> None:
+    """Kill the ranks of a job still running, and remove its shm base."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def _table(results: dict) -> str:

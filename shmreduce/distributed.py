@@ -61,9 +61,10 @@ import socket
 import stat
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from shmreduce import _platform, program, registry
+from shmreduce import _native, _platform, program, registry
 from shmreduce.broker import client as broker
 from shmreduce.broker.protocol import is_program_dir
 from shmreduce.errors import SharingError
@@ -144,9 +145,10 @@ def broadcast_local(obj: Any, src: int = 0, group: Any = None) -> Any:
     # writes the key and the shared bytes into a private file there (a leader alone on its
     # host keeps its object as it is).
     offer: tuple[str, str] | None = None
-    if rank == leader and sum(host_of[r] == host_of[rank] for r in ranks) > 1:
+    here = sum(host_of[r] == host_of[rank] for r in ranks)
+    if rank == leader and here > 1:
         try:
-            offer = _offer(obj)
+            offer = _offer(obj, here)
         except Exception as exc:  # noqa: BLE001  told to every rank, raised on every rank below
             failure = _why(exc)
     offers = _gather((failure, offer), group)
@@ -236,11 +238,22 @@ def _receive_by_value(src: int, group: Any) -> tuple[Any, str | None]:
 # -- the key, from a leader to the ranks of its host ----------------------------------
 
 
-def _offer(obj: Any) -> tuple[str, str]:
+def _offer(obj: Any, ranks_here: int) -> tuple[str, str]:
     """On a leader: *obj* shared into this process's program; the program directory and
     the name of the file written there: the program's root and key (a line of JSON), then
-    the shared bytes. Host-local, all of it: nothing of it is any use on another host."""
-    data = registry.dumps(obj)
+    the shared bytes (refs: a few hundred bytes however large its tensors). Host-local,
+    all of it: nothing of it is any use on another host.
+
+    Its copies run on the intra-op threads of the *ranks_here* ranks of this host (within
+    this process's CPU affinity mask): the others wait in the next collective meanwhile,
+    their cores idle. torchrun starts every rank with one intra-op thread
+    (OMP_NUM_THREADS=1): one thread would copy a host's whole dataset while the others
+    wait for it."""
+    _native.set_intra_op_threads(torch.get_num_threads() * ranks_here)
+    try:
+        data = registry.dumps(obj)
+    finally:
+        _native.set_intra_op_threads(torch.get_num_threads())  # the process's own again (patches)
     prog = program.current()
     # A live broker keeps the directory (the key file's home) while the ranks read it;
     # a fresh one is started if the object held no tensor.

@@ -318,7 +318,7 @@ class Segment:
             return token.place(offset, nbytes, source)  # its address read at the copy, in C
         written = self.filled  # zeros: what an earlier generation wrote there is cleared
         try:
-            segments.fill(self.fd, nbytes, source, offset)
+            segments.fill(self.fd, nbytes, source, offset, self.addr)
         except OSError as exc:
             raise self._write_error(exc, nbytes, "filling a shared segment") from exc
         if offset <= self.filled:

@@ -58,19 +58,21 @@ def os_error(exc: OSError, what: str) -> SharingError:
     return SharingError(f"{what} failed: {exc}")
 
 
-def fill(fd: int, nbytes: int, source: torch.UntypedStorage | None, offset: int = 0) -> None:
+def fill(fd: int, nbytes: int, source: torch.UntypedStorage | None, offset: int = 0, mapping: int = 0) -> None:
     """Write *source*'s bytes into a new segment at *offset*, or reserve *nbytes* of
-    zeros there if None.
+    zeros there if None. *mapping*: where the segment is mapped here (0: nowhere).
 
     Through the descriptor, not through a fresh mapping: the kernel copies into the
     new pages directly, sparing one page fault per page (half the cost of a small
     storage here), and a full memory limit is an error now rather than a SIGBUS. A
-    large write runs in parts on the threads this process may use (``_native.write``).
+    large write on the several threads this process may use allocates each part's
+    pages in one call and copies through *mapping* instead (``_native.write``: writes
+    to one file run one at a time).
     """
     if source is None:
         os.posix_fallocate(fd, offset, nbytes)
         return
-    _native.write(fd, source.data_ptr(), nbytes, offset)
+    _native.write(fd, source.data_ptr(), nbytes, offset, mapping)
 
 
 def create_file(directory: str, name: str, size: int) -> int:

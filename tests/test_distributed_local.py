@@ -246,7 +246,7 @@ def test_the_key_file_is_private_and_anything_else_is_refused(registered_fd, tmp
 
     from shmreduce import distributed, program
 
-    directory, name = distributed._offer({"t": torch.ones(4)})
+    directory, name = distributed._offer({"t": torch.ones(4)}, 2)
     path = os.path.join(directory, name)
     try:
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and os.stat(path).st_uid == os.getuid()
@@ -285,3 +285,37 @@ def test_the_key_file_is_private_and_anything_else_is_refused(registered_fd, tmp
     finally:
         distributed._remove_key_file(directory, name)
     assert not os.path.exists(path)
+
+
+def test_the_leader_copies_on_the_threads_of_its_hosts_ranks_and_writes_refs_only(registered_fd, monkeypatch):
+    """torchrun gives each rank one intra-op thread; while the leader shares, the other ranks
+    of its host wait: its copies take their threads too (within its CPU mask), and the
+    process's own setting is back afterwards. What it writes into the key file is refs,
+    not the tensor's bytes."""
+    import torch
+
+    from shmreduce import _native, distributed, registry
+
+    big = 64 * 2**20
+    cpus = len(os.sched_getaffinity(0))
+    seen: list[int] = []
+    dumps = registry.dumps
+
+    def dumps_seeing_threads(obj):
+        seen.append(_native.copy_threads(big))
+        return dumps(obj)
+
+    monkeypatch.setattr(registry, "dumps", dumps_seeing_threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        directory, name = distributed._offer({"x": torch.ones(big // 4)}, 4)
+        try:
+            assert seen == [min(cpus, 4)]
+            assert _native.copy_threads(big) == 1
+            assert os.path.getsize(os.path.join(directory, name)) < 4096
+            assert float(shmreduce.loads(distributed._read_key(directory, name)[2])["x"][-1]) == 1.0  # its ref loaded
+        finally:
+            distributed._remove_key_file(directory, name)
+    finally:
+        torch.set_num_threads(before)

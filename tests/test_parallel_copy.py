@@ -20,7 +20,7 @@ import torch
 import shmreduce
 from shmreduce import _native
 
-from helpers import let_go_now, running
+from helpers import let_go_now, running, small_mount
 
 MIB = 1 << 20
 PAGE = mmap.PAGESIZE
@@ -85,6 +85,26 @@ def test_every_thread_copies_with_the_setting_of_the_process(registered_fd):
             assert recv.recv() == 1
 
 
+class _CopyThreads(torch.utils.data.Dataset):
+    """Each item: the threads a 64 MiB copy takes in the process that makes it."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([_native.copy_threads(64 * MIB), torch.get_num_threads()])
+
+
+def test_a_dataloader_worker_copies_on_one_thread(registered_fd):
+    """DataLoader sets one intra-op thread in each worker: its copies (the batches it
+    shares) take one thread, whatever its parent's setting."""
+    with intra_op_threads(2):
+        loader = torch.utils.data.DataLoader(_CopyThreads(), batch_size=2, num_workers=1, multiprocessing_context="fork")
+        [batch] = list(loader)
+        assert _native.copy_threads(64 * MIB) == min(len(os.sched_getaffinity(0)), 2)  # the parent's own
+    assert batch.tolist() == [[1, 1], [1, 1]]
+
+
 def _threads_pinned_to_one_cpu(conn) -> None:
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     torch.set_num_threads(8)
@@ -113,6 +133,64 @@ def test_a_write_through_a_descriptor_gives_every_byte(threads):
                 assert hashlib.sha256(m[PAGE:]).hexdigest() == digest(source), nbytes
         finally:
             os.close(fd)
+
+
+@pytest.mark.parametrize("populating", [True, False], ids=["populated", "refused"])
+@pytest.mark.parametrize("threads", [3, 4])
+def test_a_write_on_several_threads_through_the_mapping_gives_every_byte(threads, populating):
+    """On 3 threads and up, each allocates its part's new pages and copies through the
+    mapping; where the kernel refuses to populate (as one older than 5.14 does), the parts
+    are written through the descriptor. Either way: every byte, nothing around it."""
+    from shmreduce import _platform
+
+    was = _native.set_populating(populating)
+    try:
+        for i, nbytes in enumerate(SIZES):
+            for offset in (PAGE, _native.HEADER_BYTES + 64):
+                source = pattern(nbytes, i)
+                size = offset + nbytes + PAGE
+                fd = os.memfd_create("shmreduce-test")
+                addr = 0
+                try:
+                    os.ftruncate(fd, size)
+                    addr = _platform.map_shared(fd, size)
+                    _native.write(fd, source.data_ptr(), nbytes, offset, addr, threads)
+                    with mmap.mmap(fd, size) as m:
+                        assert m[:offset] == bytes(offset) and m[offset + nbytes :] == bytes(size - offset - nbytes)
+                        assert hashlib.sha256(m[offset : offset + nbytes]).hexdigest() == digest(source), nbytes
+                finally:
+                    if addr:
+                        _platform.unmap(addr, size)
+                    os.close(fd)
+    finally:
+        _native.set_populating(was)
+
+
+def test_a_write_through_the_mapping_into_a_full_mount_is_an_os_error(tmp_path):
+    """Each thread allocates its part's pages before it copies: a mount too small for them
+    is ENOSPC from the write, never a SIGBUS in the copy."""
+    import errno
+
+    from shmreduce import _platform
+
+    _native.guard_faults()  # as every process that maps a segment has it
+    nbytes = 9 * MIB
+    source = pattern(nbytes, 0)
+    with small_mount(tmp_path / "shm", "4m") as mnt:
+        path = os.path.join(mnt, "segment")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        addr = 0
+        try:
+            os.ftruncate(fd, PAGE + nbytes)
+            addr = _platform.map_shared(fd, PAGE + nbytes)
+            with pytest.raises(OSError) as raised:
+                _native.write(fd, source.data_ptr(), nbytes, PAGE, addr, 3)
+            assert raised.value.errno == errno.ENOSPC
+        finally:
+            if addr:
+                _platform.unmap(addr, PAGE + nbytes)
+            os.close(fd)
+            os.unlink(path)
 
 
 def test_a_failed_write_is_an_os_error():

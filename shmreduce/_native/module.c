@@ -7,7 +7,7 @@
  */
 #include "native.h"
 
-shm_process_state shm_process = {.streaming = -1};
+shm_process_state shm_process = {.streaming = -1, .populating = -1};
 
 PyDoc_STRVAR(init_doc, "init($module, from_dlpack, error, dtypes, published, swap, versioned, "
                        "/)\n--\n\nBind "

@@ -235,6 +235,7 @@ typedef struct {
     _Atomic(GenObject *) dead_stack; /* pushed by deleters and release() */
     int streaming;                   /* non-temporal copies: -1 until decided (copy.c) */
     int intra_op;                    /* torch's intra-op setting, as registered (copy.c); 0: unknown */
+    int populating;                  /* MADV_POPULATE_WRITE in parallel writes: 0 once refused (copy.c) */
     Range *ranges;                   /* the mapped segments, by address (segments.c) */
     Py_ssize_t n_ranges, cap_ranges;
 } shm_process_state;
