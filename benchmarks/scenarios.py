@@ -242,23 +242,36 @@ class ImageSamples(torch.utils.data.Dataset):
         return torch.full((3, 224, 224), i % 251, dtype=torch.uint8)
 
 
-def loader_trial(dataset_cls: type, seconds: float, max_batches: int) -> dict:
+def loader_trial(dataset_cls: type, seconds: float, max_batches: int, workers: int = 2) -> dict:
+    """Batches per second a DataLoader with *workers* workers delivers, and the main
+    process's CPU per batch (every thread of it: where a big machine's loader spends
+    the time its workers do not)."""
     loader = torch.utils.data.DataLoader(
-        dataset_cls(16 * (max_batches + 1)), batch_size=16, num_workers=2, multiprocessing_context=CTX, timeout=GET_TIMEOUT
+        dataset_cls(16 * (max_batches + 1)),
+        batch_size=16,
+        num_workers=workers,
+        multiprocessing_context=CTX,
+        timeout=GET_TIMEOUT,
     )
     it = iter(loader)
     next(it)  # warm-up: workers started
     rt0 = shmreduce_stat("round_trips")
-    count, t0 = 0, time.perf_counter()
+    count, t0, cpu0 = 0, time.perf_counter(), time.process_time()
     for _ in it:
         count += 1
         if time.perf_counter() - t0 >= seconds:
             break
     elapsed = time.perf_counter() - t0
+    main_cpu = time.process_time() - cpu0
     rt = shmreduce_stat("round_trips") - rt0
     it._shutdown_workers()  # joins the workers (with torch's own timeouts)
     del it, loader
-    return {"batches": count, "batches_per_s": count / elapsed, "round_trips_per_msg": rt / max(count, 1)}
+    return {
+        "batches": count,
+        "batches_per_s": count / elapsed,
+        "main_cpu_ms_per_batch": main_cpu * 1e3 / max(count, 1),
+        "round_trips_per_msg": rt / max(count, 1),
+    }
 
 
 # -- scenario 6: what keeping 1,000 tensors holds --------------------------------------
@@ -457,6 +470,24 @@ SCENARIOS = [
         True,
         SHARED,
         lambda impl, b: loader_trial(ImageSamples, b.seconds * 1.5, 2000),
+    ),
+    Scenario(
+        "5c",
+        "DataLoader, 8 workers: dicts of 32 small tensors",
+        "batches_per_s",
+        "batch/s",
+        True,
+        SHARED,
+        lambda impl, b: loader_trial(DictSamples, b.seconds * 1.5, 4000, workers=8),
+    ),
+    Scenario(
+        "5d",
+        "DataLoader, 8 workers: 3x224x224 uint8 images",
+        "batches_per_s",
+        "batch/s",
+        True,
+        SHARED,
+        lambda impl, b: loader_trial(ImageSamples, b.seconds * 1.5, 4000, workers=8),
     ),
     Scenario(
         "6",
