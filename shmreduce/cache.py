@@ -3,7 +3,7 @@
 ``place_of(storage)``: a storage's ``Place`` (its segment, generation, offset, size)
 is where its memory is. A storage whose data lies inside a segment this process maps
 is in that segment's live generation, at its address minus the mapping's: found by
-address (``pool.segment_at``), with no record kept per storage. So a storage sent
+address (``segments.segment_at``), with no record kept per storage. So a storage sent
 twice is moved once, and a received storage (or a slice of one) sent on goes out
 from where it is. The one exception, a storage torch shared by descriptor itself
 (a segment shmreduce maps elsewhere, generation 0), is remembered by its
@@ -37,13 +37,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from shmreduce import pool
+from shmreduce import segments
 from shmreduce._torch import storage_key
 
 
 class Place(NamedTuple):
     """Where a storage lies: *nbytes* at *offset* of generation *gen* of *segment*
-    (a ``pool.Segment``). *gen* 0: a segment shmreduce does not pool (a storage
+    (a ``segments.Segment``). *gen* 0: a segment shmreduce does not pool (a storage
     torch shared by descriptor), at offset 0."""
 
     segment: Any
@@ -78,7 +78,7 @@ class StorageCache:
         ``storage_key``, if known: only a storage torch shared needs it)."""
         nbytes = storage.nbytes()
         ptr = storage.data_ptr()
-        seg = pool.segment_at(ptr, nbytes)
+        seg = segments.segment_at(ptr, nbytes)
         if seg is not None:
             return Place(seg, seg.gen, ptr - seg.addr, nbytes)
         if self._adopted:

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from shmreduce import _faults, _native, _torch, pool, transfer
+from shmreduce import _faults, _native, _torch, segments, transfer
 from shmreduce.errors import SharingError
 
 _SPARSE_COMPRESSED = {
@@ -122,11 +122,11 @@ def reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple]:
 
 
 _EMPTY: dict[torch.dtype, torch.Tensor] = {}  # one empty tensor per dtype: new_empty is cheap
-_DLPACK = pool.dtypes  # (code, bits, lanes, itemsize) of each dtype DLPack carries, filled by prepare()
+_DLPACK = segments.dtypes  # (code, bits, lanes, itemsize) of each dtype DLPack carries, filled by prepare()
 
 
 def dlpack_table() -> dict[torch.dtype, tuple[int, int, int, int]]:
-    """The dtypes ``_native.rebuild`` makes tensors of (``pool.dtypes``), filled once."""
+    """The dtypes ``_native.rebuild`` makes tensors of (``segments.dtypes``), filled once."""
     if not _prepared:
         prepare()
     return _DLPACK

@@ -66,7 +66,7 @@ from shmreduce.cache import Place, cache
 from shmreduce.errors import OutOfSharedMemory, SharingError, stale_message
 from shmreduce.strategy import get_sharing_strategy
 
-HEADER = pool.HEADER
+HEADER = segments.HEADER
 
 log = logging.getLogger("shmreduce")
 
@@ -148,13 +148,13 @@ def _release_files(directory: str, names: list[str]) -> None:
         _quietly(client.release, names)
 
 
-def _drop_memfd(seg: pool.Segment) -> None:
+def _drop_memfd(seg: segments.Segment) -> None:
     client = broker.connected_client(_program_dir())
     if client is not None:
         _quietly(client.drop, [seg.key])
 
 
-def _make_file(size: int) -> pool.Segment:
+def _make_file(size: int) -> segments.Segment:
     """A new file_system segment: a file in the program directory, its broker live,
     its name held there before the file exists (a sender killed mid-pickle leaves
     nothing: issue 11, item 17).
@@ -183,12 +183,12 @@ def _fs_full() -> None:
     client.ping()  # barrier: the broker unlinked the files nobody holds
 
 
-def _new_file(size: int) -> pool.Segment:
+def _new_file(size: int) -> segments.Segment:
     prog = _live_program()
     name = _names.take(prog.directory, prog.root_pid)
     fd = segments.create_file(prog.directory, name, size)
     try:
-        return pool.Segment("fs", name, prog.directory, fd, size, fd)
+        return segments.Segment("fs", name, prog.directory, fd, size, fd)
     except OSError as exc:
         os.close(fd)
         raise segments.os_error(exc, f"mapping {prog.directory}/{name}") from exc
@@ -331,9 +331,9 @@ def share(storage: torch.UntypedStorage) -> tuple:
     return (kind, directory, key, gen, offset, nbytes, tag, ticket)
 
 
-def _deposit(seg: pool.Segment, storage: torch.UntypedStorage, gen: int) -> bool:
+def _deposit(seg: segments.Segment, storage: torch.UntypedStorage, gen: int) -> bool:
     """This process's first ref to the memfd *seg*: its descriptor goes to the broker.
-    A received one is mapped without a descriptor (``pool.open_fd``): the broker's is
+    A received one is mapped without a descriptor (``segments.open_fd``): the broker's is
     fetched once more, for this deposit; False if the broker keeps it no longer. One
     no pool of this process keeps (its own, let go of by its pool: this process holds
     it as a receiver) is forwarded as a received one is: nothing here will drop it."""
@@ -422,7 +422,7 @@ def _adopt(storage: torch.UntypedStorage, key: int, nbytes: int) -> Place | None
     shmreduce does not pool). None for one torch shared otherwise: it moves into the
     pool like any other, unless it is mapped from a file shmreduce did not make
     (refused)."""
-    seg = pool.adopt(storage)
+    seg = segments.adopt(storage)
     if seg is None:
         segments.refuse_foreign_file(storage)
         return None
@@ -483,7 +483,7 @@ def let_go() -> None:
     collect()
     _fd_pool.let_go()
     _fs_pool.let_go()
-    pool.drop_kept()
+    segments.drop_kept()
 
 
 def _live_program() -> program.Program:
@@ -533,7 +533,7 @@ def collect() -> None:
         p.trim()
 
 
-def _drop_adopted(segs: list[pool.Segment]) -> None:
+def _drop_adopted(segs: list[segments.Segment]) -> None:
     """The memfds of adopted storages that died here: this process sends no more refs
     to them (the broker keeps each ORPHAN_TTL for the refs in flight)."""
     keys = []
@@ -631,8 +631,8 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
 _tokens_lock = threading.RLock()
 
 
-def _mapped_segment(kind: str, directory: str, segkey: Any) -> pool.Segment | None:
-    seg = pool.lookup(kind, segkey)
+def _mapped_segment(kind: str, directory: str, segkey: Any) -> segments.Segment | None:
+    seg = segments.lookup(kind, segkey)
     return None if seg is None or (kind == "fs" and seg.directory != directory) else seg
 
 
@@ -643,7 +643,7 @@ def _held_token(kind: str, directory: str, segkey: Any, gen: int) -> Any | None:
     return token if token is not None and token.acquire() else None
 
 
-def _map(kind: str, directory: str, segkey: Any, gen: int, tag: int) -> pool.Segment:
+def _map(kind: str, directory: str, segkey: Any, gen: int, tag: int) -> segments.Segment:
     """Map a segment this process does not map yet: a memfd fetched from the broker
     of *directory* (once per segment), or the file *segkey* there."""
     client = broker.client_for(directory)
@@ -663,11 +663,11 @@ def _map(kind: str, directory: str, segkey: Any, gen: int, tag: int) -> pool.Seg
             raise SharingError(f"refusing handle for {directory!r}: not a shmreduce program directory (forged message?)")
     if kind == "fs":
         _check_tag(directory, segkey, gen, tag)
-        return pool.open_file(directory, segkey)
+        return segments.open_file(directory, segkey)
     fd = client.fetch(segkey)
     if fd is None:
         raise stale_message(f"cannot receive segment {segkey}")
-    return pool.open_fd(fd, segkey)  # checks the identity; owns fd from now on
+    return segments.open_fd(fd, segkey)  # checks the identity; owns fd from now on
 
 
 def _check_tag(directory: str, segkey: str, gen: int, tag: int) -> None:
@@ -677,7 +677,7 @@ def _check_tag(directory: str, segkey: str, gen: int, tag: int) -> None:
         )
 
 
-def _new_token(seg: pool.Segment, kind: str, directory: str, segkey: Any, gen: int, tag: int) -> Any:
+def _new_token(seg: segments.Segment, kind: str, directory: str, segkey: Any, gen: int, tag: int) -> Any:
     """A new token of *gen* in *seg*, held once for the caller to release. A pooled
     generation is held first (counted in the header, then checked to be the one
     there: its owner never reuses the segment under this load), then written in this
@@ -704,7 +704,7 @@ def _new_token(seg: pool.Segment, kind: str, directory: str, segkey: Any, gen: i
         token = seg.new_token(gen, entry)
         token.publish((kind, directory, segkey, gen, tag))  # _native.load / rebuild load through it from now on (the sender's template)
     if seg.pool is None:
-        pool.keep(seg)
+        segments.keep(seg)
     if not _collector.started:
         _collector.ensure()  # what this process holds is let go of without further loads
     return token
@@ -765,7 +765,7 @@ def _loads() -> int:
 
 def stats() -> dict[str, int]:
     """This process's pools and mappings (see ``shmreduce.stats``)."""
-    result = pool.mapped_stats()
+    result = segments.mapped_stats()
     for p in (_fd_pool, _fs_pool):
         for name, value in p.stats().items():
             result[f"{p.kind}_{name}"] = value
@@ -775,7 +775,7 @@ def stats() -> dict[str, int]:
 def _before_fork() -> None:
     # The child keeps the storages alive now, sent or received, without holding
     # their generations: those are retired (broker/protocol.py, "Lifetimes").
-    pool.retire_in_use()
+    segments.retire_in_use()
 
 
 def _after_fork_in_child() -> None:
@@ -813,13 +813,13 @@ def _on_connect(client: broker.BrokerClient) -> None:
         _connected_before.add(directory)
         return
     if directory == _program_dir():
-        pool.forget_deposits()
+        segments.forget_deposits()
     try:
         present = set(os.listdir(directory))
     except OSError:
         present = set()
 
-    def file_gone(seg: pool.Segment) -> bool:
+    def file_gone(seg: segments.Segment) -> bool:
         return seg.kind == "fs" and seg.directory == directory and seg.key not in present
 
     # This process's files that outlived the broker (all of its processes were
@@ -831,12 +831,12 @@ def _on_connect(client: broker.BrokerClient) -> None:
     if kept:
         client.hold(kept)
     _fs_pool.retire_where(file_gone)
-    pool.seal_where(file_gone)
+    segments.seal_where(file_gone)
     if directory == _program_dir():
         _bring_back(client, file_gone)
 
 
-def _bring_back(client: broker.BrokerClient, file_gone: Callable[[pool.Segment], bool]) -> None:
+def _bring_back(client: broker.BrokerClient, file_gone: Callable[[segments.Segment], bool]) -> None:
     """A new broker: it gets every pooled segment this process keeps that another
     process may hold or load (its header says so: holders, or refs not all loaded):
     its memfds, and its files that went with the old broker's directory (by
@@ -846,7 +846,7 @@ def _bring_back(client: broker.BrokerClient, file_gone: Callable[[pool.Segment],
     from before for its owner's life). One round trip each, once per restart; a free
     segment goes to it with its next ref, as before."""
 
-    def reachable(seg: pool.Segment) -> bool:
+    def reachable(seg: segments.Segment) -> bool:
         try:
             _gen, sent, loaded, holders = _native.hdr_read(seg.addr)
         except OSError:
@@ -859,7 +859,7 @@ def _bring_back(client: broker.BrokerClient, file_gone: Callable[[pool.Segment],
             seg.deposited = True
     # Its own memfds its pool let go of, which it holds as a receiver: those it sent
     # refs in that wait to be loaded go back too, as any sender's (a forward).
-    for seg in pool.let_go_of_here():
+    for seg in segments.let_go_of_here():
         _gen, sent, loaded, _holders = _native.hdr_read(seg.addr)
         if not seg.deposited and sent > loaded:
             _quietly(client.segment, seg.fd, True, True)

@@ -42,7 +42,7 @@ import pytest
 import torch
 
 import shmreduce
-from shmreduce import _native, pool, program, reductions, transfer
+from shmreduce import _native, pool, program, reductions, segments, transfer
 from shmreduce.broker import protocol as P
 from shmreduce.cache import cache
 
@@ -474,7 +474,7 @@ def test_missing_file_is_gone_and_never_created():
         directory = program.current().directory
         name = "seg-" + "ab" * 12
         with pytest.raises(shmreduce.SharingError, match="gone"):
-            pool.open_file(directory, name)
+            segments.open_file(directory, name)
         assert not os.path.exists(os.path.join(directory, name))
 
 

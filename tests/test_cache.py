@@ -9,7 +9,7 @@ import gc
 import torch
 
 import shmreduce
-from shmreduce import pool, transfer
+from shmreduce import segments, transfer
 from shmreduce.cache import Place, StorageCache, cache
 
 
@@ -41,7 +41,7 @@ def test_a_sealed_segment_is_not_a_place(strategy: str) -> None:
     assert shmreduce.loads(shmreduce.dumps(t)).untyped_storage()._cdata == t.untyped_storage()._cdata
     place = cache.place_of(t.untyped_storage())
     assert place is not None
-    pool.seal_where(lambda seg: seg is place.segment)
+    segments.seal_where(lambda seg: seg is place.segment)
     try:
         assert cache.place_of(t.untyped_storage()) is None
     finally:

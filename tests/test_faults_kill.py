@@ -85,11 +85,11 @@ def _consumer(conn, results, go, stranger=False):
     import shmreduce
 
     if stranger:
-        from shmreduce import pool
+        from shmreduce import segments
         from shmreduce.cache import cache
 
         cache.clear()
-        pool.forget_mappings()
+        segments.forget_mappings()
     held = []
     while True:
         try:

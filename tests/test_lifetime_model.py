@@ -49,7 +49,7 @@ receiver (processes 1, 2; ``transfer.receive_tensor`` / ``_new_token``, ``pool.s
                   (``broker.client.let_go``: entry FREE). The death and DROPPING are one
                   step: killed between them, the entry says HELD, as killed before.
 any process
-    fork          ``transfer._before_fork`` -> ``pool.retire_in_use``: ``hdr_retire`` of
+    fork          ``transfer._before_fork`` -> ``segments.retire_in_use``: ``hdr_retire`` of
                   each generation with a live storage here; the child keeps the storages,
                   uncounted (``pool._after_fork_in_child``), and can only let go of them.
     kill          SIGKILL: storages gone, a message being pickled never exists, the

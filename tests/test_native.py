@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shmreduce
-from shmreduce import _native, _torch, pool, reductions, transfer
+from shmreduce import _native, _torch, pool, reductions, segments, transfer
 
 from helpers import run_in_child, without_dlpack_exchange_api
 
@@ -452,7 +452,7 @@ def test_rebuild_makes_only_checked_tensors_or_raises_sharing_error(
     finally:
         gen.release()
         _drain()
-    assert _TEMPLATE not in pool.live  # dead() took it out
+    assert _TEMPLATE not in segments.live  # dead() took it out
 
 
 # load()'s packed bytes, as pickler.c's PackedHead lays them out (native order):
@@ -513,7 +513,7 @@ def test_load_makes_only_checked_tensors_or_raises_sharing_error(
     finally:
         gen.release()
         _drain()
-    assert _TEMPLATE not in pool.live
+    assert _TEMPLATE not in segments.live
 
 
 def test_rebuild_counts_its_loads_in_the_header_and_the_process(memory, importer) -> None:
@@ -530,7 +530,7 @@ def test_rebuild_counts_its_loads_in_the_header_and_the_process(memory, importer
     del t
     gen.release()
     gc.collect()
-    assert _drain() == [gen] and _TEMPLATE not in pool.live
+    assert _drain() == [gen] and _TEMPLATE not in segments.live
 
 
 def test_the_identity_map_keeps_its_weak_references_out_of_the_collector(memory) -> None:
@@ -547,7 +547,7 @@ def test_the_identity_map_keeps_its_weak_references_out_of_the_collector(memory)
     del t
     gen.release()
     gc.collect()
-    assert weak() is None and _drain() == [gen] and _TEMPLATE not in pool.live
+    assert weak() is None and _drain() == [gen] and _TEMPLATE not in segments.live
 
 
 # -- fuzzed messages through the whole loader ------------------------------------------
@@ -556,7 +556,7 @@ def test_the_identity_map_keeps_its_weak_references_out_of_the_collector(memory)
 def _load_mutated(data: bytes) -> str:
     """A mutated message loaded in a fork child (which forgets its parent's mappings):
     whatever happens, an exception or a value, never a crash."""
-    pool.forget_mappings()
+    segments.forget_mappings()
     try:
         obj = pickle.loads(data)
     except Exception as exc:  # noqa: BLE001  any exception is a fine answer to garbage; a crash is not

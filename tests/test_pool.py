@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import shmreduce
-from shmreduce import _native, pool, program, transfer
+from shmreduce import _native, pool, program, segments, transfer
 from shmreduce.cache import cache
 
 from helpers import forget_mappings, let_go_now, run_in_child, wait_for
@@ -344,12 +344,12 @@ _SETTINGS_SCRIPT = textwrap.dedent(
     import gc, json, multiprocessing as mp, sys, threading, time
     import torch
     import shmreduce
-    from shmreduce import pool, transfer
+    from shmreduce import pool, segments, transfer
 
     CAP = 4 << 20
     strategy = sys.argv[1]
     prefix = "fd_" if strategy == "file_descriptor" else "fs_"
-    report = {"settings": [pool.POOL_BYTES, pool.POOL_IDLE, pool.KEPT_SEGMENTS]}
+    report = {"settings": [pool.POOL_BYTES, pool.POOL_IDLE, segments.KEPT_SEGMENTS]}
     shmreduce.register(strategy=strategy)
 
 
@@ -496,23 +496,24 @@ def test_over_the_cap_a_pool_closes_its_oldest_free_segments_not_all(monkeypatch
 
 def test_class_size() -> None:
     page = os.sysconf("SC_PAGE_SIZE")
-    sizes = [1, 63, 64, 4096 - pool.HEADER, 4096, 65536, 65537, 100_000, MIB - pool.HEADER, MIB, 3 * MIB + 1, 1 << 30, (1 << 34) + 12345]
+    sizes = [1, 63, 64, 4096 - segments.HEADER, 4096, 65536, 65537, 100_000, MIB - segments.HEADER, MIB]
+    sizes += [3 * MIB + 1, 1 << 30, (1 << 34) + 12345]
     sizes += [int(1.07**k) for k in range(10, 400)]
     for n in sizes:
         size = pool.class_size(n)
-        need = n + pool.HEADER
+        need = n + segments.HEADER
         assert size >= need, n  # the header included
         assert size % page == 0, n
         if need >= 8 * page:
             assert size - need <= need // 8, f"{n}: {size} wastes more than 1/8"
         else:
             assert size - need < page, n
-        assert pool.class_size(size - pool.HEADER) == size, n  # a class is its own class
+        assert pool.class_size(size - segments.HEADER) == size, n  # a class is its own class
     assert pool.class_size(MIB) == MIB + MIB // 8
-    assert pool.class_size(pool.SLAB_SIZE - pool.HEADER) == pool.SLAB_SIZE
+    assert pool.class_size(pool.SLAB_SIZE - segments.HEADER) == pool.SLAB_SIZE
     # Eight classes per doubling, sizes never shrinking as storages grow.
     for k in (16, 20, 27):
-        classes = [pool.class_size(n - pool.HEADER) for n in range((1 << k) + 1, (1 << (k + 1)) + 1, 1 << (k - 6))]
+        classes = [pool.class_size(n - segments.HEADER) for n in range((1 << k) + 1, (1 << (k + 1)) + 1, 1 << (k - 6))]
         assert classes == sorted(classes)
         assert len(set(classes)) == 8, (k, sorted(set(classes)))
 
@@ -523,7 +524,7 @@ def test_a_segment_view_out_of_bounds_is_a_sharing_error(strategy: str) -> None:
     place = cache.place_of(t.untyped_storage())
     assert place is not None
     seg, gen, offset, nbytes = place
-    assert gen and offset >= pool.HEADER and nbytes == 4000
+    assert gen and offset >= segments.HEADER and nbytes == 4000
     token = seg.live_token(gen)
     assert token is not None
     view = token.storage(offset, nbytes)
@@ -532,7 +533,7 @@ def test_a_segment_view_out_of_bounds_is_a_sharing_error(strategy: str) -> None:
         (seg.size - 8, 16),
         (seg.size, 1),
         (0, 8),  # the header is no storage's
-        (pool.HEADER - 1, 8),
+        (segments.HEADER - 1, 8),
         (offset, 0),
         (offset, -1),
         (-8, 16),
@@ -555,9 +556,9 @@ def test_opening_a_missing_segment_file_is_a_sharing_error() -> None:
         t.share_memory_()  # the program directory and its broker exist
         directory = program.current().directory
         with pytest.raises(shmreduce.SharingError, match="is gone"):
-            pool.open_file(directory, "seg-" + "0" * 24)
+            segments.open_file(directory, "seg-" + "0" * 24)
         with pytest.raises(shmreduce.SharingError, match="not a shmreduce segment"):
-            pool.open_file(directory, "../" + "seg-" + "0" * 24)
+            segments.open_file(directory, "../" + "seg-" + "0" * 24)
         del t
 
 
@@ -580,8 +581,8 @@ def test_a_memfd_is_known_by_its_device_and_inode() -> None:
         # The file's inode number under the memfd's device: what an inode-only check took for it.
         confusable = m.st_dev << 64 | f.st_ino
         with pytest.raises(shmreduce.SharingError, match="does not match its handle"):
-            pool.open_fd(os.dup(shm), confusable)
-        seg = pool.open_fd(os.dup(shm), P.identity(f))  # its own identity maps (no descriptor kept)
+            segments.open_fd(os.dup(shm), confusable)
+        seg = segments.open_fd(os.dup(shm), P.identity(f))  # its own identity maps (no descriptor kept)
         assert seg.key == P.identity(f) and seg.fd is None
         del seg
     finally:

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import shmreduce
-from shmreduce import _native, pool, program, transfer
+from shmreduce import _native, pool, program, segments, transfer
 from shmreduce.broker import client as broker_client
 
 from helpers import broker_procs, gone, let_go_now, wait_for
@@ -193,7 +193,7 @@ def test_a_process_that_sends_on_its_own_segments_it_holds_after_its_pool_let_go
     gc.collect()
     transfer.collect()  # their generations are over here: they wait for their refs
     held = [back.recv() for _ in range(16)]  # this process holds them now, as a receiver
-    keys = {pool.segment_at(t.data_ptr(), t.nbytes).key for _i, t in held}  # type: ignore[union-attr]
+    keys = {segments.segment_at(t.data_ptr(), t.nbytes).key for _i, t in held}  # type: ignore[union-attr]
     assert len(keys) == 16
 
     if first_send == "while its pool keeps them":

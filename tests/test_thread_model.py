@@ -67,7 +67,7 @@ loader threads 0, 1 of the receiver (``transfer.receive_tensor``, ``_new_token``
                   generation: else the load fails, stale), ``seg.new_token`` (the
                   segment remembers it), then the storage loaded through it.
     drop          the loader's storage dies (its token's count - 1).
-    fork          ``transfer._before_fork`` -> ``pool.retire_in_use``: ``hdr_retire``
+    fork          ``transfer._before_fork`` -> ``segments.retire_in_use``: ``hdr_retire``
                   of the remembered token's generation if that token is live here;
                   the child keeps every storage the loaders hold, uncounted, for good.
 the receiver's collector (``pool.settle`` in a receiver)
@@ -526,7 +526,7 @@ def unload(s: State, i: int, cfg: Config) -> State | None:
 
 
 def fork(s: State, i: int, cfg: Config) -> State | None:
-    """``transfer._before_fork`` -> ``pool.retire_in_use``: the remembered token's
+    """``transfer._before_fork`` -> ``segments.retire_in_use``: the remembered token's
     generation retired if that token is live here; the child keeps every storage."""
     kept = frozenset(p.gen for p in s.loaders if p.tok >= 0)
     if s.forks >= cfg.forks or not kept:

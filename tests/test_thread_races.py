@@ -34,7 +34,7 @@ import pytest
 import torch
 
 import shmreduce
-from shmreduce import _faults, _native, pool, transfer
+from shmreduce import _faults, _native, pool, segments, transfer
 
 from helpers import gone, let_go_now, run_in_child, wait_for
 
@@ -77,9 +77,9 @@ def quiet_collector(monkeypatch):
     yield
 
 
-def _seg_of(t: torch.Tensor) -> pool.Segment:
+def _seg_of(t: torch.Tensor) -> segments.Segment:
     s = t.untyped_storage()
-    seg = pool.segment_at(s.data_ptr(), s.nbytes())
+    seg = segments.segment_at(s.data_ptr(), s.nbytes())
     assert seg is not None
     return seg
 
