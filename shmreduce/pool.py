@@ -190,14 +190,14 @@ def settle(dead: list[Any] | None = None) -> None:
         if owner != pid:
             continue  # a forked child's copy of its parent's token: not ours to tell
         seg: Segment = token.owner  # type: ignore[assignment]
-        gen = token.number
+        number = token.number
         if entry is not None:
             # The ledger says "dropping" before the header counts this process out, and
             # is cleared after: a process killed in between is retired, not guessed.
             if broker.dropping(entry):  # else this process is exiting: its brokers count it out
                 _faults.point("letgo.ledger")
                 try:
-                    _native.hdr_unhold(seg.addr, gen)
+                    _native.hdr_unhold(seg.addr, number)
                 except OSError:  # cut: nothing left to count out of
                     pass
                 _faults.point("letgo.unhold")
@@ -208,12 +208,12 @@ def settle(dead: list[Any] | None = None) -> None:
                 seg.undeposit()
             continue
         pool = seg.pool
-        if pool is None or seg.gen != gen:
+        if pool is None or seg.gen != number:
             continue
         if seg.retired or not pool.active:
             pool.closed(seg)  # never reused: what is in flight in it stays readable (the broker)
-        elif not pool.end(seg, gen):
-            pool.wait(seg, gen)  # held elsewhere, or refs to it in flight
+        elif not pool.end(seg, number):
+            pool.wait(seg, number)  # held elsewhere, or refs to it in flight
 
 
 # -- generations -------------------------------------------------------------------

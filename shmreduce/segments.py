@@ -73,7 +73,7 @@ def _after_fork_in_child() -> None:
     for seg in mapped_now():
         # Never revive a token of the parent's here: what this process keeps, it claims
         # itself (a new token), or its owner could reuse memory this process reads.
-        seg.token = None
+        seg.gen_ref = None
         seg.deposited = False  # the parent's deposit, not ours
 
 
@@ -208,7 +208,7 @@ class Segment:
         "size",
         "pid",
         "gen",
-        "token",
+        "gen_ref",
         "pool",
         "deposited",
         "tag",
@@ -226,7 +226,7 @@ class Segment:
         self.fd, self.addr, self.size = fd, addr, size
         self.pid = os.getpid()
         self.gen = 0  # the generation whose token lives here (or is being filled)
-        self.token: weakref.ref | None = None
+        self.gen_ref: weakref.ref | None = None
         self.pool: Pool | None = None  # the pool that made it, in its owner only, until it leaves (Pool.closed)
         self.deposited = False  # a memfd: its descriptor is at this process's broker (undeposit)
         self.tag: tuple[int, int] = (0, 0)  # a file: (generation, its refs' tag), see transfer.fs_tag
@@ -249,24 +249,24 @@ class Segment:
     def header(self) -> int:
         return int(_U64.from_address(self.addr).value)
 
-    def begin(self, gen: int) -> Any:
-        """Start generation *gen* (owner): header written, a new token, empty."""
+    def begin(self, number: int) -> Any:
+        """Start generation *number* (owner): header written, a new token, empty."""
         assert self.fd is not None
         try:
-            os.pwrite(self.fd, gen.to_bytes(8, "little"), 0)  # allocates the page if need be
+            os.pwrite(self.fd, number.to_bytes(8, "little"), 0)  # allocates the page if need be
         except OSError as exc:
             raise self._write_error(exc, self.size, "writing a segment header") from exc
         self.filled = max(self.filled, HEADER)  # its first page is allocated now
-        return self.new_token(gen, None)
+        return self.new_token(number, None)
 
-    def new_token(self, gen: int, entry: tuple | None) -> Any:
-        """The token of *gen* in this process, made held once: its maker ``release()``s
+    def new_token(self, number: int, entry: tuple | None) -> Any:
+        """The token of *number* in this process, made held once: its maker ``release()``s
         that hold (or hands it to a ``Hold``). *entry*: a receiver's, its ledger entry
-        for *gen* (``hdr_hold`` counted it in the header), let go of when the token
+        for *number* (``hdr_hold`` counted it in the header), let go of when the token
         dies (``settle``)."""
-        token = _Gen(self, self.addr, self.size, gen, HEADER if gen else 0)
+        token = _Gen(self, self.addr, self.size, number, HEADER if number else 0)
         token.info = (entry, os.getpid())
-        self.token, self.gen = weakref.ref(token), gen
+        self.gen_ref, self.gen = weakref.ref(token), number
         return token
 
     def seal(self) -> None:
@@ -305,12 +305,12 @@ class Segment:
         if self.kind == "fd" and not self.deposited:
             _native.unindex(self.addr)
 
-    def live_token(self, gen: int) -> Any | None:
-        """The token of *gen*, if it still makes storages here (alive, or dead but not
+    def live_token(self, number: int) -> Any | None:
+        """The token of *number*, if it still makes storages here (alive, or dead but not
         yet settled: a new storage revives it)."""
-        ref = self.token
+        ref = self.gen_ref
         token = ref() if ref is not None else None
-        return token if token is not None and self.gen == gen and not token.ended else None
+        return token if token is not None and self.gen == number and not token.ended else None
 
     def fill(self, token: Any, offset: int, nbytes: int, source: torch.UntypedStorage | None, zero: bool = True) -> torch.UntypedStorage:
         """Write *source*'s bytes (or zeros, unless not *zero*) at *offset*; the storage

@@ -295,40 +295,40 @@ def share(storage: torch.UntypedStorage) -> tuple:
         place = _move_once(storage, key)
     else:
         _counters["storages_reused"] += 1
-    seg, gen, offset, nbytes = place
+    seg, number, offset, nbytes = place
     if seg.kind == "fs":
         tag_gen, tag = seg.tag
-        if tag_gen != gen:
-            tag = fs_tag(seg.directory, seg.key, gen)
-            seg.tag = (gen, tag)
-        template = ("fs", seg.directory, seg.key, gen, tag)
+        if tag_gen != number:
+            tag = fs_tag(seg.directory, seg.key, number)
+            seg.tag = (number, tag)
+        template = ("fs", seg.directory, seg.key, number, tag)
     else:
         if not out.program:
             out.program = _program_dir()
-        if not seg.deposited and not _deposit(seg, storage, gen):
+        if not seg.deposited and not _deposit(seg, storage, number):
             # A received memfd its broker let go of (its owner and every other sender
             # gone): what lies in it is shared anew, from this process's pool.
             seg.seal()
             return share(storage)
-        template = ("fd", out.program, seg.key, gen, 0)
+        template = ("fd", out.program, seg.key, number, 0)
     ticket = 0
-    if gen:
+    if number:
         try:
             ticket = _native.hdr_issue(seg.addr)
         except OSError:
             raise SharingError(_native.CUT_MESSAGE) from None  # nothing of this ref counted yet
-        token = seg.live_token(gen)
+        token = seg.live_token(number)
         if token is not None:
             token.acquire()  # alive: *storage* is one of its storages
             seg.index(token, template)  # _native.reduce sends from it from now on
         else:
             # A storage a forked child inherited (its generation retired at the fork,
             # never reused): a token of its own only carries the hold and the mapping.
-            token = _native.Gen(seg, seg.addr, seg.size, gen, HEADER)
+            token = _native.Gen(seg, seg.addr, seg.size, number, HEADER)
             token.info = (None, -1)  # nobody's to settle
         out.counted.append(token)
-    kind, directory, key, gen, tag = template
-    return (kind, directory, key, gen, offset, nbytes, tag, ticket)
+    kind, directory, key, number, tag = template
+    return (kind, directory, key, number, offset, nbytes, tag, ticket)
 
 
 def _deposit(seg: segments.Segment, storage: torch.UntypedStorage, gen: int) -> bool:
@@ -386,9 +386,9 @@ def _move_once(storage: torch.UntypedStorage, key: int) -> Place:
             if _torch.swap_memory is None:
                 return _moved_by_torch(storage, key, nbytes)
             ptr = storage.data_ptr()
-            seg, gen, offset, shared, token = _current_pool().place(nbytes, storage)
+            seg, number, offset, shared, token = _current_pool().place(nbytes, storage)
             if _native.move(storage, ptr, shared):
-                return _placed(storage, Place(seg, gen, offset, nbytes), token)
+                return _placed(storage, Place(seg, number, offset, nbytes), token)
             # Moved meanwhile, by _native.reduce in another thread (which takes no
             # stripe): where it lies now is found on the next turn, under this lock.
             del shared
@@ -463,8 +463,8 @@ def new_shared(nbytes: int) -> torch.UntypedStorage:
     """
     if nbytes <= 0:
         return torch.UntypedStorage(0)
-    seg, gen, offset, storage, token = _current_pool().place(nbytes, None, zero=False)
-    _placed(storage, Place(seg, gen, offset, nbytes), token)
+    seg, number, offset, storage, token = _current_pool().place(nbytes, None, zero=False)
+    _placed(storage, Place(seg, number, offset, nbytes), token)
     return storage
 
 
@@ -594,17 +594,17 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
     its storage exactly, the tensor itself, made by ``_native.rebuild`` once the
     generation is published here (its storage is the storage ``receive`` would
     return, and is cached as such). Counts the ref loaded."""
-    kind, directory, segkey, gen, offset, nbytes, tag, ticket = _checked(ref)
-    token = _held_token(kind, directory, segkey, gen)
+    kind, directory, segkey, number, offset, nbytes, tag, ticket = _checked(ref)
+    token = _held_token(kind, directory, segkey, number)
     if token is None:
         _faults.pause("load.token")
         with _tokens_lock:  # one token per (segment, generation) here: found again, or made
-            token = _held_token(kind, directory, segkey, gen)
+            token = _held_token(kind, directory, segkey, number)
             if token is None:
                 seg = _mapped_segment(kind, directory, segkey)
                 if seg is None:
-                    seg = _map(kind, directory, segkey, gen, tag)
-                token = _new_token(seg, kind, directory, segkey, gen, tag)
+                    seg = _map(kind, directory, segkey, number, tag)
+                token = _new_token(seg, kind, directory, segkey, number, tag)
     try:
         if meta is not None:
             # None where the storage was loaded here already (or the tensor is not
@@ -616,7 +616,7 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
         # This process's storage at offset, else a new one (the range checked first),
         # counted loaded once it exists: one routine for both paths (Gen.load).
         storage: torch.UntypedStorage = token.load(offset, nbytes, ticket)
-        if gen:
+        if number:
             _faults.point("load.counted")
     finally:
         token.release()  # the load's hold: from now on its storages hold it
@@ -636,10 +636,10 @@ def _mapped_segment(kind: str, directory: str, segkey: Any) -> segments.Segment 
     return None if seg is None or (kind == "fs" and seg.directory != directory) else seg
 
 
-def _held_token(kind: str, directory: str, segkey: Any, gen: int) -> Any | None:
-    """The live token of *gen* here, acquired for the caller, if there is one."""
+def _held_token(kind: str, directory: str, segkey: Any, number: int) -> Any | None:
+    """The live token of *number* here, acquired for the caller, if there is one."""
     seg = _mapped_segment(kind, directory, segkey)
-    token = seg.live_token(gen) if seg is not None else None
+    token = seg.live_token(number) if seg is not None else None
     return token if token is not None and token.acquire() else None
 
 
@@ -677,32 +677,32 @@ def _check_tag(directory: str, segkey: str, gen: int, tag: int) -> None:
         )
 
 
-def _new_token(seg: segments.Segment, kind: str, directory: str, segkey: Any, gen: int, tag: int) -> Any:
-    """A new token of *gen* in *seg*, held once for the caller to release. A pooled
+def _new_token(seg: segments.Segment, kind: str, directory: str, segkey: Any, number: int, tag: int) -> Any:
+    """A new token of *number* in *seg*, held once for the caller to release. A pooled
     generation is held first (counted in the header, then checked to be the one
     there: its owner never reuses the segment under this load), then written in this
     process's ledger (read by the broker if it dies)."""
-    if not gen:
+    if not number:
         token = seg.new_token(0, None)
     else:
         if kind == "fs":
-            _check_tag(directory, segkey, gen, tag)
+            _check_tag(directory, segkey, number, tag)
         # The ledger says "taking" before the header counts the hold, "held" after:
         # a process killed in between is retired, not guessed (protocol.py, "Lifetimes").
-        entry = broker.hold(directory, segkey, gen)
+        entry = broker.hold(directory, segkey, number)
         _faults.point("load.ledger")
         try:
-            held = _native.hdr_hold(seg.addr, gen)
+            held = _native.hdr_hold(seg.addr, number)
         except OSError:
             broker.let_go(entry)
             raise SharingError(_native.CUT_MESSAGE) from None
         if not held:
             broker.let_go(entry)
-            raise stale_message(f"segment {segkey!r} holds other data now (generation {gen:x} is over)")
+            raise stale_message(f"segment {segkey!r} holds other data now (generation {number:x} is over)")
         _faults.point("load.hold")
         broker.held(entry)
-        token = seg.new_token(gen, entry)
-        token.publish((kind, directory, segkey, gen, tag))  # _native.load / rebuild load through it from now on (the sender's template)
+        token = seg.new_token(number, entry)
+        token.publish((kind, directory, segkey, number, tag))  # _native.load / rebuild load through it from now on (the sender's template)
     if seg.pool is None:
         segments.keep(seg)
     if not _collector.started:

@@ -523,9 +523,9 @@ def test_a_segment_view_out_of_bounds_is_a_sharing_error(strategy: str) -> None:
     t.share_memory_()
     place = cache.place_of(t.untyped_storage())
     assert place is not None
-    seg, gen, offset, nbytes = place
-    assert gen and offset >= segments.HEADER and nbytes == 4000
-    token = seg.live_token(gen)
+    seg, number, offset, nbytes = place
+    assert number and offset >= segments.HEADER and nbytes == 4000
+    token = seg.live_token(number)
     assert token is not None
     view = token.storage(offset, nbytes)
     assert torch.equal(torch.frombuffer(bytearray(bytes(view)), dtype=torch.int32), t)
