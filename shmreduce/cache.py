@@ -12,11 +12,11 @@ its entry and segment go to ``take_dead_adopted`` (``transfer.collect`` drops th
 memfd at the broker: a stream of fresh tensors on a torch without the swap,
 ``_torch.path()``, would otherwise keep every one until the sender exits).
 
-Which storage lies at a place is not kept here: it is the identity map of each token
+Which storage lies at a place is not kept here: it is the identity map of each Gen
 (a generation in this process, ``Gen.stored`` / ``Gen.remember``, in C), so that
 views of one storage sent in one message or in several arrive over one storage (and
 a process loading its own ref gets its own storage back): offset -> a weak reference
-to the storage, never the storage, gone with the token when the generation's last
+to the storage, never the storage, gone with the Gen when the generation's last
 storage here dies, so nothing is ever swept entry by entry. The load paths
 (``Gen.load``, ``_native.rebuild``) and the senders (``transfer._placed``,
 ``_native.reduce``) read and fill it there. Fork-safe: the lock is replaced in the

@@ -10,14 +10,14 @@ classes per doubling).
 Generations. A segment is filled anew in *generations*. A generation is a number
 unique in the program, written into the segment's first ``HEADER`` bytes with its
 shared counters (refs sent, refs loaded, holders: ``broker/protocol.py``). In each
-process the storages of one generation are made by one *token*, a ``_native.Gen``:
-a storage over the mapping through DLPack, its range checked in C. The token counts
+process the storages of one generation are made by one *gen*, a ``_native.Gen``:
+a storage over the mapping through DLPack, its range checked in C. The Gen counts
 its live storages (and holds: the slab it is, a load in progress) natively; torch's
-deleter decrements the count when a storage dies, on any thread, and the token whose
+deleter decrements the count when a storage dies, on any thread, and the Gen whose
 count reaches zero is handed to ``settle`` (``_native.dead()``): "the last storage
-of generation G died here" is known exactly, without weak references. The token
-keeps its segment, and so the mapping. A token whose count reached zero is revived
-by a new storage until ``settle`` takes it. When a token dies:
+of generation G died here" is known exactly, without weak references. The Gen
+keeps its segment, and so the mapping. A Gen whose count reached zero is revived
+by a new storage until ``settle`` takes it. When a Gen dies:
 
 - in the owner: the generation is over here. The segment is free at once if nobody
   holds the generation elsewhere and every ref sent in it was loaded
@@ -27,7 +27,7 @@ by a new storage until ``settle`` takes it. When a token dies:
 - in a receiver: it lets go of the generation (its entry in this process's
   ledger, which the broker reads if it dies, cleared first, then the header's
   holders: no record). In a stream of messages in one slab, each dropped before
-  the next arrives, the next message's storage revives the token before it is
+  the next arrives, the next message's storage revives the Gen before it is
   settled: a slab's generation is held once, not once per message.
 
 A free segment is reused with its pages already in memory (no page fault per page,
@@ -67,7 +67,7 @@ deposited once no pool keeps it is a forward, which nobody drops: a received one
 or its owner's once its pool let go of it (``Segment.outside_its_pool``), which lasts
 while the owner holds it as a receiver (``settle``) and goes back to a new broker
 while its refs wait to be loaded. A deposit ends in ``Segment.undeposit``, which
-unindexes the segment's token with it: the C sender (``_native.reduce``) never sends
+unindexes the segment's gen with it: the C sender (``_native.reduce``) never sends
 from a descriptor its broker may have let go of.
 
 Memory bounds: a pool keeps at most ``POOL_BYTES`` of free segments (the
@@ -148,26 +148,26 @@ def class_size(nbytes: int) -> int:
     return -(-need // step) * step
 
 
-# -- tokens ------------------------------------------------------------------------
+# -- gens ------------------------------------------------------------------------
 
 
 class Hold:
-    """One count on a token held by Python, not by a storage (a thread's current
+    """One count on a Gen held by Python, not by a storage (a thread's current
     slab): let go of when the holder drops it, whatever the thread or the time (a
     thread's slab goes with its thread-local data)."""
 
-    __slots__ = ("seg", "token")
+    __slots__ = ("seg", "gen")
 
-    def __init__(self, seg: Segment, token: Any, take: bool = True) -> None:
-        """*take*: acquire a count now; else the maker's hold of a new token is handed over."""
-        self.seg, self.token = seg, None
-        if take and not token.acquire():
-            raise RuntimeError("a hold on a token that is over")
-        self.token = token
+    def __init__(self, seg: Segment, gen: Any, take: bool = True) -> None:
+        """*take*: acquire a count now; else the maker's hold of a new Gen is handed over."""
+        self.seg, self.gen = seg, None
+        if take and not gen.acquire():
+            raise RuntimeError("a hold on a Gen that is over")
+        self.gen = gen
 
     def __del__(self) -> None:
-        if self.token is not None:
-            self.token.release()
+        if self.gen is not None:
+            self.gen.release()
 
 
 def has_dead() -> bool:
@@ -182,15 +182,15 @@ def settle(dead: list[Any] | None = None) -> None:
     holds it elsewhere and every ref sent in it was loaded (``_native.hdr_end``),
     else it waits for that (``Pool.reap``). A receiver lets go of its hold: its
     ledger entry cleared, then the header's holders (``broker.client.let_go``).
-    *dead*: tokens taken from ``_native.dead()`` already."""
+    *dead*: gens taken from ``_native.dead()`` already."""
     pid = os.getpid()
-    for token in _native.dead() if dead is None else dead:
-        info: Any = token.info
+    for gen in _native.dead() if dead is None else dead:
+        info: Any = gen.info
         entry, owner = info
         if owner != pid:
-            continue  # a forked child's copy of its parent's token: not ours to tell
-        seg: Segment = token.owner  # type: ignore[assignment]
-        number = token.number
+            continue  # a forked child's copy of its parent's Gen: not ours to tell
+        seg: Segment = gen.owner  # type: ignore[assignment]
+        number = gen.number
         if entry is not None:
             # The ledger says "dropping" before the header counts this process out, and
             # is cleared after: a process killed in between is retired, not guessed.
@@ -228,7 +228,7 @@ _gen_count = 0
 _gen_lock = threading.Lock()
 
 
-def new_gen() -> int:
+def new_gen_number() -> int:
     global _gen_count
     with _gen_lock:
         _gen_count += 1
@@ -280,7 +280,7 @@ class Pool:
     ) -> tuple[Segment, int, int, torch.UntypedStorage, Any]:
         """Put *source*'s bytes (or zeros; unless *zero*, whatever this program left
         there) in a segment: (segment, generation, offset, the new storage there, the
-        generation's token)."""
+        generation's Gen)."""
         self.active = True
         if nbytes <= ARENA_ITEM_MAX:
             tier = _SLAB if nbytes <= SLAB_ITEM_MAX else _ARENA
@@ -290,9 +290,9 @@ class Pool:
                 # ``_native.reduce`` uses for the same slab. The pages are allocated
                 # already (a slab's when it is made, an arena's a chunk ahead: reserve),
                 # so a plain copy into the mapping cannot fault on a full memory limit.
-                seg, token = current.seg, current.token
+                seg, gen = current.seg, current.gen
                 try:
-                    fits: bool | None = tier is _SLAB or seg.reserve(token.cursor, nbytes, ARENA_CHUNK)
+                    fits: bool | None = tier is _SLAB or seg.reserve(gen.cursor, nbytes, ARENA_CHUNK)
                 except OutOfSharedMemory:
                     fits = None  # handled below, outside this handler: one exception if _own fails too
                 if fits is None:
@@ -303,7 +303,7 @@ class Pool:
                     return self._own(nbytes, source, zero)
                 if fits:
                     try:
-                        put = token.put(nbytes, source, zero)
+                        put = gen.put(nbytes, source, zero)
                     except OSError as exc:
                         if not segments.cut(exc):
                             raise
@@ -311,7 +311,7 @@ class Pool:
                         self.drop_current(tier)
                         return self.place(nbytes, source, zero)
                     if put is not None:
-                        return seg, seg.gen, put[0], put[1], token
+                        return seg, seg.gen, put[0], put[1], gen
             try:
                 self._new_current(tier)
                 made = True
@@ -328,17 +328,17 @@ class Pool:
         """*source*'s bytes in a segment of its own (its size class)."""
         seg = self.take(class_size(nbytes))
         offset = HEADER
-        token = self._twice(lambda last: self._begin(seg, retry=not last))
+        gen = self._twice(lambda last: self._begin(seg, retry=not last))
         try:
-            storage = self._twice(lambda last: seg.fill(token, offset, nbytes, source, zero))
+            storage = self._twice(lambda last: seg.fill(gen, offset, nbytes, source, zero))
         except OSError as exc:
             if not segments.cut(exc):
                 raise
-            seg.lose()  # cut by another process under this copy: its generation ends with the token
+            seg.lose()  # cut by another process under this copy: its generation ends with the Gen
             return self._own(nbytes, source, zero)
         finally:
-            token.release()  # the maker's hold: failing, the token's death gives the segment back (settle)
-        return seg, seg.gen, offset, storage, token
+            gen.release()  # the maker's hold: failing, the Gen's death gives the segment back (settle)
+        return seg, seg.gen, offset, storage, gen
 
     def _twice(self, attempt: Callable[[bool], _T]) -> _T:
         """``attempt(False)``; on a full mount (which may be full of segments nobody
@@ -352,18 +352,18 @@ class Pool:
         return attempt(True)
 
     def _begin(self, seg: Segment, retry: bool) -> Any:
-        """*seg*'s new generation's token. A segment whose header cannot be written
-        has no token to give it back when it dies: it leaves the pool, unless a full
+        """*seg*'s new generation's Gen. A segment whose header cannot be written
+        has no Gen to give it back when it dies: it leaves the pool, unless a full
         mount is to be tried once more (*retry*)."""
         try:
-            return seg.begin(new_gen())
+            return seg.begin(new_gen_number())
         except SharingError as exc:
             if not (retry and isinstance(exc, OutOfSharedMemory)):
                 self.closed(seg)
             raise
 
     def _new_current(self, tier: _Tier) -> None:
-        """This thread's next slab or arena: the thread keeps its token, so a
+        """This thread's next slab or arena: the thread keeps its Gen, so a
         generation spans many messages and ends only once the segment is full (and
         every storage in it is gone). A slab's pages are allocated at once, an arena's
         as it fills (``Segment.reserve``)."""
@@ -375,7 +375,7 @@ class Pool:
         hold = Hold(seg, self._begin(seg, retry=False), take=False)
         self.local.__dict__[tier.name] = hold
         if tier is _SLAB:
-            _native.set_slab(self.kind == "fs", hold.token)  # reduce() fills it too, once indexed
+            _native.set_slab(self.kind == "fs", hold.gen)  # reduce() fills it too, once indexed
 
     def take(self, size: int) -> Segment:
         """A free segment of *size*, else a new one."""
@@ -562,7 +562,7 @@ class Pool:
     def owned(self) -> list[Segment]:
         """Every segment of this pool this process still has: in use, free,
         waiting until its generation is free, or leaving once its refs are loaded."""
-        found = {id(seg): seg for seg in segments.mapped_now() if seg.pool is self and seg.live_token(seg.gen) is not None}
+        found = {id(seg): seg for seg in segments.mapped_now() if seg.pool is self and seg.live_gen(seg.gen) is not None}
         with self.lock:
             for segs in self.free.values():
                 found.update((id(seg), seg) for seg in segs)

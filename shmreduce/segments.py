@@ -71,8 +71,8 @@ def _after_fork_in_child() -> None:
     live.clear()  # nor theirs to load through: what this process keeps, it holds itself
     _native.unindex_all()  # nor to send from without depositing them itself
     for seg in mapped_now():
-        # Never revive a token of the parent's here: what this process keeps, it claims
-        # itself (a new token), or its owner could reuse memory this process reads.
+        # Never revive a Gen of the parent's here: what this process keeps, it claims
+        # itself (a new Gen), or its owner could reuse memory this process reads.
         seg.gen_ref = None
         seg.deposited = False  # the parent's deposit, not ours
 
@@ -176,10 +176,10 @@ def refuse_foreign_file(storage: torch.UntypedStorage) -> None:
 # -- the segments mapped in this process ---------------------------------------
 
 _Gen = _native.Gen
-# A receiver's live tokens by their refs' template (kind, directory, segment,
+# A receiver's live Gens by their refs' template (kind, directory, segment,
 # generation, tag: the sender's Gen's own tuple), published once held
 # (``Gen.publish``): ``_native.load`` / ``rebuild`` load through them in one C call;
-# ``_native.dead()`` takes a token out as it ends.
+# ``_native.dead()`` takes a Gen out as it ends.
 live: dict[tuple, Any] = {}
 # DLPack's dtype (code, bits, lanes) and the itemsize of each torch dtype it carries
 # (``reductions`` fills it on first use).
@@ -187,7 +187,7 @@ dtypes: dict[torch.dtype, tuple[int, int, int, int]] = {}
 _native.init(_torch.from_dlpack, SharingError, dtypes, live, _torch.swap_memory, _torch.dlpack_versioned())
 
 # Every segment mapped in this process, by (kind, key): a memfd by its inode, a file
-# by its name. Weak: a segment is kept by its live tokens, its pool, the kept list.
+# by its name. Weak: a segment is kept by its live Gens, its pool, the kept list.
 _mapped: weakref.WeakValueDictionary[tuple, Segment] = weakref.WeakValueDictionary()
 _kept: OrderedDict[tuple, Segment] = OrderedDict()
 _kept_lock = threading.Lock()  # a leaf: loader threads keep and look up at once
@@ -225,7 +225,7 @@ class Segment:
         self.kind, self.key, self.directory = kind, key, directory  # directory: fs only
         self.fd, self.addr, self.size = fd, addr, size
         self.pid = os.getpid()
-        self.gen = 0  # the generation whose token lives here (or is being filled)
+        self.gen = 0  # the generation whose Gen lives here (or is being filled)
         self.gen_ref: weakref.ref | None = None
         self.pool: Pool | None = None  # the pool that made it, in its owner only, until it leaves (Pool.closed)
         self.deposited = False  # a memfd: its descriptor is at this process's broker (undeposit)
@@ -250,32 +250,32 @@ class Segment:
         return int(_U64.from_address(self.addr).value)
 
     def begin(self, number: int) -> Any:
-        """Start generation *number* (owner): header written, a new token, empty."""
+        """Start generation *number* (owner): header written, a new Gen, empty."""
         assert self.fd is not None
         try:
             os.pwrite(self.fd, number.to_bytes(8, "little"), 0)  # allocates the page if need be
         except OSError as exc:
             raise self._write_error(exc, self.size, "writing a segment header") from exc
         self.filled = max(self.filled, HEADER)  # its first page is allocated now
-        return self.new_token(number, None)
+        return self.new_gen(number, None)
 
-    def new_token(self, number: int, entry: tuple | None) -> Any:
-        """The token of *number* in this process, made held once: its maker ``release()``s
+    def new_gen(self, number: int, entry: tuple | None) -> Any:
+        """The Gen of *number* in this process, made held once: its maker ``release()``s
         that hold (or hands it to a ``Hold``). *entry*: a receiver's, its ledger entry
-        for *number* (``hdr_hold`` counted it in the header), let go of when the token
+        for *number* (``hdr_hold`` counted it in the header), let go of when the Gen
         dies (``settle``)."""
-        token = _Gen(self, self.addr, self.size, number, HEADER if number else 0)
-        token.info = (entry, os.getpid())
-        self.gen_ref, self.gen = weakref.ref(token), number
-        return token
+        gen = _Gen(self, self.addr, self.size, number, HEADER if number else 0)
+        gen.info = (entry, os.getpid())
+        self.gen_ref, self.gen = weakref.ref(gen), number
+        return gen
 
     def seal(self) -> None:
         """Fill it no further, nor send from it: its file went with a broker that died,
         or its memfd with the broker it was deposited at (a storage in it is shared anew)."""
         self.sealed = True
-        token = self.live_token(self.gen)
-        if token is not None:
-            token.seal()  # a slab: nothing more is placed in it
+        gen = self.live_gen(self.gen)
+        if gen is not None:
+            gen.seal()  # a slab: nothing more is placed in it
 
     def lose(self) -> None:
         """Its file was cut by another process (``cut``): never filled, reused or sent
@@ -297,22 +297,22 @@ class Segment:
         it is a forward, which lasts while it holds it."""
         return self.pool is None and self.fd is not None and self.gen != 0 and self.pid == os.getpid()
 
-    def index(self, token: Any, template: tuple) -> None:
-        """``_native.reduce`` sends storages of *token* from now on, with refs of
+    def index(self, gen: Any, template: tuple) -> None:
+        """``_native.reduce`` sends storages of *gen* from now on, with refs of
         *template*, while what the caller checked holds: a memfd deposited (another
         thread may let go of the deposit meanwhile: then it is not indexed)."""
-        token.index(template)
+        gen.index(template)
         if self.kind == "fd" and not self.deposited:
             _native.unindex(self.addr)
 
-    def live_token(self, number: int) -> Any | None:
-        """The token of *number*, if it still makes storages here (alive, or dead but not
+    def live_gen(self, number: int) -> Any | None:
+        """The Gen of *number*, if it still makes storages here (alive, or dead but not
         yet settled: a new storage revives it)."""
         ref = self.gen_ref
-        token = ref() if ref is not None else None
-        return token if token is not None and self.gen == number and not token.ended else None
+        gen = ref() if ref is not None else None
+        return gen if gen is not None and self.gen == number and not gen.ended else None
 
-    def fill(self, token: Any, offset: int, nbytes: int, source: torch.UntypedStorage | None, zero: bool = True) -> torch.UntypedStorage:
+    def fill(self, gen: Any, offset: int, nbytes: int, source: torch.UntypedStorage | None, zero: bool = True) -> torch.UntypedStorage:
         """Write *source*'s bytes (or zeros, unless not *zero*) at *offset*; the storage
         there. Not *zero*: pages written before keep this program's old bytes.
 
@@ -325,8 +325,8 @@ class Segment:
         end = offset + nbytes
         if end <= self.filled:
             if source is None and not zero:
-                return token.storage(offset, nbytes)
-            return token.place(offset, nbytes, source)  # its address read at the copy, in C
+                return gen.storage(offset, nbytes)
+            return gen.place(offset, nbytes, source)  # its address read at the copy, in C
         written = self.filled  # zeros: what an earlier generation wrote there is cleared
         try:
             fill(self.fd, nbytes, source, offset)
@@ -335,11 +335,11 @@ class Segment:
         if offset <= self.filled:
             self.filled = end
         if source is None and zero and written > offset:
-            token.place(offset, written - offset, None)  # the storage it returns goes at once
-        return token.storage(offset, nbytes)
+            gen.place(offset, written - offset, None)  # the storage it returns goes at once
+        return gen.storage(offset, nbytes)
 
     def reserve(self, cursor: int, nbytes: int, ahead: int) -> bool:
-        """Allocate the pages a storage of *nbytes* placed after *cursor* (a token's)
+        """Allocate the pages a storage of *nbytes* placed after *cursor* (a Gen's)
         would take, *ahead* bytes ahead; False if it does not fit (a new arena is due)."""
         end = -(-cursor // ALIGN) * ALIGN + nbytes
         if end > self.size:
@@ -497,8 +497,8 @@ def _in_use() -> list[Segment]:
     """The segments with a storage (or a hold) alive here now."""
     in_use = []
     for seg in mapped_now():
-        token = seg.live_token(seg.gen)
-        if token is not None and token.live:
+        gen = seg.live_gen(seg.gen)
+        if gen is not None and gen.live:
             in_use.append(seg)
     return in_use
 

@@ -20,7 +20,7 @@ either side, and neither does a generation.
 These are the general path. A plain CPU tensor is sent and loaded in one C call
 (``_native.reduce`` / ``_native.rebuild``) wherever its generation is indexed /
 published: ``share`` indexes each generation it sends from (its memfd deposited,
-its file's tag computed) and ``_new_token`` publishes each it holds as a receiver.
+its file's tag computed) and ``_new_gen`` publishes each it holds as a receiver.
 
 Inside a ``sending()`` scope (``registry``'s ``ForkingPickler.dumps``,
 ``shmreduce.dumps``) a message's refs are counted sent when the scope closes
@@ -34,13 +34,13 @@ earlier one):
 1. ``_stripes[i]``: one storage's move into shared memory (read its address, copy,
    swap), by the Python path; the C path (``_native.reduce``) reads the address at
    its copy and swaps only if the storage is still where it was read.
-2. ``_tokens_lock``: finding or making the token of a generation this process loads.
+2. ``_gens_lock``: finding or making the Gen of a generation this process loads.
 3. ``_releases_lock``: ``pool.settle`` (what died is let go of, one thread at a time).
 4. the broker client's lock (``broker.client``): its requests and posts, and the
    ``on_connect`` hooks it runs after a reconnection.
 5. ``Pool.lock``: a leaf (``pool``).
 
-A sending scope holds the token of each ref it pickles until its refs are counted
+A sending scope holds the Gen of each ref it pickles until its refs are counted
 sent (``_Outgoing``): its generation cannot end under a ref in flight.
 """
 
@@ -232,7 +232,7 @@ _local = threading.local()
 
 
 class _Outgoing:
-    """The message a ``sending()`` scope is pickling: the token of each of its refs,
+    """The message a ``sending()`` scope is pickling: the Gen of each of its refs,
     held once per ref until the scope closes and counts it sent (a storage made while
     pickling, which only the pickler's memo keeps, cannot die, and its generation end,
     before its ref is counted), and whether its broker was checked live."""
@@ -317,16 +317,16 @@ def share(storage: torch.UntypedStorage) -> tuple:
             ticket = _native.hdr_issue(seg.addr)
         except OSError:
             raise SharingError(_native.CUT_MESSAGE) from None  # nothing of this ref counted yet
-        token = seg.live_token(number)
-        if token is not None:
-            token.acquire()  # alive: *storage* is one of its storages
-            seg.index(token, template)  # _native.reduce sends from it from now on
+        gen = seg.live_gen(number)
+        if gen is not None:
+            gen.acquire()  # alive: *storage* is one of its storages
+            seg.index(gen, template)  # _native.reduce sends from it from now on
         else:
             # A storage a forked child inherited (its generation retired at the fork,
-            # never reused): a token of its own only carries the hold and the mapping.
-            token = _native.Gen(seg, seg.addr, seg.size, number, HEADER)
-            token.info = (None, -1)  # nobody's to settle
-        out.counted.append(token)
+            # never reused): a Gen of its own only carries the hold and the mapping.
+            gen = _native.Gen(seg, seg.addr, seg.size, number, HEADER)
+            gen.info = (None, -1)  # nobody's to settle
+        out.counted.append(gen)
     kind, directory, key, number, tag = template
     return (kind, directory, key, number, offset, nbytes, tag, ticket)
 
@@ -386,9 +386,9 @@ def _move_once(storage: torch.UntypedStorage, key: int) -> Place:
             if _torch.swap_memory is None:
                 return _moved_by_torch(storage, key, nbytes)
             ptr = storage.data_ptr()
-            seg, number, offset, shared, token = _current_pool().place(nbytes, storage)
+            seg, number, offset, shared, gen = _current_pool().place(nbytes, storage)
             if _native.move(storage, ptr, shared):
-                return _placed(storage, Place(seg, number, offset, nbytes), token)
+                return _placed(storage, Place(seg, number, offset, nbytes), gen)
             # Moved meanwhile, by _native.reduce in another thread (which takes no
             # stripe): where it lies now is found on the next turn, under this lock.
             del shared
@@ -431,10 +431,10 @@ def _adopt(storage: torch.UntypedStorage, key: int, nbytes: int) -> Place | None
     return place
 
 
-def _placed(storage: torch.UntypedStorage, place: Place, token: Any) -> Place:
+def _placed(storage: torch.UntypedStorage, place: Place, gen: Any) -> Place:
     """*storage* lies in *place* now (found there by its address from now on; and
     what a ref to it loads here, as torch gives a process its own storage back)."""
-    token.remember(place.offset, storage)
+    gen.remember(place.offset, storage)
     _counters["storages_shared"] += 1
     _counters["bytes_shared"] += place.nbytes
     if not _collector.started:
@@ -463,8 +463,8 @@ def new_shared(nbytes: int) -> torch.UntypedStorage:
     """
     if nbytes <= 0:
         return torch.UntypedStorage(0)
-    seg, number, offset, storage, token = _current_pool().place(nbytes, None, zero=False)
-    _placed(storage, Place(seg, number, offset, nbytes), token)
+    seg, number, offset, storage, gen = _current_pool().place(nbytes, None, zero=False)
+    _placed(storage, Place(seg, number, offset, nbytes), gen)
     return storage
 
 
@@ -595,16 +595,16 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
     generation is published here (its storage is the storage ``receive`` would
     return, and is cached as such). Counts the ref loaded."""
     kind, directory, segkey, number, offset, nbytes, tag, ticket = _checked(ref)
-    token = _held_token(kind, directory, segkey, number)
-    if token is None:
-        _faults.pause("load.token")
-        with _tokens_lock:  # one token per (segment, generation) here: found again, or made
-            token = _held_token(kind, directory, segkey, number)
-            if token is None:
+    gen = _held_gen(kind, directory, segkey, number)
+    if gen is None:
+        _faults.pause("load.gen")
+        with _gens_lock:  # one Gen per (segment, generation) here: found again, or made
+            gen = _held_gen(kind, directory, segkey, number)
+            if gen is None:
                 seg = _mapped_segment(kind, directory, segkey)
                 if seg is None:
                     seg = _map(kind, directory, segkey, number, tag)
-                token = _new_token(seg, kind, directory, segkey, number, tag)
+                gen = _new_gen(seg, kind, directory, segkey, number, tag)
     try:
         if meta is not None:
             # None where the storage was loaded here already (or the tensor is not
@@ -615,20 +615,20 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
                 return tensor
         # This process's storage at offset, else a new one (the range checked first),
         # counted loaded once it exists: one routine for both paths (Gen.load).
-        storage: torch.UntypedStorage = token.load(offset, nbytes, ticket)
+        storage: torch.UntypedStorage = gen.load(offset, nbytes, ticket)
         if number:
             _faults.point("load.counted")
     finally:
-        token.release()  # the load's hold: from now on its storages hold it
+        gen.release()  # the load's hold: from now on its storages hold it
     return storage
 
 
-# Finding or making the token of a generation here is one step per (segment,
+# Finding or making the Gen of a generation here is one step per (segment,
 # generation): two threads loading its first storage at once would otherwise map it
-# twice, hold it twice, and leave one token the segment does not know (a fork then
+# twice, hold it twice, and leave one Gen the segment does not know (a fork then
 # retires the other only, and the child's copy of the first is overwritten). Taken
 # before the broker client's lock (a first load fetches a memfd), never under it.
-_tokens_lock = threading.RLock()
+_gens_lock = threading.RLock()
 
 
 def _mapped_segment(kind: str, directory: str, segkey: Any) -> segments.Segment | None:
@@ -636,11 +636,11 @@ def _mapped_segment(kind: str, directory: str, segkey: Any) -> segments.Segment 
     return None if seg is None or (kind == "fs" and seg.directory != directory) else seg
 
 
-def _held_token(kind: str, directory: str, segkey: Any, number: int) -> Any | None:
-    """The live token of *number* here, acquired for the caller, if there is one."""
+def _held_gen(kind: str, directory: str, segkey: Any, number: int) -> Any | None:
+    """The live Gen of *number* here, acquired for the caller, if there is one."""
     seg = _mapped_segment(kind, directory, segkey)
-    token = seg.live_token(number) if seg is not None else None
-    return token if token is not None and token.acquire() else None
+    gen = seg.live_gen(number) if seg is not None else None
+    return gen if gen is not None and gen.acquire() else None
 
 
 def _map(kind: str, directory: str, segkey: Any, gen: int, tag: int) -> segments.Segment:
@@ -677,13 +677,13 @@ def _check_tag(directory: str, segkey: str, gen: int, tag: int) -> None:
         )
 
 
-def _new_token(seg: segments.Segment, kind: str, directory: str, segkey: Any, number: int, tag: int) -> Any:
-    """A new token of *number* in *seg*, held once for the caller to release. A pooled
+def _new_gen(seg: segments.Segment, kind: str, directory: str, segkey: Any, number: int, tag: int) -> Any:
+    """A new Gen of *number* in *seg*, held once for the caller to release. A pooled
     generation is held first (counted in the header, then checked to be the one
     there: its owner never reuses the segment under this load), then written in this
     process's ledger (read by the broker if it dies)."""
     if not number:
-        token = seg.new_token(0, None)
+        gen = seg.new_gen(0, None)
     else:
         if kind == "fs":
             _check_tag(directory, segkey, number, tag)
@@ -701,13 +701,13 @@ def _new_token(seg: segments.Segment, kind: str, directory: str, segkey: Any, nu
             raise stale_message(f"segment {segkey!r} holds other data now (generation {number:x} is over)")
         _faults.point("load.hold")
         broker.held(entry)
-        token = seg.new_token(number, entry)
-        token.publish((kind, directory, segkey, number, tag))  # _native.load / rebuild load through it from now on (the sender's template)
+        gen = seg.new_gen(number, entry)
+        gen.publish((kind, directory, segkey, number, tag))  # _native.load / rebuild load through it from now on (the sender's template)
     if seg.pool is None:
         segments.keep(seg)
     if not _collector.started:
         _collector.ensure()  # what this process holds is let go of without further loads
-    return token
+    return gen
 
 
 def _checked(ref: Any) -> tuple:
@@ -779,10 +779,10 @@ def _before_fork() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _stripes, _releases_lock, _tokens_lock
+    global _stripes, _releases_lock, _gens_lock
     _stripes = [threading.Lock() for _ in range(_STRIPES)]  # a parent's thread may have held one
     _releases_lock = threading.Lock()
-    _tokens_lock = threading.RLock()
+    _gens_lock = threading.RLock()
     _names.names.clear()  # the parent's holds, not ours
     _collector.started = False  # its thread did not come along
     _fd_pool.reset_after_fork()

@@ -1,5 +1,5 @@
 """Where a storage lies (shmreduce/cache.py): found by its address inside a mapped
-segment, with no record per storage; a receiver's identity map per generation token,
+segment, with no record per storage; a receiver's identity map per generation gen,
 holding no strong reference; torch's own shared storages remembered apart."""
 
 from __future__ import annotations
@@ -58,12 +58,12 @@ def test_received_storages_are_one_per_place_and_held_weakly(strategy: str) -> N
     assert again[0].untyped_storage()._cdata == a.untyped_storage()._cdata
     place = cache.place_of(a.untyped_storage())
     assert place is not None
-    token = place.segment.live_token(place.gen)
-    assert token is not None and token.stored(place.offset) is not None
+    gen = place.segment.live_gen(place.gen)
+    assert gen is not None and gen.stored(place.offset) is not None
     assert a.untyped_storage()._cdata == t.untyped_storage()._cdata, "its own storage, loaded here"
     del a, b, s, again, t
     gc.collect()
-    assert token.stored(place.offset) is None, "the map keeps no storage alive"
+    assert gen.stored(place.offset) is None, "the map keeps no storage alive"
 
 
 def test_torch_shared_storages_are_remembered_weakly() -> None:

@@ -37,10 +37,10 @@ SIZE = LOW + (1 << 16)
 
 
 class _Owner:
-    """Stands in for a Segment: the token keeps it (and so the mapping)."""
+    """Stands in for a Segment: the Gen keeps it (and so the mapping)."""
 
 
-_MINE = (None, -1)  # a token's info: nothing kept, no process's (pool.settle skips it)
+_MINE = (None, -1)  # a Gen's info: nothing kept, no process's (pool.settle skips it)
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ def memory() -> Iterator[tuple[mmap.mmap, int]]:
 
 
 def _drain() -> list[Any]:
-    """What dead() reports of this test's tokens; the pool's own go back to settle."""
+    """What dead() reports of this test's gens; the pool's own go back to settle."""
     mine: list[Any] = []
     others: list[Any] = []
     for gen in _native.dead():
@@ -199,7 +199,7 @@ def test_storages_dying_on_other_threads_are_counted_exactly(memory, importer) -
     assert _drain() == [gen]
 
 
-def test_a_token_keeps_its_owner_while_a_storage_lives(memory) -> None:
+def test_a_gen_keeps_its_owner_while_a_storage_lives(memory) -> None:
     _, addr = memory
     gen = _gen(addr)
     owner = gen.owner
@@ -207,7 +207,7 @@ def test_a_token_keeps_its_owner_while_a_storage_lives(memory) -> None:
     gen.release()
     del gen
     gc.collect()
-    assert s.nbytes() == 64  # the token lives on, through its storage, with its owner
+    assert s.nbytes() == 64  # the Gen lives on, through its storage, with its owner
     del s
     (reported,) = _drain()
     assert reported.owner is owner

@@ -190,7 +190,7 @@ def test_free_within_about_a_second_without_further_sends(strategy: str) -> None
 def test_a_slab_comes_back_after_a_receiver_that_dropped_each_message(strategy: str) -> None:
     # Small tensors of several messages in one slab, each dropped by the receiver
     # before the next arrives (the next message's storages revive the receiver's
-    # token of the slab's generation, or make a new one). Once nothing more comes,
+    # gen of the slab's generation, or make a new one). Once nothing more comes,
     # the collector threads let go of it: the slab is free again within about a
     # second, with nothing else sent.
     _connected()
@@ -525,9 +525,9 @@ def test_a_segment_view_out_of_bounds_is_a_sharing_error(strategy: str) -> None:
     assert place is not None
     seg, number, offset, nbytes = place
     assert number and offset >= segments.HEADER and nbytes == 4000
-    token = seg.live_token(number)
-    assert token is not None
-    view = token.storage(offset, nbytes)
+    gen = seg.live_gen(number)
+    assert gen is not None
+    view = gen.storage(offset, nbytes)
     assert torch.equal(torch.frombuffer(bytearray(bytes(view)), dtype=torch.int32), t)
     for bad_offset, bad_nbytes in [
         (seg.size - 8, 16),
@@ -541,13 +541,13 @@ def test_a_segment_view_out_of_bounds_is_a_sharing_error(strategy: str) -> None:
         (1 << 62, 1 << 62),
     ]:
         with pytest.raises(shmreduce.SharingError, match="out of bounds"):
-            token.storage(bad_offset, bad_nbytes)
-    inner = token.storage(offset + 4, 8)  # any offset a storage can lie at (SPEC 2): the bounds are what counts
+            gen.storage(bad_offset, bad_nbytes)
+    inner = gen.storage(offset + 4, 8)  # any offset a storage can lie at (SPEC 2): the bounds are what counts
     assert bytes(inner) == t[1:3].numpy().tobytes()
     for bad in [(1 << 64, 8), (offset, 1 << 64), ("64", 8), (offset, 8.0)]:
         with pytest.raises(shmreduce.SharingError):
-            token.storage(*bad)
-    assert token.storage(seg.size - 64, 64).nbytes() == 64  # the last bytes are fine
+            gen.storage(*bad)
+    assert gen.storage(seg.size - 64, 64).nbytes() == 64  # the last bytes are fine
 
 
 def test_opening_a_missing_segment_file_is_a_sharing_error() -> None:
