@@ -59,10 +59,10 @@ taken before it (a reconnection's hook reads this pool under the client's lock);
 ``transfer`` writes the whole order.
 
 States. Whether a segment is its pool's is ``Segment.pool`` (the pool in its
-owner, until ``Pool.closed``, the one way out: in use, free, waiting, or *leaving*,
+owner, until ``Pool.leave``, the one way out: in use, free, waiting, or *leaving*,
 retired with refs in flight, kept until they are loaded). Every path asks it: a memfd
 deposited while its pool keeps it is the pool's (the broker counts it a user, dropped
-at ``closed``, and a broker restart gets it back, ``transfer._bring_back``); one
+at ``leave``, and a broker restart gets it back, ``transfer._bring_back``); one
 deposited once no pool keeps it is a forward, which nobody drops: a received one's,
 or its owner's once its pool let go of it (``Segment.outside_its_pool``), which lasts
 while the owner holds it as a receiver (``settle``) and goes back to a new broker
@@ -116,7 +116,7 @@ ARENA_CHUNK = 1 << 20
 ARENA_MOUNT_SHARE = 8
 POOL_BYTES = int(os.environ.get("SHMREDUCE_POOL_BYTES", str(1 << 30)))
 POOL_IDLE = float(os.environ.get("SHMREDUCE_POOL_IDLE", "10"))
-REAP_PER_TAKE = 8  # waiting segments a take() looks at (Pool.reap): its cost, however much is kept
+REAP_PER_TAKE = 8  # waiting segments a take() looks at (Pool.reap_waiting): its cost, however much is kept
 # A pool keeps at most IDLE_SEGMENTS segments free and as many waiting (their
 # generation over here, held elsewhere or with refs in flight): each keeps a
 # descriptor here and, under file_descriptor, one at the broker. Past that, the
@@ -180,7 +180,7 @@ def settle(dead: list[Any] | None = None) -> None:
 
     In its owner the generation is over here: its segment is free at once if nobody
     holds it elsewhere and every ref sent in it was loaded (``_native.hdr_end``),
-    else it waits for that (``Pool.reap``). A receiver lets go of its hold: its
+    else it waits for that (``Pool.reap_waiting``). A receiver lets go of its hold: its
     ledger entry cleared, then the header's holders (``broker.client.let_go``).
     *dead*: gens taken from ``_native.dead()`` already."""
     pid = os.getpid()
@@ -211,9 +211,9 @@ def settle(dead: list[Any] | None = None) -> None:
         if pool is None or seg.gen != number:
             continue
         if seg.retired or not pool.active:
-            pool.closed(seg)  # never reused: what is in flight in it stays readable (the broker)
-        elif not pool.end(seg, number):
-            pool.wait(seg, number)  # held elsewhere, or refs to it in flight
+            pool.leave(seg)  # never reused: what is in flight in it stays readable (the broker)
+        elif not pool.end_generation(seg, number):
+            pool.add_waiting(seg, number)  # held elsewhere, or refs to it in flight
 
 
 # -- generations -------------------------------------------------------------------
@@ -247,7 +247,7 @@ class Pool:
     def __init__(self) -> None:
         self.free: dict[int, list[Segment]] = {}
         # segment key -> (the segment, its generation that is over here, not yet free):
-        # the generation its caller saw goes with it to every transition (``end``).
+        # the generation its caller saw goes with it to every transition (``end_generation``).
         self.waiting: dict[int | str, tuple[Segment, int]] = {}
         # Retired past IDLE_SEGMENTS waiting with refs in flight: kept (its descriptor, its
         # deposit or hold) until every ref sent in it is loaded, so that a broker
@@ -256,7 +256,7 @@ class Pool:
         self.free_bytes = 0
         self.made = 0  # segments made, for stats
         self.reused = 0
-        self.active = True  # until let_go() (unregister()), and again from the next place(): free segments are kept
+        self.active = True  # until deactivate() (unregister()), and again from the next place(): free segments are kept
         self.lock = threading.Lock()
         self.local = threading.local()
 
@@ -359,7 +359,7 @@ class Pool:
             return seg.begin(new_gen_number())
         except SharingError as exc:
             if not (retry and isinstance(exc, OutOfSharedMemory)):
-                self.closed(seg)
+                self.leave(seg)
             raise
 
     def _new_current(self, tier: _Tier) -> None:
@@ -381,7 +381,7 @@ class Pool:
         """A free segment of *size*, else a new one."""
         free = self.free.get(size)
         if not free and self.waiting:
-            self.reap(most=REAP_PER_TAKE)
+            self.reap_waiting(most=REAP_PER_TAKE)
             free = self.free.get(size)
         if free:
             with self.lock:
@@ -391,7 +391,7 @@ class Pool:
             if seg is not None:
                 if seg.kind == "fs" and seg.fd is not None and os.fstat(seg.fd).st_size < seg.size:
                     seg.lose()  # cut by another process while free
-                    self.closed(seg)
+                    self.leave(seg)
                     return self.take(size)
                 self.reused += 1
                 return seg
@@ -400,7 +400,7 @@ class Pool:
         self.made += 1
         return seg
 
-    def reap(self, most: int | None = None) -> None:
+    def reap_waiting(self, most: int | None = None) -> None:
         """Give back the waiting segments that are free now (nobody holds their
         generation and every ref sent in it was loaded: their headers say), close
         those retired meanwhile. *most*: look at that many only, the longest waiting
@@ -409,7 +409,7 @@ class Pool:
         looked at in turn (the collector looks at all of them, every PURGE_EVERY)."""
         # Each entry carries the generation it waits for: another thread may end it,
         # give the segment back and begin the next one before this loop reaches it,
-        # and ``end`` then does nothing. Taken under the lock, which nothing this
+        # and ``end_generation`` then does nothing. Taken under the lock, which nothing this
         # thread could run meanwhile takes (deleters and finalizers never do).
         with self.lock:
             if most is None:
@@ -418,7 +418,7 @@ class Pool:
                 pairs = list(itertools.islice(self.waiting.values(), most))
         for seg, gen in pairs:
             _faults.pause("reap.end")
-            if not self.end(seg, gen, waited=True) and most is not None:
+            if not self.end_generation(seg, gen, waited=True) and most is not None:
                 with self.lock:
                     if self.waiting.get(seg.key) == (seg, gen):
                         del self.waiting[seg.key]
@@ -430,9 +430,9 @@ class Pool:
             with self.lock:
                 taken = [seg for seg in loaded if self.leaving.pop(seg.key, (None, 0))[0] is seg]
             for seg in taken:  # loaded, not free: its holders keep reading it, so closed, not discarded
-                self.closed(seg)
+                self.leave(seg)
 
-    def wait(self, seg: Segment, gen: int) -> None:
+    def add_waiting(self, seg: Segment, gen: int) -> None:
         """*seg*'s generation *gen* is over here but not free: reaped later. Past
         IDLE_SEGMENTS waiting, the longest waiting leave the pool, never reused."""
         with self.lock:
@@ -449,9 +449,9 @@ class Pool:
                 with self.lock:
                     self.leaving[old.key] = (old, old_gen)  # closed once its refs are loaded (reap)
             else:
-                self.closed(old)  # kept by the broker while a process holds its generation
+                self.leave(old)  # kept by the broker while a process holds its generation
 
-    def end(self, seg: Segment, gen: int, waited: bool = False) -> bool:
+    def end_generation(self, seg: Segment, gen: int, waited: bool = False) -> bool:
         """*seg*'s generation *gen* is over in its owner: given back if free (nobody
         holds it, every ref sent was loaded), closed if retired (a fork, a process dead
         mid-hold: never reused); False if it must wait. One transition in the header
@@ -469,7 +469,7 @@ class Pool:
                 if waited and claimed:
                     del self.waiting[seg.key]
             if claimed:
-                self.closed(seg)
+                self.leave(seg)
             return True
         if done == _END_WAIT:
             return False
@@ -481,7 +481,7 @@ class Pool:
             self.give_back(seg)
         elif done == _END_RETIRED:
             seg.retired = True
-            self.closed(seg)
+            self.leave(seg)
         return True
 
     def give_back(self, seg: Segment) -> None:
@@ -546,17 +546,17 @@ class Pool:
         over two pages. A kept mapping pins that page, no more."""
         start = -(-HEADER // _PAGE) * _PAGE  # the first page after the header
         _platform.release(seg.addr + start, seg.size - start)
-        self.closed(seg)
+        self.leave(seg)
 
-    def closed(self, seg: Segment) -> None:
+    def leave(self, seg: Segment) -> None:
         """*seg* leaves the pool, once (its memory goes once nothing maps it): its
         deposit or hold at the broker let go of. From then on this process is one of
         its holders at most, as any receiver (``transfer._deposit``)."""
         if seg.pool is self:
             seg.pool = None
-            self.let_go_of(seg)
+            self.release_at_broker(seg)
 
-    def let_go_of(self, seg: Segment) -> None:
+    def release_at_broker(self, seg: Segment) -> None:
         """What the broker keeps of *seg* for this pool is let go of (a strategy's)."""
 
     def owned(self) -> list[Segment]:
@@ -600,18 +600,18 @@ class Pool:
                     taken.append(seg)
         self._close_all(taken)
 
-    def let_go(self) -> None:
+    def deactivate(self) -> None:
         """Drop this thread's current slab and every free segment (``unregister()``).
         Those waiting for their generation to be free wait on: a message in flight in
         one is loaded whenever its receiver gets to it, and each is closed, never
         reused, once free (``give_back`` of a pool no longer active)."""
-        self.drop_slab()
+        self.drop_currents()
         self.active = False
         with self.lock:
             taken = self._trim_locked(lambda s: True)
         self._close_all(taken)
 
-    def drop_slab(self) -> None:
+    def drop_currents(self) -> None:
         """This thread's current slab and arena are over: their generations end with
         their last storages."""
         self.drop_current(_SLAB)
@@ -676,7 +676,7 @@ class FdPool(Pool):
             os.close(fd)
             raise segments.no_memory(exc, "mapping a new memfd", size) from exc
 
-    def let_go_of(self, seg: Segment) -> None:
+    def release_at_broker(self, seg: Segment) -> None:
         if seg.undeposit():
             self._drop(seg)
 
@@ -721,7 +721,7 @@ class FilePool(Pool):
     def create(self, size: int) -> Segment:
         return self._make(size)
 
-    def let_go_of(self, seg: Segment) -> None:
+    def release_at_broker(self, seg: Segment) -> None:
         self._release(seg.directory, [seg.name])
 
 

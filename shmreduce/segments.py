@@ -227,7 +227,7 @@ class Segment:
         self.pid = os.getpid()
         self.gen = 0  # the generation whose Gen lives here (or is being filled)
         self.gen_ref: weakref.ref | None = None
-        self.pool: Pool | None = None  # the pool that made it, in its owner only, until it leaves (Pool.closed)
+        self.pool: Pool | None = None  # the pool that made it, in its owner only, until it leaves (Pool.leave)
         self.deposited = False  # a memfd: its descriptor is at this process's broker (undeposit)
         self.tag: tuple[int, int] = (0, 0)  # a file: (generation, its refs' tag), see transfer.fs_tag
         self.retired = False  # never reused: closed once free

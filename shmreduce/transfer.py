@@ -471,7 +471,7 @@ def new_shared(nbytes: int) -> torch.UntypedStorage:
 def let_go_slabs() -> None:
     """End this thread's current slabs: their generations end with their last storages."""
     for p in (_fd_pool, _fs_pool):
-        p.drop_slab()
+        p.drop_currents()
 
 
 def let_go() -> None:
@@ -481,8 +481,8 @@ def let_go() -> None:
     gc.collect()  # storages in reference cycles die now, not at some later collection
     let_go_slabs()
     collect()
-    _fd_pool.let_go()
-    _fs_pool.let_go()
+    _fd_pool.deactivate()
+    _fs_pool.deactivate()
     segments.drop_kept()
 
 
@@ -529,7 +529,7 @@ def collect() -> None:
     _drop_adopted(cache.take_dead_adopted())
     for p in (_fd_pool, _fs_pool):
         if p.waiting or p.leaving:
-            p.reap()
+            p.reap_waiting()
         p.trim()
 
 

@@ -27,7 +27,7 @@ owner (process 0; ``shmreduce/pool.py``, ``shmreduce/transfer.py``)
                   the message exists (deliverable) from now on.
     pickle_fails  ``sending.__exit__`` with an error: nothing counted sent.
     drop_own      the owner's last storage of G dies (``_native`` gen dead).
-    free_begin    ``pool.settle`` / ``Pool.reap`` -> ``hdr_end``: CAS holders 0 -> FREEING;
+    free_begin    ``pool.settle`` / ``Pool.reap_waiting`` -> ``hdr_end``: CAS holders 0 -> FREEING;
                   if held instead, a RETIRED generation closes the segment (never reused).
     free_end      the rest of ``hdr_end``: ends G (generation 0, counters, tickets and
                   flags zeroed) if G is there, not RETIRED and sent == loaded; holders = 0.
@@ -658,7 +658,7 @@ def test_a_broken_protocol_is_caught(variant: str) -> None:
 #
 # retired      past ``pool.IDLE_SEGMENTS`` waiting, it leaves its owner's pool, never
 #              reused: ``LEAVING`` (its descriptor and deposit kept) while refs sent in
-#              it wait to be loaded, then ``LEFT`` (``Pool.closed``: deposit dropped);
+#              it wait to be loaded, then ``LEFT`` (``Pool.leave``: deposit dropped);
 # let go       the broker closes the descriptor of a memfd nobody uses that processes
 #              only hold, every ref loaded (``FORWARDABLE``): a fetch of it fails;
 # indexed      a Gen ``_native.reduce`` sends from without asking whether its memfd
@@ -729,7 +729,7 @@ def _holders(d: Dep) -> int:
 
 
 def _closed(d: Dep, cfg: DepConfig) -> Dep:
-    """``Pool.closed``: out of the pool; its deposit let go of (``Segment.undeposit``)."""
+    """``Pool.leave``: out of the pool; its deposit let go of (``Segment.undeposit``)."""
     rec = d.rec
     if d.deposited == USER and rec is not None and d.connected:
         rec = _with(rec, user=False)
@@ -760,7 +760,7 @@ def dep_reap(d: Dep, cfg: DepConfig) -> Dep | None:
 
 
 def dep_cap(d: Dep, cfg: DepConfig) -> Dep | None:
-    """Another segment's wait pushes this one out of the pool (``Pool.wait``)."""
+    """Another segment's wait pushes this one out of the pool (``Pool.add_waiting``)."""
     if d.pool != WAIT:
         return None
     if d.sent > d.loaded and cfg.variant != "retire_closes_in_flight":

@@ -488,7 +488,7 @@ def test_over_the_cap_a_pool_closes_its_oldest_free_segments_not_all(monkeypatch
             fds.take(size)
         assert fds.stats()["segments_reused"] == 3
     finally:
-        fds.let_go()
+        fds.deactivate()
 
 
 # -- sizes and bounds ---------------------------------------------------------------------
@@ -678,4 +678,4 @@ def test_a_pool_keeps_at_most_its_cap_of_free_segments() -> None:
             assert fds.stats()["segments_free"] <= pool.IDLE_SEGMENTS
         assert [s for segs_ in fds.free.values() for s in segs_] == segs[pool.IDLE_SEGMENTS :], "not the newest kept"
     finally:
-        fds.let_go()
+        fds.deactivate()

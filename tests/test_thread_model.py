@@ -4,7 +4,7 @@ interleaving of their atomic steps.
 
 ``test_lifetime_model.py`` checks the cross-process protocol with single-threaded
 processes. Here the processes are few and the threads many. The owner of ONE segment:
-its two sender threads, its reaper (``Pool.reap``, run by a sender's ``Pool.take`` and by
+its two sender threads, its reaper (``Pool.reap_waiting``, run by a sender's ``Pool.take`` and by
 the collector) and its collector thread, over its pool's state (the free list,
 ``waiting``, the segment's ``seg.gen``, that generation's Gen). The process that loads
 from it: two loader threads, its collector, and at most one forked child (loaders in
@@ -44,19 +44,19 @@ sender threads 0, 1 (``transfer.sending`` / ``share``, ``Pool.take``)
                   tensor made during pickling that only the pickler's memo kept.
     scope_exit    ``sending.__exit__``: the message exists (deliverable) from now on.
     scope_fails   ``sending.__exit__`` with an error: never delivered.
-    reap_copy     ``Pool.take`` -> ``Pool.reap``: ``waiting.copy()``.
-    reap_end      ``Pool.reap`` -> ``Pool.end`` of the entry copied.
+    reap_copy     ``Pool.take`` -> ``Pool.reap_waiting``: ``waiting.copy()``.
+    reap_end      ``Pool.reap_waiting`` -> ``Pool.end_generation`` of the entry copied.
     reconnect     a share that reconnects to its broker (``BrokerClient.connect``):
                   the client's lock taken ...
     hook          ... and under it the ``on_connect`` hook (``transfer._on_connect``:
                   ``Pool.owned`` / ``retire_where``) takes the pool's lock.
-    post          a segment closed (``Pool.closed``: ``client.release``/``drop``)
+    post          a segment closed (``Pool.leave``: ``client.release``/``drop``)
                   posts to the broker under the client's lock.
 the owner's collector thread (``transfer.collect``, every PURGE_EVERY)
     settle        ``pool.settle``: the owner's Gen dead (``_native.dead()``) ->
-                  ``Pool.end``: given back (``hdr_free`` ended it), closed (retired),
+                  ``Pool.end_generation``: given back (``hdr_free`` ended it), closed (retired),
                   or into ``waiting``.
-    reap_copy, reap_end    ``Pool.reap``, as a sender's.
+    reap_copy, reap_end    ``Pool.reap_waiting``, as a sender's.
     trim          ``Pool.trim``: a segment free too long closed (``_trim_locked``).
     post          as a sender's; after ``trim``, under the pool lock where it posts there.
 loader threads 0, 1 of the receiver (``transfer.receive_tensor``, ``_new_gen``)
@@ -83,7 +83,7 @@ Each fix the code makes for a race between these actors has a flag in ``VARIANTS
 that takes it out again; the explorer must find a violation in each (the model has
 teeth), and none with every fix in:
 
-stale_reaper         ``Pool.reap`` copies ``waiting`` (segments) and ``Pool.end(seg)``
+stale_reaper         ``Pool.reap_waiting`` copies ``waiting`` (segments) and ``Pool.end_generation(seg)``
                      reads ``seg.gen`` only when it runs: another thread ended that
                      generation meanwhile, gave the segment back and began the next in it,
                      whose header the stale ``hdr_free`` ends under its live storage.
@@ -304,7 +304,7 @@ def _free(s: State, lock: str, cfg: Config, me: Me) -> bool:
 
 def hdr_free(h: Header, gen: int) -> tuple[Header, bool]:
     """``hdr_free(addr, gen)`` as it was before ``hdr_end`` (which the buggy variants'
-    ``Pool.end`` calls with ``seg.gen``; ``hdr_end`` does this part under FREEING): end
+    ``Pool.end_generation`` calls with ``seg.gen``; ``hdr_end`` does this part under FREEING): end
     *gen* if nobody holds it, it is not retired and every ref sent in it was loaded
     (every field zeroed: the next ``begin`` writes only the generation)."""
     if h.gen == gen and not h.holders and not h.retired and h.sent == h.loaded:
@@ -316,7 +316,7 @@ GONE, FREED, CLOSE, WAIT = "gone", "freed", "close", "wait"
 
 
 def hdr_end(h: Header, gen: int, claim: bool = True) -> tuple[Header, str]:
-    """The fixed ``Pool.end``'s one transition for generation *gen*, the one its caller
+    """The fixed ``Pool.end_generation``'s one transition for generation *gen*, the one its caller
     saw: GONE if the header holds another (ended by another thread) or its close is
     claimed already; CLOSE, claimed once (*claim*: close_unclaimed, every time), if
     retired; FREED as ``hdr_free``; else WAIT."""
@@ -332,7 +332,7 @@ def hdr_end(h: Header, gen: int, claim: bool = True) -> tuple[Header, str]:
 
 
 def _close(s: State, me: Me, locked: bool = False) -> State:
-    """The segment leaves the pool (``Pool.closed``); *me* posts its release next."""
+    """The segment leaves the pool (``Pool.leave``); *me* posts its release next."""
     s = _with(s, where=CLOSED, closes=s.closes + 1)
     pc = POST_LOCKED if locked else POST
     return _with(s, collector=_with(s.collector, pc=pc)) if me[0] == COLLECTOR else _sender(s, me[1], pc=pc)
@@ -343,7 +343,7 @@ def _done(s: State, me: Me) -> State:
 
 
 def end(s: State, me: Me, snap: int, waited: bool, cfg: Config) -> State | None:
-    """``Pool.end``, by *me* (settle, or a reap: *waited*, with the copy *snap*)."""
+    """``Pool.end_generation``, by *me* (settle, or a reap: *waited*, with the copy *snap*)."""
     if not _free(s, POOL_LOCK, cfg, me):
         return None  # give_back, the waiting dict: under the pool lock
     if cfg.variant == STALE_REAPER:
@@ -425,7 +425,7 @@ def scope_fails(s: State, i: int, cfg: Config) -> State | None:
 
 
 def reap_copy(s: State, me: Me, cfg: Config) -> State | None:
-    """``Pool.reap``: ``waiting.copy()`` (from ``Pool.take``, or the collector's
+    """``Pool.reap_waiting``: ``waiting.copy()`` (from ``Pool.take``, or the collector's
     ``collect``): a segment (stale_reaper) or a (segment, generation)."""
     if not s.waiting:
         return None
@@ -438,14 +438,14 @@ def reap_copy(s: State, me: Me, cfg: Config) -> State | None:
 
 
 def reap_end(s: State, me: Me, cfg: Config) -> State | None:
-    """``Pool.reap`` -> ``Pool.end`` of the entry it copied (stale_reaper: ``end(seg)``)."""
+    """``Pool.reap_waiting`` -> ``Pool.end_generation`` of the entry it copied (stale_reaper: ``end(seg)``)."""
     snap = s.collector.snap if me[0] == COLLECTOR else s.senders[me[1]].snap
     return end(s, me, snap, True, cfg)
 
 
 def settle(s: State, cfg: Config) -> State | None:
     """``pool.settle`` in the owner: its Gen of ``seg.gen`` dead (``_native.dead()``)
-    -> ``Pool.end``: given back, closed, or ``waiting[seg.key] = (seg, gen)``."""
+    -> ``Pool.end_generation``: given back, closed, or ``waiting[seg.key] = (seg, gen)``."""
     if s.where != USED or s.own_ended or owner_count(s, cfg):
         return None
     return end(_with(s, own_ended=True), (COLLECTOR, 0), s.seg_gen, False, cfg)
@@ -460,7 +460,7 @@ def trim(s: State, cfg: Config) -> State | None:
 
 
 def post(s: State, me: Me, cfg: Config) -> State | None:
-    """``Pool.closed`` -> ``client.release`` / ``drop``: a record posted under the
+    """``Pool.leave`` -> ``client.release`` / ``drop``: a record posted under the
     client's lock (then the pool lock let go of, where it was held)."""
     if not _free(s, CLIENT_LOCK, cfg, me):
         return None

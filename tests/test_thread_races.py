@@ -108,10 +108,10 @@ def test_a_stale_reaper_ends_nothing_of_the_next_generation(strategy, quiet_coll
 
     reaper: threading.Thread | None = None
     with _Window("reap.end", who=lambda: reaper) as window:
-        reaper = threading.Thread(target=p.reap)
+        reaper = threading.Thread(target=p.reap_waiting)
         reaper.start()
-        assert window.reached.wait(PAUSE), "Pool.reap has no reap.end point"
-        p.reap()  # this thread ends the generation and gives the segment back
+        assert window.reached.wait(PAUSE), "Pool.reap_waiting has no reap.end point"
+        p.reap_waiting()  # this thread ends the generation and gives the segment back
         t2 = torch.full((NUMEL,), 2.0)
         transfer.share_in_place(t2.untyped_storage())
         assert _seg_of(t2) is seg, "the free segment was not reused"
