@@ -10,7 +10,7 @@ classes per doubling).
 Generations. A segment is filled anew in *generations*. A generation is a number
 unique in the program, written into the segment's first ``HEADER`` bytes with its
 shared counters (refs sent, refs loaded, holders: ``broker/protocol.py``). In each
-process the storages of one generation are made by one *gen*, a ``_native.Gen``:
+process the storages of one generation are made by one *Gen*, a ``_native.Gen``:
 a storage over the mapping through DLPack, its range checked in C. The Gen counts
 its live storages (and holds: the slab it is, a load in progress) natively; torch's
 deleter decrements the count when a storage dies, on any thread, and the Gen whose
@@ -67,7 +67,7 @@ deposited once no pool keeps it is a forward, which nobody drops: a received one
 or its owner's once its pool let go of it (``Segment.outside_its_pool``), which lasts
 while the owner holds it as a receiver (``settle``) and goes back to a new broker
 while its refs wait to be loaded. A deposit ends in ``Segment.undeposit``, which
-unindexes the segment's gen with it: the C sender (``_native.reduce``) never sends
+unindexes the segment's Gen with it: the C sender (``_native.reduce``) never sends
 from a descriptor its broker may have let go of.
 
 Memory bounds: a pool keeps at most ``POOL_BYTES`` of free segments (the
@@ -89,12 +89,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
 from shmreduce import _faults, _native, _platform, segments
-from shmreduce.broker import client as broker
+from shmreduce._native import Gen
 from shmreduce.errors import OutOfSharedMemory, SharingError
 from shmreduce.segments import HEADER, Segment
 
@@ -158,9 +158,10 @@ class Hold:
 
     __slots__ = ("seg", "gen")
 
-    def __init__(self, seg: Segment, gen: Any, take: bool = True) -> None:
+    def __init__(self, seg: Segment, gen: Gen, take: bool = True) -> None:
         """*take*: acquire a count now; else the maker's hold of a new Gen is handed over."""
-        self.seg, self.gen = seg, None
+        self.seg = seg
+        self.gen: Gen | None = None  # none yet: a failed acquire() leaves nothing to release
         if take and not gen.acquire():
             raise RuntimeError("a hold on a Gen that is over")
         self.gen = gen
@@ -168,52 +169,6 @@ class Hold:
     def __del__(self) -> None:
         if self.gen is not None:
             self.gen.release()
-
-
-def has_dead() -> bool:
-    """Whether settle has something to do (one atomic load)."""
-    return _native.pending()
-
-
-def settle(dead: list[Any] | None = None) -> None:
-    """Account for every generation whose last storage died here since the last call.
-
-    In its owner the generation is over here: its segment is free at once if nobody
-    holds it elsewhere and every ref sent in it was loaded (``_native.hdr_end``),
-    else it waits for that (``Pool.reap_waiting``). A receiver lets go of its hold: its
-    ledger entry cleared, then the header's holders (``broker.client.let_go``).
-    *dead*: gens taken from ``_native.dead()`` already."""
-    pid = os.getpid()
-    for gen in _native.dead() if dead is None else dead:
-        info: Any = gen.info
-        entry, owner = info
-        if owner != pid:
-            continue  # a forked child's copy of its parent's Gen: not ours to tell
-        seg: Segment = gen.owner  # type: ignore[assignment]
-        number = gen.number
-        if entry is not None:
-            # The ledger says "dropping" before the header counts this process out, and
-            # is cleared after: a process killed in between is retired, not guessed.
-            if broker.dropping(entry):  # else this process is exiting: its brokers count it out
-                _faults.point("letgo.ledger")
-                try:
-                    _native.hdr_unhold(seg.addr, number)
-                except OSError:  # cut: nothing left to count out of
-                    pass
-                _faults.point("letgo.unhold")
-                broker.let_go(entry)
-            if seg.outside_its_pool():
-                # Its deposit was a forward, kept at the broker while something reaches
-                # it, this hold among them: the next send from it deposits again.
-                seg.undeposit()
-            continue
-        pool = seg.pool
-        if pool is None or seg.gen != number:
-            continue
-        if seg.retired or not pool.active:
-            pool.leave(seg)  # never reused: what is in flight in it stays readable (the broker)
-        elif not pool.end_generation(seg, number):
-            pool.add_waiting(seg, number)  # held elsewhere, or refs to it in flight
 
 
 # -- generations -------------------------------------------------------------------
@@ -277,7 +232,7 @@ class Pool:
     # Placing storages.
     def place(
         self, nbytes: int, source: torch.UntypedStorage | None, zero: bool = True
-    ) -> tuple[Segment, int, int, torch.UntypedStorage, Any]:
+    ) -> tuple[Segment, int, int, torch.UntypedStorage, Gen]:
         """Put *source*'s bytes (or zeros; unless *zero*, whatever this program left
         there) in a segment: (segment, generation, offset, the new storage there, the
         generation's Gen)."""
@@ -324,7 +279,7 @@ class Pool:
             return self.place(nbytes, source, zero)
         return self._own(nbytes, source, zero)
 
-    def _own(self, nbytes: int, source: torch.UntypedStorage | None, zero: bool) -> tuple[Segment, int, int, torch.UntypedStorage, Any]:
+    def _own(self, nbytes: int, source: torch.UntypedStorage | None, zero: bool) -> tuple[Segment, int, int, torch.UntypedStorage, Gen]:
         """*source*'s bytes in a segment of its own (its size class)."""
         seg = self.take(class_size(nbytes))
         offset = HEADER
@@ -351,7 +306,7 @@ class Pool:
         self.full()
         return attempt(True)
 
-    def _begin(self, seg: Segment, retry: bool) -> Any:
+    def _begin(self, seg: Segment, retry: bool) -> Gen:
         """*seg*'s new generation's Gen. A segment whose header cannot be written
         has no Gen to give it back when it dies: it leaves the pool, unless a full
         mount is to be tried once more (*retry*)."""
@@ -431,6 +386,18 @@ class Pool:
                 taken = [seg for seg in loaded if self.leaving.pop(seg.key, (None, 0))[0] is seg]
             for seg in taken:  # loaded, not free: its holders keep reading it, so closed, not discarded
                 self.leave(seg)
+
+    def generation_over(self, seg: Segment, gen: int) -> None:
+        """*seg*'s generation *gen* is over here (its owner's last storage of it died,
+        ``transfer.settle_dead``): given back if free, else waiting until it is; closed,
+        never reused, if retired or this pool is no longer active (what is in flight in
+        it stays readable: the broker keeps it)."""
+        if seg.gen != gen:
+            return  # reused since: that generation is over already
+        if seg.retired or not self.active:
+            self.leave(seg)
+        elif not self.end_generation(seg, gen):
+            self.add_waiting(seg, gen)  # held elsewhere, or refs to it in flight
 
     def add_waiting(self, seg: Segment, gen: int) -> None:
         """*seg*'s generation *gen* is over here but not free: reaped later. Past

@@ -30,11 +30,12 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from shmreduce import _native, _platform, _torch
+from shmreduce._native import Gen
 from shmreduce.broker.protocol import DIR_PREFIX, SEG_PREFIX, identity, is_segment_name
 from shmreduce.errors import SharingError, out_of_shm, too_many_files
 
@@ -175,12 +176,19 @@ def refuse_foreign_file(storage: torch.UntypedStorage) -> None:
 
 # -- the segments mapped in this process ---------------------------------------
 
-_Gen = _native.Gen
+
+class GenInfo(NamedTuple):
+    """What a Gen's maker tells ``transfer.settle_dead`` of it (``Gen.info``)."""
+
+    entry: tuple | None  # a receiver's: its ledger entry for the generation, let go of when the Gen dies
+    pid: int  # the process that made it: a forked child's copy of it is not the child's to settle
+
+
 # A receiver's live Gens by their refs' template (kind, directory, segment,
 # generation, tag: the sender's Gen's own tuple), published once held
 # (``Gen.publish``): ``_native.load`` / ``rebuild`` load through them in one C call;
 # ``_native.dead()`` takes a Gen out as it ends.
-live: dict[tuple, Any] = {}
+live: dict[tuple, Gen] = {}
 # DLPack's dtype (code, bits, lanes) and the itemsize of each torch dtype it carries
 # (``reductions`` fills it on first use).
 dtypes: dict[torch.dtype, tuple[int, int, int, int]] = {}
@@ -249,7 +257,7 @@ class Segment:
     def header(self) -> int:
         return int(_U64.from_address(self.addr).value)
 
-    def begin(self, number: int) -> Any:
+    def begin(self, number: int) -> Gen:
         """Start generation *number* (owner): header written, a new Gen, empty."""
         assert self.fd is not None
         try:
@@ -259,13 +267,13 @@ class Segment:
         self.filled = max(self.filled, HEADER)  # its first page is allocated now
         return self.new_gen(number, None)
 
-    def new_gen(self, number: int, entry: tuple | None) -> Any:
+    def new_gen(self, number: int, entry: tuple | None) -> Gen:
         """The Gen of *number* in this process, made held once: its maker ``release()``s
         that hold (or hands it to a ``Hold``). *entry*: a receiver's, its ledger entry
         for *number* (``hdr_hold`` counted it in the header), let go of when the Gen
         dies (``settle``)."""
-        gen = _Gen(self, self.addr, self.size, number, HEADER if number else 0)
-        gen.info = (entry, os.getpid())
+        gen = Gen(self, self.addr, self.size, number, HEADER if number else 0)
+        gen.info = GenInfo(entry, os.getpid())
         self.gen_ref, self.gen = weakref.ref(gen), number
         return gen
 
@@ -297,7 +305,7 @@ class Segment:
         it is a forward, which lasts while it holds it."""
         return self.pool is None and self.fd is not None and self.gen != 0 and self.pid == os.getpid()
 
-    def index(self, gen: Any, template: tuple) -> None:
+    def index(self, gen: Gen, template: tuple) -> None:
         """``_native.reduce`` sends storages of *gen* from now on, with refs of
         *template*, while what the caller checked holds: a memfd deposited (another
         thread may let go of the deposit meanwhile: then it is not indexed)."""
@@ -305,14 +313,14 @@ class Segment:
         if self.kind == "fd" and not self.deposited:
             _native.unindex(self.addr)
 
-    def live_gen(self, number: int) -> Any | None:
+    def live_gen(self, number: int) -> Gen | None:
         """The Gen of *number*, if it still makes storages here (alive, or dead but not
         yet settled: a new storage revives it)."""
         ref = self.gen_ref
         gen = ref() if ref is not None else None
         return gen if gen is not None and self.gen == number and not gen.ended else None
 
-    def fill(self, gen: Any, offset: int, nbytes: int, source: torch.UntypedStorage | None, zero: bool = True) -> torch.UntypedStorage:
+    def fill(self, gen: Gen, offset: int, nbytes: int, source: torch.UntypedStorage | None, zero: bool = True) -> torch.UntypedStorage:
         """Write *source*'s bytes (or zeros, unless not *zero*) at *offset*; the storage
         there. Not *zero*: pages written before keep this program's old bytes.
 

@@ -35,7 +35,7 @@ earlier one):
    swap), by the Python path; the C path (``_native.reduce``) reads the address at
    its copy and swaps only if the storage is still where it was read.
 2. ``_gens_lock``: finding or making the Gen of a generation this process loads.
-3. ``_releases_lock``: ``pool.settle`` (what died is let go of, one thread at a time).
+3. ``_releases_lock``: ``settle_dead`` (what died is let go of, one thread at a time).
 4. the broker client's lock (``broker.client``): its requests and posts, and the
    ``on_connect`` hooks it runs after a reconnection.
 5. ``Pool.lock``: a leaf (``pool``).
@@ -240,7 +240,7 @@ class _Outgoing:
     __slots__ = ("counted", "checked", "program")
 
     def __init__(self) -> None:
-        self.counted: list[Any] = []
+        self.counted: list[_native.Gen] = []
         self.checked = False
         self.program = ""
 
@@ -267,7 +267,7 @@ class sending:
                 _native.count_sent(out.counted, exc_type is None)  # and lets go of the scope's holds
                 if exc_type is None:
                     _counters["messages_sent"] += 1
-                if pool.has_dead():
+                if _native.pending():
                     _settle()
 
 
@@ -325,7 +325,7 @@ def share(storage: torch.UntypedStorage) -> tuple:
             # A storage a forked child inherited (its generation retired at the fork,
             # never reused): a Gen of its own only carries the hold and the mapping.
             gen = _native.Gen(seg, seg.addr, seg.size, number, HEADER)
-            gen.info = (None, -1)  # nobody's to settle
+            gen.info = segments.GenInfo(None, -1)  # nobody's to settle
         out.counted.append(gen)
     kind, directory, key, number, tag = template
     return (kind, directory, key, number, offset, nbytes, tag, ticket)
@@ -431,7 +431,7 @@ def _adopt(storage: torch.UntypedStorage, key: int, nbytes: int) -> Place | None
     return place
 
 
-def _placed(storage: torch.UntypedStorage, place: Place, gen: Any) -> Place:
+def _placed(storage: torch.UntypedStorage, place: Place, gen: _native.Gen) -> Place:
     """*storage* lies in *place* now (found there by its address from now on; and
     what a ref to it loads here, as torch gives a process its own storage back)."""
     gen.remember(place.offset, storage)
@@ -504,12 +504,46 @@ _releases_lock = threading.Lock()
 
 
 def _settle(wait: bool = False) -> None:
-    """Account for what died since the last call (``pool.settle``); *wait*: also for
+    """Account for what died since the last call (``settle_dead``); *wait*: also for
     a call running in another thread (the collector's) to finish, so that its effects
     are seen on return."""
-    if wait or pool.has_dead():
+    if wait or _native.pending():  # one atomic load
         with _releases_lock:
-            pool.settle()
+            settle_dead()
+
+
+def settle_dead(dead: list[_native.Gen] | None = None) -> None:
+    """Account for every generation whose last storage died here since the last call
+    (*dead*: Gens taken from ``_native.dead()`` already).
+
+    In its owner the generation is over here: its pool ends it (``Pool.generation_over``).
+    A receiver lets go of its hold, taken by ``_new_gen``: its ledger entry cleared,
+    then the header's holders (``broker.client.let_go``)."""
+    pid = os.getpid()
+    for gen in _native.dead() if dead is None else dead:
+        entry, maker = cast(segments.GenInfo, gen.info)
+        if maker != pid:
+            continue  # a forked child's copy of its parent's Gen: not ours to tell
+        seg = cast(segments.Segment, gen.owner)
+        if entry is None:
+            owner = seg.pool  # read once: another thread may take it out of its pool meanwhile
+            if owner is not None:
+                owner.generation_over(seg, gen.number)
+            continue
+        # The ledger says "dropping" before the header counts this process out, and
+        # is cleared after: a process killed in between is retired, not guessed.
+        if broker.dropping(entry):  # else this process is exiting: its brokers count it out
+            _faults.point("letgo.ledger")
+            try:
+                _native.hdr_unhold(seg.addr, gen.number)
+            except OSError:  # cut: nothing left to count out of
+                pass
+            _faults.point("letgo.unhold")
+            broker.let_go(entry)
+        if seg.outside_its_pool():
+            # Its deposit was a forward, kept at the broker while something reaches
+            # it, this hold among them: the next send from it deposits again.
+            seg.undeposit()
 
 
 def _quietly(send: Callable[..., None], *args: Any) -> None:
@@ -636,7 +670,7 @@ def _mapped_segment(kind: str, directory: str, segkey: Any) -> segments.Segment 
     return None if seg is None or (kind == "fs" and seg.directory != directory) else seg
 
 
-def _held_gen(kind: str, directory: str, segkey: Any, number: int) -> Any | None:
+def _held_gen(kind: str, directory: str, segkey: Any, number: int) -> _native.Gen | None:
     """The live Gen of *number* here, acquired for the caller, if there is one."""
     seg = _mapped_segment(kind, directory, segkey)
     gen = seg.live_gen(number) if seg is not None else None
@@ -677,7 +711,7 @@ def _check_tag(directory: str, segkey: str, gen: int, tag: int) -> None:
         )
 
 
-def _new_gen(seg: segments.Segment, kind: str, directory: str, segkey: Any, number: int, tag: int) -> Any:
+def _new_gen(seg: segments.Segment, kind: str, directory: str, segkey: Any, number: int, tag: int) -> _native.Gen:
     """A new Gen of *number* in *seg*, held once for the caller to release. A pooled
     generation is held first (counted in the header, then checked to be the one
     there: its owner never reuses the segment under this load), then written in this
@@ -752,7 +786,7 @@ class receiving:
             before, _local.incoming = _local.incoming, None
             if _loads() != before:
                 _counters["messages_received"] += 1
-            if pool.has_dead():
+            if _native.pending():
                 _settle()
 
 

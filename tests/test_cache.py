@@ -1,5 +1,5 @@
 """Where a storage lies (shmreduce/cache.py): found by its address inside a mapped
-segment, with no record per storage; a receiver's identity map per generation gen,
+segment, with no record per storage; a receiver's identity map per Gen,
 holding no strong reference; torch's own shared storages remembered apart."""
 
 from __future__ import annotations

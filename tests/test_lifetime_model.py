@@ -27,12 +27,12 @@ owner (process 0; ``shmreduce/pool.py``, ``shmreduce/transfer.py``)
                   the message exists (deliverable) from now on.
     pickle_fails  ``sending.__exit__`` with an error: nothing counted sent.
     drop_own      the owner's last storage of G dies (``_native`` gen dead).
-    free_begin    ``pool.settle`` / ``Pool.reap_waiting`` -> ``hdr_end``: CAS holders 0 -> FREEING;
+    free_begin    ``transfer.settle_dead`` / ``Pool.reap_waiting`` -> ``hdr_end``: CAS holders 0 -> FREEING;
                   if held instead, a RETIRED generation closes the segment (never reused).
     free_end      the rest of ``hdr_end``: ends G (generation 0, counters, tickets and
                   flags zeroed) if G is there, not RETIRED and sent == loaded; holders = 0.
                   Ended: the segment is free (``Pool.give_back``) for the next generation.
-receiver (processes 1, 2; ``transfer.receive_tensor`` / ``_new_gen``, ``pool.settle``)
+receiver (processes 1, 2; ``transfer.receive_tensor`` / ``_new_gen``, ``transfer.settle_dead``)
     take          ``broker.client.hold``: the ledger entry written TAKING.
     hold          ``hdr_hold``'s CAS: holders + 1, waiting while FREEING (or, after its
                   spins, giving up: nothing counted, the load fails stale).
@@ -805,7 +805,7 @@ def dep_load_own(d: Dep, j: int, cfg: DepConfig) -> Dep | None:
 
 def dep_drop_held(d: Dep, cfg: DepConfig) -> Dep | None:
     """O's last storage of what it loaded dies: its Gen (indexed or not) with it; a
-    deposit no pool keeps (a forward) lasted while O held it (``pool.settle``)."""
+    deposit no pool keeps (a forward) lasted while O held it (``transfer.settle_dead``)."""
     if not d.o_held:
         return None
     keep = d.deposited != FORWARD or cfg.variant == "forward_outlives_hold"

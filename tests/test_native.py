@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shmreduce
-from shmreduce import _native, _torch, pool, reductions, segments, transfer
+from shmreduce import _native, _torch, reductions, segments, transfer
 
 from helpers import run_in_child, without_dlpack_exchange_api
 
@@ -40,13 +40,13 @@ class _Owner:
     """Stands in for a Segment: the Gen keeps it (and so the mapping)."""
 
 
-_MINE = (None, -1)  # a Gen's info: nothing kept, no process's (pool.settle skips it)
+_MINE = (None, -1)  # a Gen's info: nothing kept, no process's (transfer.settle_dead skips it)
 
 
 @pytest.fixture
 def memory() -> Iterator[tuple[mmap.mmap, int]]:
     """A mapping of the test's; the collector thread (which takes what dead() reports,
-    through pool.settle, under this lock) waits meanwhile."""
+    through transfer.settle_dead, under this lock) waits meanwhile."""
     m = mmap.mmap(-1, SIZE)
     addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
     with transfer._releases_lock:
@@ -62,7 +62,7 @@ def _drain() -> list[Any]:
     for gen in _native.dead():
         (mine if isinstance(gen.info, tuple) and gen.info[:2] == _MINE else others).append(gen)
     if others:
-        pool.settle(others)
+        transfer.settle_dead(others)
     return mine
 
 

@@ -11,7 +11,7 @@ from it: two loader threads, its collector, and at most one forked child (loader
 the owner itself would load through its live Gen: the race on gens is a
 receiver's). The header they share (its generation, sent, loaded, holders, flags), and
 three locks: the owner's pool lock, its broker client's lock, and (fixed) the
-receiver's find-or-make lock of the segment's gen. A lock is held by the thread whose
+receiver's find-or-make lock of the segment's Gen. A lock is held by the thread whose
 place (pc) says so; a step that needs one held by another thread cannot run.
 
 Breadth-first search over every reachable state (deduplicated; in the larger world,
@@ -53,7 +53,7 @@ sender threads 0, 1 (``transfer.sending`` / ``share``, ``Pool.take``)
     post          a segment closed (``Pool.leave``: ``client.release``/``drop``)
                   posts to the broker under the client's lock.
 the owner's collector thread (``transfer.collect``, every PURGE_EVERY)
-    settle        ``pool.settle``: the owner's Gen dead (``_native.dead()``) ->
+    settle        ``transfer.settle_dead``: the owner's Gen dead (``_native.dead()``) ->
                   ``Pool.end_generation``: given back (``hdr_free`` ended it), closed (retired),
                   or into ``waiting``.
     reap_copy, reap_end    ``Pool.reap_waiting``, as a sender's.
@@ -70,7 +70,7 @@ loader threads 0, 1 of the receiver (``transfer.receive_tensor``, ``_new_gen``)
     fork          ``transfer._before_fork`` -> ``segments.retire_in_use``: ``hdr_retire``
                   of the remembered Gen's generation if that Gen is live here;
                   the child keeps every storage the loaders hold, uncounted, for good.
-the receiver's collector (``pool.settle`` in a receiver)
+the receiver's collector (``transfer.settle_dead`` in a receiver)
     settle        a dead Gen (count 0, ``_native.dead()``): ended, ``hdr_unhold``.
 
 What this model leaves to ``test_lifetime_model.py``: the ledger and the broker,
@@ -444,7 +444,7 @@ def reap_end(s: State, me: Me, cfg: Config) -> State | None:
 
 
 def settle(s: State, cfg: Config) -> State | None:
-    """``pool.settle`` in the owner: its Gen of ``seg.gen`` dead (``_native.dead()``)
+    """``transfer.settle_dead`` in the owner: its Gen of ``seg.gen`` dead (``_native.dead()``)
     -> ``Pool.end_generation``: given back, closed, or ``waiting[seg.key] = (seg, gen)``."""
     if s.where != USED or s.own_ended or owner_count(s, cfg):
         return None
@@ -488,7 +488,7 @@ def hook(s: State, i: int, cfg: Config) -> State | None:
 
 def lookup(s: State, i: int, j: int, cfg: Config) -> State | None:
     """``receive_tensor``: message *j* taken from the queue; ``seg.live_gen(gen)`` and
-    ``acquire()`` (fixed racy_gen: under the segment's gen lock): found, the storage
+    ``acquire()`` (fixed racy_gen: under the segment's Gen lock): found, the storage
     loaded through it (``Gen.load``, ``count_loaded``); else on to ``make``, the lock
     kept."""
     m = s.msgs[j]
@@ -538,7 +538,7 @@ def fork(s: State, i: int, cfg: Config) -> State | None:
 
 
 def rsettle(s: State, k: int, cfg: Config) -> State | None:
-    """``pool.settle`` in the receiver: gen *k* dead (``_native.dead()``): ended, and
+    """``transfer.settle_dead`` in the receiver: Gen *k* dead (``_native.dead()``): ended, and
     ``hdr_unhold`` of its generation (the ledger's part: ``test_lifetime_model.py``)."""
     if gen_count(s, k):
         return None

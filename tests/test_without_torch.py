@@ -173,7 +173,7 @@ def test_header_refuses_bad_addresses_and_arguments(header) -> None:
 
 def _gen(addr: int) -> _native.Gen:
     gen = _native.Gen(object(), addr, SIZE, 7, LOW)
-    gen.info = (None, -1)  # a test's gen, as pool's are (ledger entry, owner pid): pool.settle skips it
+    gen.info = (None, -1)  # a test's Gen, as pool's are (ledger entry, owner pid): transfer.settle_dead skips it
     return gen
 
 
