@@ -112,7 +112,7 @@ KEPT = textwrap.dedent(
     """
     import os
     import torch, torch.multiprocessing as mp, shmreduce
-    from shmreduce import pool, transfer
+    from shmreduce import segments, transfer
 
     def used():
         st = os.statvfs(os.environ["SHMREDUCE_SHM_DIR"])
