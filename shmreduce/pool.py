@@ -171,6 +171,18 @@ class Hold:
             self.gen.release()
 
 
+def twice(full: Callable[[], None], attempt: Callable[[bool], _T]) -> _T:
+    """``attempt(False)``; on a full mount (which may be full of segments nobody uses
+    any more: ``full()`` lets go of them) ``attempt(True)`` once more, outside the
+    first one's handler: one exception, its cause chained once."""
+    try:
+        return attempt(False)
+    except OutOfSharedMemory:
+        pass
+    full()
+    return attempt(True)
+
+
 # -- generations -------------------------------------------------------------------
 
 # Generation numbers: 64 bits, as a header holds them (a wider one would be compared
@@ -237,8 +249,10 @@ class Pool:
         there) in a segment: (segment, generation, offset, the new storage there, the
         generation's Gen)."""
         self.active = True
-        if nbytes <= ARENA_ITEM_MAX:
-            tier = _SLAB if nbytes <= SLAB_ITEM_MAX else _ARENA
+        if nbytes > ARENA_ITEM_MAX:
+            return self._own(nbytes, source, zero)
+        tier = _SLAB if nbytes <= SLAB_ITEM_MAX else _ARENA
+        while True:
             current = self.local.__dict__.get(tier.name)
             if current is not None:
                 # put() claims the place first: the one placement routine, which
@@ -246,46 +260,44 @@ class Pool:
                 # already (a slab's when it is made, an arena's a chunk ahead: reserve),
                 # so a plain copy into the mapping cannot fault on a full memory limit.
                 seg, gen = current.seg, current.gen
+                mount_full = False
                 try:
-                    fits: bool | None = tier is _SLAB or seg.reserve(gen.cursor, nbytes, ARENA_CHUNK)
+                    room = tier is _SLAB or seg.reserve(gen.cursor, nbytes, ARENA_CHUNK)
                 except OutOfSharedMemory:
-                    fits = None  # handled below, outside this handler: one exception if _own fails too
-                if fits is None:
-                    # A full mount: the arena ends (its generation with its last
-                    # storage) and this storage gets a segment of its own, as before
-                    # arenas: a stream through a small /dev/shm reuses one segment.
+                    room, mount_full = False, True  # handled below, outside this handler: one exception if _own fails too
+                if mount_full:
+                    # The arena ends (its generation with its last storage) and this
+                    # storage gets a segment of its own size class, which the next
+                    # storage of that size reuses: a stream through a small /dev/shm
+                    # goes on in one segment.
                     self.drop_current(tier)
                     return self._own(nbytes, source, zero)
-                if fits:
+                if room:
                     try:
                         put = gen.put(nbytes, source, zero)
                     except OSError as exc:
                         if not segments.cut(exc):
                             raise
-                        seg.lose()  # its generation ends with its last storage (end)
+                        seg.lose()  # its generation ends with its last storage (end_generation)
                         self.drop_current(tier)
-                        return self.place(nbytes, source, zero)
+                        continue  # into a new one
                     if put is not None:
                         return seg, seg.gen, put[0], put[1], gen
             try:
                 self._new_current(tier)
-                made = True
+                continue  # placed in it on the next turn
             except OutOfSharedMemory:
                 if tier is _SLAB:
                     raise
-                made = False
-            if not made:
-                return self._own(nbytes, source, zero)  # no room for a new arena's header
-            return self.place(nbytes, source, zero)
-        return self._own(nbytes, source, zero)
+            return self._own(nbytes, source, zero)  # no room for a new arena's header (outside the handler)
 
     def _own(self, nbytes: int, source: torch.UntypedStorage | None, zero: bool) -> tuple[Segment, int, int, torch.UntypedStorage, Gen]:
         """*source*'s bytes in a segment of its own (its size class)."""
         seg = self.take(class_size(nbytes))
         offset = HEADER
-        gen = self._twice(lambda last: self._begin(seg, retry=not last))
+        gen = twice(self.full, lambda last: self._begin(seg, retry=not last))
         try:
-            storage = self._twice(lambda last: seg.fill(gen, offset, nbytes, source, zero))
+            storage = twice(self.full, lambda last: seg.fill(gen, offset, nbytes, source, zero))
         except OSError as exc:
             if not segments.cut(exc):
                 raise
@@ -294,17 +306,6 @@ class Pool:
         finally:
             gen.release()  # the maker's hold: failing, the Gen's death gives the segment back (settle)
         return seg, seg.gen, offset, storage, gen
-
-    def _twice(self, attempt: Callable[[bool], _T]) -> _T:
-        """``attempt(False)``; on a full mount (which may be full of segments nobody
-        uses any more: ``full`` lets go of them) ``attempt(True)`` once more, outside
-        the first one's handler: one exception, its cause chained once."""
-        try:
-            return attempt(False)
-        except OutOfSharedMemory:
-            pass
-        self.full()
-        return attempt(True)
 
     def _begin(self, seg: Segment, retry: bool) -> Gen:
         """*seg*'s new generation's Gen. A segment whose header cannot be written
@@ -324,7 +325,7 @@ class Pool:
         as it fills (``Segment.reserve``)."""
         seg = self.take(tier.size if tier is _SLAB else self.arena_size())
         if tier is _SLAB and seg.filled < seg.size:
-            self._twice(lambda last: seg.allocate())
+            twice(self.full, lambda last: seg.allocate())
         _faults.pause("pool.new_current")
         self.drop_current(tier)
         hold = Hold(seg, self._begin(seg, retry=False), take=False)

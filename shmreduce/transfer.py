@@ -63,7 +63,7 @@ from shmreduce import _faults, _native, _torch, pool, program, segments
 from shmreduce.broker import client as broker
 from shmreduce.broker.protocol import is_program_dir
 from shmreduce.cache import Place, cache
-from shmreduce.errors import OutOfSharedMemory, SharingError, stale_message
+from shmreduce.errors import SharingError, stale_message
 from shmreduce.strategy import get_sharing_strategy
 
 HEADER = segments.HEADER
@@ -159,16 +159,19 @@ def _make_file(size: int) -> segments.Segment:
     its name held there before the file exists (a sender killed mid-pickle leaves
     nothing: issue 11, item 17).
 
-    If that broker died after the check, its directory may be gone: check again (a
-    new broker makes it) and try once more. A full mount may be full of segments
-    nobody uses any more: let go of them, and try once more.
+    A full mount may be full of segments nobody uses any more: let go of them
+    (``_fs_full``), and try once more (``pool.twice``).
     """
+    return pool.twice(_fs_full, lambda last: _new_file_in_live_directory(size))
+
+
+def _new_file_in_live_directory(size: int) -> segments.Segment:
+    """A new file in the program directory. If its broker died after the check, the
+    directory may be gone: check again (a new broker makes it) and try once more."""
     try:
         return _new_file(size)
     except segments.ProgramDirectoryGone:
         pass  # made again by the next broker: once more, outside this handler
-    except OutOfSharedMemory:
-        _fs_full()
     return _new_file(size)
 
 
