@@ -29,7 +29,6 @@ tensor uses it (pinned by ``tests/test_torch_api.py``).
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from collections import deque
@@ -37,7 +36,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from shmreduce import segments
+from shmreduce import forking, segments
 from shmreduce._torch import storage_key
 
 
@@ -68,7 +67,6 @@ class StorageCache:
         self._adopted: dict[int, _Adopted] = {}  # storage key -> its entry
         self._dead: deque[_Adopted] = deque()  # entries whose storage died, not yet taken
         self._after_fork()
-        os.register_at_fork(after_in_child=self._after_fork)
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()
@@ -116,3 +114,4 @@ class StorageCache:
 
 
 cache = StorageCache()
+forking.part("cache", after_in_child=cache._after_fork)

@@ -93,7 +93,7 @@ from typing import TypeVar
 
 import torch
 
-from shmreduce import _faults, _native, _platform, segments
+from shmreduce import _faults, _native, _platform, forking, segments
 from shmreduce._native import Gen
 from shmreduce.errors import OutOfSharedMemory, SharingError
 from shmreduce.segments import HEADER, Segment
@@ -710,6 +710,6 @@ def _after_fork_in_child() -> None:
     _gen_lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+forking.part("pool", after_in_child=_after_fork_in_child)
 
 __all__ = ["FdPool", "FilePool", "Pool"]

@@ -11,14 +11,13 @@ and storages rebuild as meta.
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from typing import Any, NamedTuple
 
 import torch
 
-from shmreduce import _faults, _native, _torch, segments, transfer
+from shmreduce import _faults, _native, _torch, forking, segments, transfer
 from shmreduce.errors import SharingError
 
 _SPARSE_COMPRESSED = {
@@ -203,7 +202,7 @@ def _before_fork() -> None:
     _prepare_lock.acquire()
 
 
-os.register_at_fork(before=_before_fork, after_in_parent=_prepare_lock.release, after_in_child=_prepare_lock.release)
+forking.part("reductions", before=_before_fork, after_in_parent=_prepare_lock.release, after_in_child=_prepare_lock.release)
 
 
 def _plain(meta: Any) -> tuple | None:

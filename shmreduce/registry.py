@@ -42,7 +42,7 @@ from typing import Any
 import cloudpickle
 import torch
 
-from shmreduce import _faults, _platform, errors, patches, program, reductions, transfer
+from shmreduce import _faults, _platform, errors, forking, patches, program, reductions, transfer
 from shmreduce import strategy as _strategy
 from shmreduce.broker import client as broker
 
@@ -192,15 +192,13 @@ def list_reducers() -> dict[type, Reducer]:
     return dict(_user)
 
 
+# A fork waits for a register(), unregister() or reducer change in progress on another
+# thread: else the child inherits _lock held by a thread it does not have, and its own
+# register() waits for ever. Re-entrant: a fork from inside one takes it again. Let go of
+# after the fork in both processes (``_after_fork_in_child``; ``forking`` runs both).
 def _before_fork() -> None:
     _faults.pause("fork.waits")
     _lock.acquire()
-
-
-# A fork waits for a register(), unregister() or reducer change in progress on another
-# thread: else the child inherits _lock held by a thread it does not have, and its own
-# register() waits for ever. Re-entrant: a fork from inside one takes it again.
-os.register_at_fork(before=_before_fork, after_in_parent=_lock.release, after_in_child=_lock.release)
 
 
 def _changed() -> None:
@@ -325,16 +323,17 @@ def _let_go_of_program() -> None:
 
 
 def _after_fork_in_child() -> None:
+    global _dumps_cond, _dumps_in_flight, _dumps_by_thread, _close_when_done
+    _lock.release()  # taken before the fork (_before_fork)
     # The parent's threads, and the dumps they had in flight, did not come along (one
     # may have held the condition's lock).
-    global _dumps_cond, _dumps_in_flight, _dumps_by_thread, _close_when_done
     _dumps_cond = threading.Condition(threading.Lock())
     _dumps_in_flight = 0
     _dumps_by_thread = {}
     _close_when_done = False
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+forking.part("registry", before=_before_fork, after_in_parent=_lock.release, after_in_child=_after_fork_in_child)
 
 
 # -- a failure in a queue's feeder thread (SPEC 16) ----------------------------------

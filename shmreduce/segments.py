@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from shmreduce import _native, _platform, _torch
+from shmreduce import _native, _platform, _torch, forking
 from shmreduce._native import Gen
 from shmreduce.broker.protocol import DIR_PREFIX, SEG_PREFIX, identity, is_segment_name
 from shmreduce.errors import SharingError, out_of_shm, too_many_files
@@ -78,7 +78,7 @@ def _after_fork_in_child() -> None:
         seg.deposited = False  # the parent's deposit, not ours
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+forking.part("segments", after_in_child=_after_fork_in_child)
 
 
 def fd_identity(fd: int) -> tuple[int, int]:

@@ -59,7 +59,7 @@ from typing import Any, NamedTuple, cast
 
 import torch
 
-from shmreduce import _faults, _native, _torch, pool, program, segments
+from shmreduce import _faults, _native, _torch, forking, pool, program, segments
 from shmreduce.broker import client as broker
 from shmreduce.broker.protocol import is_program_dir
 from shmreduce.cache import Place, cache
@@ -830,7 +830,7 @@ def _after_fork_in_child() -> None:
     _connected_before.clear()
 
 
-os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+forking.part("transfer", before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 _connected_before: set[str] = set()

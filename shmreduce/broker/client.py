@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
-from shmreduce import _faults
+from shmreduce import _faults, forking
 from shmreduce.broker import protocol as P
 from shmreduce.errors import SharingError, broker_gone, deposit_lost, stale_message, too_many_files
 
@@ -846,7 +846,7 @@ def _after_fork_in_parent() -> None:
         _launch_lock.release()
 
 
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
+forking.part("broker.client", before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 __all__ = [
     "BrokerClient",
