@@ -122,7 +122,7 @@ REAP_PER_TAKE = 8  # waiting segments a take() looks at (Pool.reap_waiting): its
 # descriptor here and, under file_descriptor, one at the broker. Past that, the
 # longest waiting leaves the pool (never reused: its memory goes back once its holders
 # let go of it) and the oldest free one is closed, so this process and its broker hold a
-# bounded number of descriptors however much receivers keep (SPEC 12).
+# bounded number of descriptors however much receivers keep.
 IDLE_SEGMENTS = 16
 _PAGE = mmap.PAGESIZE
 _T = TypeVar("_T")
@@ -636,7 +636,7 @@ class FdPool(Pool):
         try:
             os.ftruncate(fd, size)  # no memory until written
             # Its size for good: no process (the broker, which maps every header, least)
-            # can be killed with SIGBUS by another that shrinks it (issue 29, item 1).
+            # can be killed with SIGBUS by another that shrinks it.
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             ino, _ = segments.fd_identity(fd)
             return Segment("fd", ino, "", fd, size, fd)

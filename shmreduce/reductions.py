@@ -34,10 +34,9 @@ _SPARSE_COMPRESSED = {
 # Tensor that does not require grad and is neither a conjugate nor a negative view,
 # else (class, requires_grad, instance __dict__ or None, conj, neg): the view bits are
 # on the tensor, its storage holds the bytes they are lazily applied to. Plain tuples
-# pickle and load in C: measured here, a (ref, meta) pair as two NamedTuples costs
-# 1.9 us to pickle and 0.8 us to load per tensor, as plain tuples 0.3 and 0.3, on the
-# per-tensor hot path. transfer.SegmentRef names the
-# ref's fields in code; receive() checks the shape of what arrives. A plain tensor
+# pickle and load in C: a (ref, meta) pair as two NamedTuples costs several times as
+# much to pickle and to load, on the per-tensor hot path. transfer.share names the
+# ref's fields; receive() checks the shape of what arrives. A plain tensor
 # _native.reduce sends travels in a more compact form still, _native.load(template,
 # packed): its generation's template tuple (pickled once a message) and a few packed
 # bytes; rebuild_packed below is its general path.
@@ -234,7 +233,7 @@ def rebuild_tensor(ref: tuple | torch.UntypedStorage | None, meta: Meta) -> torc
         if empty is None:
             empty = _EMPTY[dtype] = torch.empty((0,), dtype=dtype)
         # new(): an empty tensor of empty's dtype and device, in half the time of
-        # new_empty((0,)) (measured: 1.4 us against 3.6), on the per-tensor hot path.
+        # new_empty((0,)), on the per-tensor hot path.
         t = empty.new().set_(storage, offset, size, stride)
         return t if extra is None else _finish(t, extra)
     except (TypeError, ValueError, RuntimeError) as exc:
@@ -365,7 +364,7 @@ def rebuild_typed_storage(untyped: torch.UntypedStorage, dtype: torch.dtype, cls
 
 
 def default_reducers() -> dict[type, Any]:
-    """The built-in table: every torch tensor and storage class SPEC.md names."""
+    """The built-in table: every torch tensor and storage class shmreduce shares."""
     table: dict[type, Any] = {}
     for cls in _torch.storage_classes():
         table[cls] = reduce_storage if issubclass(cls, torch.UntypedStorage) else reduce_typed_storage

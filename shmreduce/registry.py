@@ -75,7 +75,7 @@ def lookup(cls: type) -> Reducer | None:
     *cls*, else the user reducer of the nearest class in its MRO.
 
     Built-ins match exact classes only, as in torch's ForkingPickler table: a tensor
-    subclass pickles through its own ``__reduce_ex__``/``__getstate__`` (SPEC 11),
+    subclass pickles through its own ``__reduce_ex__``/``__getstate__``,
     and the storages that pickles still reach ``reductions.reduce_storage``.
     """
     try:
@@ -111,8 +111,8 @@ class DispatchTable(dict):
         """For a class every message meets (a tensor's dtype, the rebuild function):
         the reducer the lookup would find (*bases*, then user reducers), looked up at
         each call, else what pickle does itself (``__reduce__`` gives the name). A
-        miss costs a Python ``__missing__`` and a KeyError per message, 4 to 7 us of
-        the 16 to 34 of pickling one small tensor (measured here)."""
+        miss costs a Python ``__missing__`` and a KeyError per message: a fifth or
+        more of pickling one small tensor."""
         bases = self.bases
 
         def reduce(obj: Any) -> Any:
@@ -336,7 +336,7 @@ def _after_fork_in_child() -> None:
 forking.part("registry", before=_before_fork, after_in_parent=_lock.release, after_in_child=_after_fork_in_child)
 
 
-# -- a failure in a queue's feeder thread (SPEC 16) ----------------------------------
+# -- a failure in a queue's feeder thread -------------------------------------------
 #
 # ``mp.Queue.put`` only buffers: its feeder thread pickles and writes later, and a
 # pickling error there is printed (a traceback per message) and the message dropped;
@@ -351,7 +351,7 @@ forking.part("registry", before=_before_fork, after_in_parent=_lock.release, aft
 # documents where that error goes; registering shmreduce does not change it. Only
 # queues that keep multiprocessing's own ``_on_queue_feeder_error``: a queue that
 # overrides it (ProcessPoolExecutor's call queue fails the future there) hears its
-# errors as before.
+# errors as it would without shmreduce.
 
 # Both private, so absent from typeshed; present from 3.8 to 3.13.
 _FEED = multiprocessing.queues.Queue._feed.__code__  # type: ignore[attr-defined]
@@ -475,7 +475,7 @@ def register(*, strategy: str | None = None, cloudpickle: bool | None = None) ->
         patches.install(_forking_dumps, _forking_loads, _table(), _Inherit())
         # The program starts here, so forked children join it rather than each
         # becoming the root of its own (whose broker, and the messages it holds,
-        # would go when that child exits: SPEC 7). Not in a spawn/forkserver child
+        # would go when that child exits). Not in a spawn/forkserver child
         # still inheriting: sitecustomize, a .pth file and its main module's top level
         # (and a register() there) run before the parent's marker is unpickled, which
         # then adopts the parent's.
@@ -496,8 +496,8 @@ def _warn_of_workers_started_before() -> None:
     """Warn, once a process, of the children that run without shmreduce: started
     before the first ``register()`` (no marker in their process config, which
     multiprocessing copied when it made them), they keep torch's reducers, and what
-    they send back does not go through shmreduce (issue 38, item 2). A user must act
-    on it (SPEC 13): move ``register()`` before the Pool, DataLoader or Process."""
+    they send back does not go through shmreduce. A user must act on it, so it is
+    a warning: move ``register()`` before the Pool, DataLoader or Process."""
     global _workers_warned
     if _workers_warned:
         return
@@ -520,7 +520,7 @@ def _warn_of_workers_started_before() -> None:
 
 def _sweep_dead_programs() -> None:
     """What programs killed with their broker and its janitor left in the shm base
-    goes at the next program's ``register()`` (issue 29, item 4), not only once it
+    goes at the next program's ``register()``, not only once it
     starts a broker; ``shmreduce cleanup`` does the same by hand."""
     from shmreduce.broker import programdir
 
@@ -530,7 +530,7 @@ def _sweep_dead_programs() -> None:
         pass  # a base we cannot read: its owner's to clean
 
 
-# What register() did to the strategy, for unregister() to undo (issue 38, item 6): the
+# What register() did to the strategy, for unregister() to undo: the
 # strategy before the first register(), and the one register(strategy=...) set last.
 _strategy_before: str | None = None
 _strategy_set: str | None = None

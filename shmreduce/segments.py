@@ -325,8 +325,8 @@ class Segment:
         there. Not *zero*: pages written before keep this program's old bytes.
 
         Into pages allocated already (a reused segment), a copy through the mapping:
-        twice the speed of ``pwrite`` for 64 MiB here (9.8 against 4.9 GB/s), once
-        this process has touched them. Else through the descriptor: the kernel
+        about twice the speed of ``pwrite`` for a large storage, once this process has
+        touched them. Else through the descriptor: the kernel
         allocates the missing pages now (no page fault per page), so a full memory
         limit is an error here rather than a SIGBUS later."""
         assert self.fd is not None
@@ -446,7 +446,7 @@ def keep(seg: Segment) -> None:
 def open_fd(fd: int, ino: int) -> Segment:
     """Map a received memfd, which must be *ino* (its identity: device and inode),
     and close *fd*: a mapping needs no descriptor, so a receiver keeping thousands
-    of tensors holds none per segment (issue 27, item 4). Sending from it again
+    of tensors holds none per segment. Sending from it again
     fetches its descriptor anew (``transfer._deposit``)."""
     try:
         got, size = fd_identity(fd)
@@ -518,7 +518,7 @@ def live_segments() -> int:
 def retire_in_use() -> None:
     """Before a fork: every generation with a storage (or a hold) alive here now is
     retired in its header, never reused by its owner, whoever that is: the child
-    keeps what it inherits without counting itself a holder (SPEC 14), and its pages
+    keeps what it inherits without counting itself a holder, and its pages
     go back to the system once the last process maps them no more."""
     for seg in _in_use():
         if seg.gen:

@@ -157,7 +157,7 @@ def _drop_memfd(seg: segments.Segment) -> None:
 def _make_file(size: int) -> segments.Segment:
     """A new file_system segment: a file in the program directory, its broker live,
     its name held there before the file exists (a sender killed mid-pickle leaves
-    nothing: issue 11, item 17).
+    nothing).
 
     A full mount may be full of segments nobody uses any more: let go of them
     (``_fs_full``), and try once more (``pool.twice``).
@@ -207,7 +207,7 @@ _fs_pool = pool.FilePool(_make_file, _program_dir, _release_files, _fs_full)
 class _NameReserve:
     """file_system file names this process holds at its broker before it makes the
     files, a batch at a time: a sender killed in the middle of a pickle leaves files
-    its broker still removes, as its holds go with its connection (issue 11, item 17).
+    its broker still removes, as its holds go with its connection.
     One hold record per RESERVED_NAMES new files; a name held for a file never made
     costs the broker a dict entry until the process lets go."""
 
@@ -285,8 +285,8 @@ def share(storage: torch.UntypedStorage) -> tuple:
     place = cache.place_of(storage, key)
     if not out.checked:
         # Once per message, before its first ref: a broker that died since is replaced
-        # now. The files that went with it are forgotten (the storage is shared again:
-        # issue 11, item 5) or held at the new broker (issue 19, item 4), and the
+        # now. The files that went with it are forgotten (the storage is shared again)
+        # or held at the new broker (``_on_connect``), and the
         # memfds it kept go to the new one with their next ref (``_on_connect``): else
         # a sender whose refs all name memfds it deposited before never reconnected,
         # and a receiver that does not map them received none. One non-blocking poll
@@ -360,8 +360,8 @@ def _deposit(seg: segments.Segment, storage: torch.UntypedStorage, gen: int) -> 
 # at the same time (one tensor put on several queues: each feeder thread pickles it),
 # and share_memory_() takes the same path. The check-then-move runs under a lock of
 # that storage: the copy into the segment releases the GIL, and another thread must
-# not copy from memory this one is swapping away (issue 11: EFAULT, wrong bytes, lost
-# writes). torch guards its own moves alike (torch/storage.py,
+# not copy from memory this one is swapping away (EFAULT, wrong bytes, lost writes).
+# torch guards its own moves alike (torch/storage.py,
 # _share_memory_lock_protected).
 # One lock of a fixed set per storage (by its key): two storages may share one, which
 # costs them a wait, never correctness; no lock is made per storage.
@@ -586,7 +586,7 @@ def _drop_adopted(segs: list[segments.Segment]) -> None:
 class _Collector:
     """A daemon thread that runs ``collect`` every PURGE_EVERY, whether or not anything
     else is sent or received: memory is reusable (or returned) within about a second
-    of the last process letting go (issue 12). Started with this process's first
+    of the last process letting go. Started with this process's first
     segment, again in a forked child."""
 
     def __init__(self) -> None:
@@ -863,7 +863,7 @@ def _on_connect(client: broker.BrokerClient) -> None:
     # killed: nobody removed the directory) are held at the new one, which knows
     # nothing of them: else it unlinked each as soon as nothing was in flight in it,
     # while this process went on filling and reusing it, and every message after
-    # failed ('shared-memory file ... is gone', issue 19, item 4).
+    # failed ('shared-memory file ... is gone').
     kept = [seg.name for seg in _fs_pool.owned() if seg.directory == directory and seg.key in present]
     if kept:
         client.hold(kept)
@@ -879,9 +879,9 @@ def _bring_back(client: broker.BrokerClient, file_gone: Callable[[segments.Segme
     its memfds, and its files that went with the old broker's directory (by
     descriptor), so that it reads their headers as the old one did: a process that
     holds a generation of one and dies is counted out of it, whenever it took its hold
-    (issue 36, item 6: a receiver killed after a restart pinned the segment it held
-    from before for its owner's life). One round trip each, once per restart; a free
-    segment goes to it with its next ref, as before."""
+    (else a receiver killed after a restart pinned the segment it held from before
+    for its owner's life). One round trip each, once per restart; a free segment
+    goes to it with its next ref, as to any broker."""
 
     def reachable(seg: segments.Segment) -> bool:
         try:

@@ -203,12 +203,12 @@ Lifetimes
     what an exited maker made), or while refs sent in its
     generation are not all loaded and one of their senders lives (its maker, a
     forwarder that deposited it with ``f``: a generation retired by a fork keeps
-    its queued messages however long they wait, item 8), or ``$SHMREDUCE_ORPHAN_TTL``
+    its queued messages however long they wait), or ``$SHMREDUCE_ORPHAN_TTL``
     seconds (default 60) after the last such sender died: a receiver can read what
     an exited sender put, and a program whose workers come and go does not keep
     their unread messages for its whole life. Else it is closed or unlinked at once:
     a relay's deposits of what exited producers made go once loaded and dropped
-    (item 10). A memfd without a header whose depositor died, or dropped it, is kept
+    as any other. A memfd without a header whose depositor died, or dropped it, is kept
     ORPHAN_TTL (nothing counts its refs in flight). A
     hold that is never counted out (its process died while no broker ran) keeps its
     segment at the broker until the program's root exits. The broker exits once it
