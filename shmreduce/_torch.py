@@ -53,11 +53,6 @@ check_floor(getattr(torch, "__version__", ""))
 UntypedStorage = torch.UntypedStorage
 
 
-def map_file(path: str, nbytes: int) -> torch.UntypedStorage:
-    """A MAP_SHARED mapping of *path* (which keeps no descriptor open)."""
-    return cast(torch.UntypedStorage, UntypedStorage.from_file(path, shared=True, nbytes=nbytes))
-
-
 # Swap the memory of two storages in place (same size): every tensor viewing the
 # first now reads and writes the second's memory; the second is left holding the old
 # memory, freed when it is dropped. Bound, not wrapped: one call per storage shared.

@@ -14,10 +14,10 @@ process the storages of one generation are made by one *Gen*, a ``_native.Gen``:
 a storage over the mapping through DLPack, its range checked in C. The Gen counts
 its live storages (and holds: the slab it is, a load in progress) natively; torch's
 deleter decrements the count when a storage dies, on any thread, and the Gen whose
-count reaches zero is handed to ``settle`` (``_native.dead()``): "the last storage
+count reaches zero is handed to ``transfer.settle_dead`` (``_native.dead()``): "the last storage
 of generation G died here" is known exactly, without weak references. The Gen
 keeps its segment, and so the mapping. A Gen whose count reached zero is revived
-by a new storage until ``settle`` takes it. When a Gen dies:
+by a new storage until ``settle_dead`` takes it. When a Gen dies:
 
 - in the owner: the generation is over here. The segment is free at once if nobody
   holds the generation elsewhere and every ref sent in it was loaded
@@ -65,7 +65,7 @@ deposited while its pool keeps it is the pool's (the broker counts it a user, dr
 at ``leave``, and a broker restart gets it back, ``transfer._bring_back``); one
 deposited once no pool keeps it is a forward, which nobody drops: a received one's,
 or its owner's once its pool let go of it (``Segment.outside_its_pool``), which lasts
-while the owner holds it as a receiver (``settle``) and goes back to a new broker
+while the owner holds it as a receiver (``transfer.settle_dead``) and goes back to a new broker
 while its refs wait to be loaded. A deposit ends in ``Segment.undeposit``, which
 unindexes the segment's Gen with it: the C sender (``_native.reduce``) never sends
 from a descriptor its broker may have let go of.
@@ -304,7 +304,7 @@ class Pool:
             seg.lose()  # cut by another process under this copy: its generation ends with the Gen
             return self._own(nbytes, source, zero)
         finally:
-            gen.release()  # the maker's hold: failing, the Gen's death gives the segment back (settle)
+            gen.release()  # the maker's hold: failing, the Gen's death gives the segment back (settle_dead)
         return seg, seg.gen, offset, storage, gen
 
     def _begin(self, seg: Segment, retry: bool) -> Gen:
@@ -712,4 +712,20 @@ def _after_fork_in_child() -> None:
 
 forking.part("pool", after_in_child=_after_fork_in_child)
 
-__all__ = ["FdPool", "FilePool", "Pool"]
+# What other modules use: the pools, their settings, and the helpers transfer shares.
+__all__ = [
+    "ARENA_ITEM_MAX",
+    "ARENA_SIZE",
+    "IDLE_SEGMENTS",
+    "POOL_BYTES",
+    "POOL_IDLE",
+    "SLAB_ITEM_MAX",
+    "SLAB_SIZE",
+    "FdPool",
+    "FilePool",
+    "Hold",
+    "Pool",
+    "class_size",
+    "new_gen_number",
+    "twice",
+]

@@ -28,7 +28,7 @@ _SPARSE_COMPRESSED = {
 }
 
 
-# A strided tensor travels as (ref, meta): *ref* the storage's transfer.SegmentRef as
+# A strided tensor travels as (ref, meta): *ref* the storage's ref (``transfer``),
 # a plain tuple (or None for an empty storage), *meta* everything else as a plain
 # tuple (dtype, size, stride, offset, extra), where *extra* is None for a plain
 # Tensor that does not require grad and is neither a conjugate nor a negative view,
@@ -214,7 +214,7 @@ def _plain(meta: Any) -> tuple | None:
 
 
 def rebuild_tensor(ref: tuple | torch.UntypedStorage | None, meta: Meta) -> torch.Tensor:
-    """The general rebuild of a strided CPU tensor: *ref*, a storage's SegmentRef, or
+    """The general rebuild of a strided CPU tensor: *ref*, a storage's ref (``transfer``), or
     an empty storage already rebuilt (None from older pickles). Pickles name
     ``_native.rebuild``, which makes the common case in one C call (a plain tensor
     over the whole of a storage not loaded here yet, in a generation this process

@@ -148,14 +148,22 @@ def dispatch_table(base: Mapping[Any, Any] | None = None) -> DispatchTable:
     return DispatchTable((copyreg.dispatch_table if base is None else base,))
 
 
-def _made(made: list[DispatchTable], bases: tuple[Mapping[Any, Any], ...]) -> DispatchTable:
-    """The table in *made* (emptied when the reducers change), made over *bases* if none."""
-    try:
-        return made[0]
-    except IndexError:  # none yet, or emptied meanwhile by another thread
-        table = DispatchTable(bases)
-        made[:] = [table]
+class _Made:
+    """One dispatch table over *bases*, made at its first use and again after the
+    reducers change (``clear``)."""
+
+    def __init__(self, bases: tuple[Mapping[Any, Any], ...]) -> None:
+        self.bases = bases
+        self.table: DispatchTable | None = None
+
+    def get(self) -> DispatchTable:
+        table = self.table  # read once: another thread may clear it meanwhile
+        if table is None:
+            table = self.table = DispatchTable(self.bases)
         return table
+
+    def clear(self) -> None:
+        self.table = None
 
 
 # -- user reducers -----------------------------------------------------------------
@@ -212,12 +220,12 @@ def _changed() -> None:
 
 # ForkingPickler's table (its _extra_reducers over copyreg's, under shmreduce's),
 # made once rather than copied for every message as ForkingPickler.__init__ does.
-_forking_table: list[DispatchTable] = []
 _FORKING_BASES = (patches.EXTRA_REDUCERS, copyreg.dispatch_table)
+_forking_table = _Made(_FORKING_BASES)
 
 
 def _forking_dispatch_table() -> DispatchTable:
-    return _made(_forking_table, _FORKING_BASES)
+    return _forking_table.get()
 
 
 def _forking_dumps(cls: type, obj: Any, protocol: int | None = None) -> memoryview:
@@ -605,8 +613,8 @@ def registered(strategy: str | None = None) -> Iterator[None]:
 # -- cloudpickle -------------------------------------------------------------------
 
 
-_cloud_table: list[DispatchTable] = []
 _CLOUD_BASES = tuple(cloudpickle.Pickler.dispatch_table.maps)  # cloudpickle's reducers, copyreg's
+_cloud_table = _Made(_CLOUD_BASES)
 
 
 def _cloudpickle_table(pickler: Any) -> DispatchTable:
@@ -614,7 +622,7 @@ def _cloudpickle_table(pickler: Any) -> DispatchTable:
     # the C pickler's slot: only a class-level attribute is seen (at __init__), so
     # ours is a property over a table remade when the reducers change, reading
     # the dicts of cloudpickle's own ChainMap live.
-    return _made(_cloud_table, _CLOUD_BASES)
+    return _cloud_table.get()
 
 
 class _CloudPickler(cloudpickle.Pickler):

@@ -271,7 +271,7 @@ class Segment:
         """The Gen of *number* in this process, made held once: its maker ``release()``s
         that hold (or hands it to a ``Hold``). *entry*: a receiver's, its ledger entry
         for *number* (``hdr_hold`` counted it in the header), let go of when the Gen
-        dies (``settle``)."""
+        dies (``transfer.settle_dead``)."""
         gen = Gen(self, self.addr, self.size, number, HEADER if number else 0)
         gen.info = GenInfo(entry, os.getpid())
         self.gen_ref, self.gen = weakref.ref(gen), number
@@ -532,15 +532,6 @@ def drop_kept() -> None:
     _kept.clear()
 
 
-def forget_mappings() -> None:
-    """Forget every segment this process maps (they stay mapped while storages use
-    them): a forked child then receives like a process that never saw them."""
-    _kept.clear()
-    _mapped.clear()
-    live.clear()
-    _native.forget_mapped()
-
-
 def seal_where(gone: Callable[[Segment], bool]) -> None:
     """Never fill or send from again the mapped segments *gone* names (their files
     went with a broker that died): a storage in one is shared anew when sent."""
@@ -571,3 +562,38 @@ def mapped_stats() -> dict[str, int]:
         "descriptors": sum(1 for s in segs if s.fd is not None),
         "segments_kept": len(_kept),
     }
+
+
+# What other modules use (transfer, pool, cache, reductions, stats).
+__all__ = [
+    "ALIGN",
+    "HEADER",
+    "KEPT_SEGMENTS",
+    "GenInfo",
+    "ProgramDirectoryGone",
+    "Segment",
+    "adopt",
+    "create_file",
+    "cut",
+    "drop_kept",
+    "dtypes",
+    "fd_identity",
+    "fill",
+    "forget_deposits",
+    "keep",
+    "let_go_of_here",
+    "live",
+    "live_segments",
+    "lookup",
+    "mapped_now",
+    "mapped_stats",
+    "new_name",
+    "no_memory",
+    "open_fd",
+    "open_file",
+    "os_error",
+    "refuse_foreign_file",
+    "retire_in_use",
+    "seal_where",
+    "segment_at",
+]

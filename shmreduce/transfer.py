@@ -1,7 +1,7 @@
 """Sharing a storage (sender) and loading it (receiver): no broker record per message.
 
 ``share(storage)`` (sender) moves a storage into this process's pool (``pool``)
-once and returns the ``SegmentRef`` a pickle carries, as a plain tuple, counting it
+once and returns the *ref* a pickle carries (below), a plain tuple, counting it
 *sent* in its segment's shared header; ``receive(ref)`` (receiver) turns it back
 into a storage, counting it *loaded*. A receiver holds each generation it makes
 storages of (``_native.hdr_hold``, before it trusts the generation) and lets go when
@@ -21,6 +21,22 @@ These are the general path. A plain CPU tensor is sent and loaded in one C call
 (``_native.reduce`` / ``_native.rebuild``) wherever its generation is indexed /
 published: ``share`` indexes each generation it sends from (its memfd deposited,
 its file's tag computed) and ``_new_gen`` publishes each it holds as a receiver.
+
+A ref is the plain tuple (kind, program, segment, gen, offset, nbytes, tag, ticket),
+plain because plain tuples pickle and load in C, on the hot path; checked in one
+place, ``_checked``:
+
+- kind: "fd" or "fs"; program: the broker directory that keeps the segment (fd) or
+  holds the file (fs); segment: the memfd's identity (fd) or the file's name (fs);
+- gen: the segment's generation (0: a segment shmreduce does not pool); offset,
+  nbytes: the storage's bytes in the segment;
+- tag: fs, a keyed hash of directory, file and generation under the program's
+  authkey (``fs_tag``): nothing asks the broker before a file is mapped, so the
+  receiver checks the tag instead, once per generation; fd, 0 (the broker
+  authenticates);
+- ticket: the ref's ticket in its generation (``_native.hdr_issue``): its first load
+  sets the ticket's bit in the header and counts it loaded, a repeated load counts
+  nothing (broker/protocol.py, "Lifetimes"); 0 for generation 0.
 
 Inside a ``sending()`` scope (``registry``'s ``ForkingPickler.dumps``,
 ``shmreduce.dumps``) a message's refs are counted sent when the scope closes
@@ -55,7 +71,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import torch
 
@@ -69,27 +85,6 @@ from shmreduce.strategy import get_sharing_strategy
 HEADER = segments.HEADER
 
 log = logging.getLogger("shmreduce")
-
-
-class SegmentRef(NamedTuple):
-    """What a pickle carries for one shared storage: names the fields of the plain
-    tuple ``share`` returns (plain tuples pickle and load in C, on the hot path).
-    Checked in one place, ``_checked``."""
-
-    kind: str  # "fd" | "fs"
-    program: str  # the broker directory that keeps the segment (fd) / holds the file (fs)
-    segment: int | str  # fd: the memfd's inode; fs: the file's name
-    gen: int  # the segment's generation (0: a segment shmreduce does not pool)
-    offset: int
-    nbytes: int
-    # fs: a keyed hash of directory, file and generation under the program's authkey
-    # (see fs_tag): nothing asks the broker before a file is mapped, so the receiver
-    # checks the tag instead, once per generation. fd: 0 (the broker authenticates).
-    tag: int
-    # This ref's ticket in its generation (``_native.hdr_issue``): its first load sets
-    # the ticket's bit in the header and counts it loaded, a repeated load counts
-    # nothing (broker/protocol.py, "Lifetimes"). 0 for generation 0.
-    ticket: int
 
 
 def fs_tag(directory: str, name: str, gen: int) -> int:
@@ -276,7 +271,7 @@ class sending:
 
 def share(storage: torch.UntypedStorage) -> tuple:
     """Move *storage* into shared memory (once) and add it to the current message;
-    return its ``SegmentRef`` as a plain tuple."""
+    return its ref (the module docstring says what a ref is)."""
     out = getattr(_local, "out", None)
     if out is None:
         with sending():
@@ -619,7 +614,7 @@ _collector = _Collector()
 
 
 def receive(ref: tuple) -> torch.UntypedStorage:
-    """The storage *ref* (a ``SegmentRef`` or its plain tuple) names: from the cache
+    """The storage *ref* names: from the cache
     if this process has it already."""
     storage = receive_tensor(ref, None)
     assert isinstance(storage, torch.UntypedStorage)
@@ -748,7 +743,7 @@ def _new_gen(seg: segments.Segment, kind: str, directory: str, segkey: Any, numb
 
 
 def _checked(ref: Any) -> tuple:
-    """*ref*'s fields, each of the type and range a ``SegmentRef`` has, or
+    """*ref*'s fields, each of the type and range a ref's has (module docstring), or
     SharingError: the one place a handle from a pickle is checked before use."""
     try:
         kind, directory, segkey, gen, offset, nbytes, tag, ticket = ref

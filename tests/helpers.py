@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import shmreduce
 from shmreduce import program
@@ -240,15 +240,33 @@ def pipe_echo(ctx, timeout: float = 30.0) -> Iterator[Callable[[Any], Any]]:
     assert proc.exitcode == 0
 
 
+class SegmentRef(NamedTuple):
+    """A ref (``transfer.share``'s plain tuple: its fields are in transfer's module
+    docstring), read by name in tests: ``SegmentRef(*transfer.share(storage))``."""
+
+    kind: str
+    program: str
+    segment: int | str
+    gen: int
+    offset: int
+    nbytes: int
+    tag: int
+    ticket: int
+
+
 def forget_mappings() -> None:
     """In a forked child: forget the segments inherited from the parent (its storage
     cache, its file_descriptor slabs), so the child receives like a process that never
     saw them."""
-    from shmreduce import segments
+    from shmreduce import _native, segments
     from shmreduce.cache import cache
 
     cache.clear()
-    segments.forget_mappings()
+    # Every segment this process maps is forgotten (each stays mapped while storages use it).
+    segments._kept.clear()
+    segments._mapped.clear()
+    segments.live.clear()
+    _native.forget_mapped()
 
 
 def let_go_now() -> None:

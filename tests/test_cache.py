@@ -12,11 +12,13 @@ import shmreduce
 from shmreduce import segments, transfer
 from shmreduce.cache import Place, StorageCache, cache
 
+from helpers import SegmentRef
+
 
 def test_a_shared_storage_is_found_by_its_address(strategy: str) -> None:
     t = torch.arange(1000.0)
     assert cache.place_of(t.untyped_storage()) is None, "private memory lies in no segment"
-    ref = transfer.SegmentRef(*transfer.share(t.untyped_storage()))
+    ref = SegmentRef(*transfer.share(t.untyped_storage()))
     place = cache.place_of(t.untyped_storage())
     assert place is not None
     assert (place.segment.key, place.gen, place.offset, place.nbytes) == (ref.segment, ref.gen, ref.offset, ref.nbytes)
@@ -27,7 +29,7 @@ def test_a_shared_storage_is_found_by_its_address(strategy: str) -> None:
     assert inner is not None and inner.segment is place.segment and inner.gen == place.gen
     assert (inner.offset, inner.nbytes) == (place.offset + 400, 400)
     # Sent again: the same ref, no second move.
-    again = transfer.SegmentRef(*transfer.share(t.untyped_storage()))
+    again = SegmentRef(*transfer.share(t.untyped_storage()))
     assert again[:7] == ref[:7] and again.ticket != ref.ticket  # a ref of its own (its ticket), to the same place
     # Loaded here, each gives this process its own storage back (and counts loaded:
     # nothing is left in flight).

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 import shmreduce
 from shmreduce import _native, _torch, reductions, segments, transfer
 
-from helpers import run_in_child, without_dlpack_exchange_api
+from helpers import forget_mappings, run_in_child, without_dlpack_exchange_api
 
 LOW = _native.HEADER_BYTES  # a pooled generation's storages start past its header
 SIZE = LOW + (1 << 16)
@@ -556,7 +556,7 @@ def test_the_identity_map_keeps_its_weak_references_out_of_the_collector(memory)
 def _load_mutated(data: bytes) -> str:
     """A mutated message loaded in a fork child (which forgets its parent's mappings):
     whatever happens, an exception or a value, never a crash."""
-    segments.forget_mappings()
+    forget_mappings()
     try:
         obj = pickle.loads(data)
     except Exception as exc:  # noqa: BLE001  any exception is a fine answer to garbage; a crash is not

@@ -17,7 +17,7 @@ import torch
 import shmreduce
 from shmreduce import _native, pool, program, reductions, segments, transfer
 
-from helpers import forget_mappings, let_go_now, run_in_child, wait_for, without_dlpack_exchange_api
+from helpers import SegmentRef, forget_mappings, let_go_now, run_in_child, wait_for, without_dlpack_exchange_api
 
 MIB = 1 << 20
 SMALL_SIZES = (100, 4000, pool.SLAB_ITEM_MAX)  # packed in the thread's slab
@@ -57,7 +57,7 @@ def _delta(before: dict[str, int], *names: str) -> dict[str, int]:
     return {name: now[name] - before[name] for name in names}
 
 
-def _counts(ref: transfer.SegmentRef) -> tuple[int, int]:
+def _counts(ref: SegmentRef) -> tuple[int, int]:
     """(sent, loaded) in the header of the segment *ref* lies in, this process's mapping."""
     seg = segments.lookup(ref.kind, ref.segment)
     assert seg is not None
@@ -99,11 +99,11 @@ def test_one_scope_is_one_message_small_storages_share_a_slab(strategy: str, fre
     large = _storage(LARGE_SIZE, 9)
     before = transfer.counters()
     with transfer.sending():
-        mid_refs = [transfer.SegmentRef(*transfer.share(s)) for s in mids]
-        refs = [transfer.SegmentRef(*transfer.share(s)) for s in [*smalls, large]]
+        mid_refs = [SegmentRef(*transfer.share(s)) for s in mids]
+        refs = [SegmentRef(*transfer.share(s)) for s in [*smalls, large]]
         assert _delta(before, "storages_reused") == {"storages_reused": 0}
         with transfer.sending():  # a nested scope joins the outer message
-            again = transfer.SegmentRef(*transfer.share(smalls[1]))
+            again = SegmentRef(*transfer.share(smalls[1]))
             assert again[:7] == refs[1][:7], "a storage sent twice in one message has the same ref, but its ticket"
             assert again.ticket != refs[1].ticket
         assert _delta(before, "messages_sent") == {"messages_sent": 0}, "sent before the scope closed"
@@ -165,14 +165,14 @@ def test_a_scope_that_raises_delivers_nothing(strategy: str) -> None:
     assert _delta(before, "messages_sent") == {"messages_sent": 0}
     with pytest.raises(RuntimeError, match="mid-pickle"):
         with transfer.sending():
-            dropped = transfer.SegmentRef(*transfer.share(s))
+            dropped = SegmentRef(*transfer.share(s))
             raise RuntimeError("mid-pickle")
     assert _delta(before, "messages_sent", "storages_shared") == {"messages_sent": 0, "storages_shared": 1}
     sent, loaded = _counts(dropped)
 
     # The next message works, and carries the storage from where it now lies.
     with transfer.sending():
-        ref = transfer.SegmentRef(*transfer.share(s))
+        ref = SegmentRef(*transfer.share(s))
     assert _delta(before, "messages_sent", "storages_shared", "storages_reused") == {
         "messages_sent": 1,
         "storages_shared": 1,
@@ -198,12 +198,12 @@ def test_receiving_a_ref_of_this_process_gives_the_very_storage(strategy: str) -
         received = transfer.counters()["messages_received"]
         with transfer.receiving():
             got = transfer.receive(ref)
-            again = transfer.receive(transfer.SegmentRef(*ref))  # a SegmentRef is its tuple
+            again = transfer.receive(SegmentRef(*ref))  # a SegmentRef is its tuple
         assert transfer.counters()["messages_received"] == received + 1
         assert got.data_ptr() == again.data_ptr() == s.data_ptr()
         assert got.nbytes() == nbytes
         assert bool((_bytes_of(got) == 3).all())
-        sent, loaded = _counts(transfer.SegmentRef(*ref))
+        sent, loaded = _counts(SegmentRef(*ref))
         assert loaded == sent, "a ref loaded twice counts once: its ticket"
 
 
