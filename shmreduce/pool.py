@@ -3,9 +3,9 @@
 A sending process keeps a ``Pool`` of the segments (``segments.Segment``) it made,
 one per strategy: small storages (up to ``SLAB_ITEM_MAX``) are packed at offsets
 into its thread's current *slab* (``SLAB_SIZE`` bytes), across messages; mid-size
-ones (up to ``ARENA_ITEM_MAX``) the same way into its current *arena* (``ARENA_SIZE``, less on a small file_system mount:
-``FilePool.arena_size``); a larger storage gets a segment of its size class (eight
-classes per doubling).
+ones (up to ``ARENA_ITEM_MAX``) the same way into its current *arena* (``ARENA_SIZE``,
+less on a small file_system mount: ``FilePool.arena_size``); a larger storage gets a
+segment of its size class (eight classes per doubling).
 
 Generations. A segment is filled anew in *generations*. A generation is a number
 unique in the program, written into the segment's first ``HEADER`` bytes with its
@@ -14,8 +14,8 @@ process the storages of one generation are made by one *Gen*, a ``_native.Gen``:
 a storage over the mapping through DLPack, its range checked in C. The Gen counts
 its live storages (and holds: the slab it is, a load in progress) natively; torch's
 deleter decrements the count when a storage dies, on any thread, and the Gen whose
-count reaches zero is handed to ``transfer.settle_dead`` (``_native.dead()``): "the last storage
-of generation G died here" is known exactly, without weak references. The Gen
+count reaches zero is handed to ``transfer.settle_dead`` (``_native.dead()``): "the
+last storage of generation G died here" is known exactly, without weak references. The Gen
 keeps its segment, and so the mapping. A Gen whose count reached zero is revived
 by a new storage until ``settle_dead`` takes it. When a Gen dies:
 
@@ -148,7 +148,7 @@ def class_size(nbytes: int) -> int:
     return -(-need // step) * step
 
 
-# -- gens ------------------------------------------------------------------------
+# -- holds and retries -----------------------------------------------------------
 
 
 class Hold:
