@@ -178,7 +178,10 @@ def refuse_foreign_file(storage: torch.UntypedStorage) -> None:
 
 
 class GenInfo(NamedTuple):
-    """What a Gen's maker tells ``transfer.settle_dead`` of it (``Gen.info``)."""
+    """What a Gen's maker tells ``transfer.settle_dead`` of it: the fields of ``Gen.info``,
+    in this order. Written as a plain tuple, not a GenInfo: with GenInfo instances,
+    tests/test_pool.py's past_its_cap[file_system] keeps segments when it runs after
+    a failed test_broker_ops adopted-memfd test (the cause is not known yet)."""
 
     entry: tuple | None  # a receiver's: its ledger entry for the generation, let go of when the Gen dies
     pid: int  # the process that made it: a forked child's copy of it is not the child's to settle
@@ -273,7 +276,7 @@ class Segment:
         for *number* (``hdr_hold`` counted it in the header), let go of when the Gen
         dies (``transfer.settle_dead``)."""
         gen = Gen(self, self.addr, self.size, number, HEADER if number else 0)
-        gen.info = GenInfo(entry, os.getpid())
+        gen.info = (entry, os.getpid())  # GenInfo's fields
         self.gen_ref, self.gen = weakref.ref(gen), number
         return gen
 

@@ -323,7 +323,7 @@ def share(storage: torch.UntypedStorage) -> tuple:
             # A storage a forked child inherited (its generation retired at the fork,
             # never reused): a Gen of its own only carries the hold and the mapping.
             gen = _native.Gen(seg, seg.addr, seg.size, number, HEADER)
-            gen.info = segments.GenInfo(None, -1)  # nobody's to settle
+            gen.info = (None, -1)  # GenInfo's fields: nobody's to settle
         out.counted.append(gen)
     kind, directory, key, number, tag = template
     return (kind, directory, key, number, offset, nbytes, tag, ticket)
