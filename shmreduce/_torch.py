@@ -53,11 +53,6 @@ check_floor(getattr(torch, "__version__", ""))
 UntypedStorage = torch.UntypedStorage
 
 
-def map_file(path: str, nbytes: int) -> torch.UntypedStorage:
-    """A MAP_SHARED mapping of *path* (which keeps no descriptor open)."""
-    return cast(torch.UntypedStorage, UntypedStorage.from_file(path, shared=True, nbytes=nbytes))
-
-
 # Swap the memory of two storages in place (same size): every tensor viewing the
 # first now reads and writes the second's memory; the second is left holding the old
 # memory, freed when it is dropped. Bound, not wrapped: one call per storage shared.
@@ -69,7 +64,7 @@ def share_fd(storage: torch.UntypedStorage) -> None:
     """Move *storage* into a memfd of torch's own, in place (``_share_fd_cpu_``): torch
     allocates it, copies, and repoints the same StorageImpl, so every view of it sees
     the shared memory. The one way to move a storage in place where torch has no
-    ``swap_memory``; shmreduce then adopts the memfd (``pool.adopt``). torch's
+    ``swap_memory``; shmreduce then adopts the memfd (``segments.adopt``). torch's
     ``_share_filename_cpu_`` leaves no descriptor to adopt, so this serves under both
     strategies."""
     storage._share_fd_cpu_()

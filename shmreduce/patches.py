@@ -49,10 +49,19 @@ _MISSING = object()
 
 _saved_attrs: dict[tuple[Any, str], Any] = {}  # (owner, name) -> what its __dict__ held
 _saved_reducers: dict[type, Any] = {}  # class -> the _extra_reducers entry before ours
-_torch_is_shared: list[Callable[[torch.UntypedStorage], bool]] = []
-_torch_share_memory: list[Callable[..., torch.UntypedStorage]] = []
-_torch_set_strategy: list[Callable[[str], None]] = []
-_torch_set_num_threads: list[Callable[[int], None]] = []
+
+
+class _TorchOwn:
+    """torch's own functions that the patches call through: saved by ``install``,
+    forgotten by ``remove``."""
+
+    is_shared: Callable[[torch.UntypedStorage], bool]
+    share_memory_: Callable[..., torch.UntypedStorage]
+    set_sharing_strategy: Callable[[str], None]
+    set_num_threads: Callable[[int], None]
+
+
+_torch_own = _TorchOwn()
 
 
 def process_config() -> dict[str, Any]:
@@ -62,8 +71,8 @@ def process_config() -> dict[str, Any]:
 
 def install(dumps: Callable[..., Any], loads: Callable[..., Any], reducers: dict[type, Any], marker: Any) -> None:
     """Install everything at once (the caller holds the registry's lock)."""
-    _torch_is_shared.append(torch.UntypedStorage.is_shared)
-    _torch_share_memory.append(torch.UntypedStorage.share_memory_)
+    _torch_own.is_shared = torch.UntypedStorage.is_shared
+    _torch_own.share_memory_ = torch.UntypedStorage.share_memory_
     for cls, reduce in reducers.items():
         set_reducer(cls, reduce)
     _set(ForkingPickler, "dumps", classmethod(dumps))
@@ -71,9 +80,9 @@ def install(dumps: Callable[..., Any], loads: Callable[..., Any], reducers: dict
     _set(torch.UntypedStorage, "is_shared", _is_shared)
     _set(torch.UntypedStorage, "share_memory_", _share_memory_)
     _set(torch.UntypedStorage, "_new_shared", classmethod(_new_shared))
-    _torch_set_strategy.append(_tmp.set_sharing_strategy)
+    _torch_own.set_sharing_strategy = _tmp.set_sharing_strategy
     _set(_tmp, "set_sharing_strategy", _set_sharing_strategy)
-    _torch_set_num_threads.append(torch.set_num_threads)
+    _torch_own.set_num_threads = torch.set_num_threads
     _set(torch, "set_num_threads", _set_num_threads)
     _native.set_intra_op_threads(torch.get_num_threads())
     process_config()[CONFIG_KEY] = marker
@@ -90,10 +99,7 @@ def remove() -> None:
     _saved_attrs.clear()
     for cls in list(_saved_reducers):
         restore_reducer(cls)
-    _torch_is_shared.clear()
-    _torch_share_memory.clear()
-    _torch_set_strategy.clear()
-    _torch_set_num_threads.clear()
+    vars(_torch_own).clear()
     _native.set_intra_op_threads(0)
 
 
@@ -121,7 +127,7 @@ def _set(owner: Any, name: str, value: Any) -> None:
 
 
 def _is_shared(self: torch.UntypedStorage) -> bool:
-    return bool(_torch_is_shared[0](self)) or cache.place_of(self) is not None
+    return bool(_torch_own.is_shared(self)) or cache.place_of(self) is not None
 
 
 def _share_memory_(self: torch.UntypedStorage, *args: Any, **kwargs: Any) -> torch.UntypedStorage:
@@ -135,7 +141,7 @@ def _share_memory_(self: torch.UntypedStorage, *args: Any, **kwargs: Any) -> tor
         if not self.is_shared() and self.nbytes():
             transfer.share_in_place(self)
         return self
-    return _torch_share_memory[0](self, *args, **kwargs)
+    return _torch_own.share_memory_(self, *args, **kwargs)
 
 
 def _new_shared(cls: type, size: int, *, device: Any = "cpu") -> torch.UntypedStorage:
@@ -155,7 +161,7 @@ def _set_sharing_strategy(new_strategy: str) -> None:
     """``torch.multiprocessing.set_sharing_strategy`` while installed: the name checked
     as ``shmreduce.set_sharing_strategy`` checks it, then set by torch's own."""
     strategy.check(new_strategy)
-    _torch_set_strategy[0](new_strategy)
+    _torch_own.set_sharing_strategy(new_strategy)
 
 
 # -- the intra-op setting ------------------------------------------------------------
@@ -164,5 +170,5 @@ def _set_sharing_strategy(new_strategy: str) -> None:
 def _set_num_threads(n: int) -> None:
     """``torch.set_num_threads`` while installed: torch's, then the process's setting
     for the native core's copies (which run on any thread)."""
-    _torch_set_num_threads[0](n)
+    _torch_own.set_num_threads(n)
     _native.set_intra_op_threads(torch.get_num_threads())

@@ -1,26 +1,23 @@
 """Recycled pools of shared memory: segments, their generations, and who holds them.
 
-A ``Segment`` is one piece of shared memory mapped in this process: a memfd
-(``file_descriptor``) or a file in the program directory (``file_system``). It owns
-its mapping, its bounds and, for a memfd, its descriptor. A sending process keeps a
-``Pool`` of the segments it made, one per strategy: small storages (up to
-``SLAB_ITEM_MAX``) are packed at offsets into its thread's current *slab*
-(``SLAB_SIZE`` bytes), across messages; mid-size ones (up to ``ARENA_ITEM_MAX``) the
-same way into its current *arena* (``ARENA_SIZE``, less on a small file_system mount:
-``FilePool.arena_size``); a larger storage gets a segment of its size class (eight
-classes per doubling).
+A sending process keeps a ``Pool`` of the segments (``segments.Segment``) it made,
+one per strategy: small storages (up to ``SLAB_ITEM_MAX``) are packed at offsets
+into its thread's current *slab* (``SLAB_SIZE`` bytes), across messages; mid-size
+ones (up to ``ARENA_ITEM_MAX``) the same way into its current *arena* (``ARENA_SIZE``,
+less on a small file_system mount: ``FilePool.arena_size``); a larger storage gets a
+segment of its size class (eight classes per doubling).
 
 Generations. A segment is filled anew in *generations*. A generation is a number
 unique in the program, written into the segment's first ``HEADER`` bytes with its
 shared counters (refs sent, refs loaded, holders: ``broker/protocol.py``). In each
-process the storages of one generation are made by one *token*, a ``_native.Gen``:
-a storage over the mapping through DLPack, its range checked in C. The token counts
+process the storages of one generation are made by one *Gen*, a ``_native.Gen``:
+a storage over the mapping through DLPack, its range checked in C. The Gen counts
 its live storages (and holds: the slab it is, a load in progress) natively; torch's
-deleter decrements the count when a storage dies, on any thread, and the token whose
-count reaches zero is handed to ``settle`` (``_native.dead()``): "the last storage
-of generation G died here" is known exactly, without weak references. The token
-keeps its segment, and so the mapping. A token whose count reached zero is revived
-by a new storage until ``settle`` takes it. When a token dies:
+deleter decrements the count when a storage dies, on any thread, and the Gen whose
+count reaches zero is handed to ``transfer.settle_dead`` (``_native.dead()``): "the
+last storage of generation G died here" is known exactly, without weak references. The Gen
+keeps its segment, and so the mapping. A Gen whose count reached zero is revived
+by a new storage until ``settle_dead`` takes it. When a Gen dies:
 
 - in the owner: the generation is over here. The segment is free at once if nobody
   holds the generation elsewhere and every ref sent in it was loaded
@@ -30,7 +27,7 @@ by a new storage until ``settle`` takes it. When a token dies:
 - in a receiver: it lets go of the generation (its entry in this process's
   ledger, which the broker reads if it dies, cleared first, then the header's
   holders: no record). In a stream of messages in one slab, each dropped before
-  the next arrives, the next message's storage revives the token before it is
+  the next arrives, the next message's storage revives the Gen before it is
   settled: a slab's generation is held once, not once per message.
 
 A free segment is reused with its pages already in memory (no page fault per page,
@@ -38,14 +35,10 @@ no new descriptor, no new mapping in any process that keeps it mapped). Memory s
 valid wherever it is mapped until every process has let go of every storage in it:
 aliasing holds as with torch.
 
-A receiver finds a segment it maps already by identity (a memfd's inode, a file's
-name) and checks the header against the handle's generation: a stale handle is a
-``SharingError``, never another message's bytes. It keeps its ``KEPT_SEGMENTS``
-latest mappings after their last storage dies (one descriptor each under
-``file_descriptor``, none under ``file_system``): the next message in one costs no
-round trip, no descriptor, no mapping. A segment its owner lets go of while free
-has its pages punched out first (``Pool.discard``): a kept mapping of it pins its
-header page only, in memory or in the file_system mount.
+A receiver keeps its latest mappings after their last storage dies
+(``segments.keep``). A segment its owner lets go of while free has its pages punched
+out first (``Pool.discard``): a kept mapping of it pins its header page only, in
+memory or in the file_system mount.
 
 Copies: a slab's pages are allocated when it is made, so a small storage is one
 copy into the mapping; a larger one is copied through the mapping into pages its
@@ -66,15 +59,15 @@ taken before it (a reconnection's hook reads this pool under the client's lock);
 ``transfer`` writes the whole order.
 
 States. Whether a segment is its pool's is ``Segment.pool`` (the pool in its
-owner, until ``Pool.closed``, the one way out: in use, free, waiting, or *leaving*,
+owner, until ``Pool.leave``, the one way out: in use, free, waiting, or *leaving*,
 retired with refs in flight, kept until they are loaded). Every path asks it: a memfd
 deposited while its pool keeps it is the pool's (the broker counts it a user, dropped
-at ``closed``, and a broker restart gets it back, ``transfer._bring_back``); one
+at ``leave``, and a broker restart gets it back, ``transfer._bring_back``); one
 deposited once no pool keeps it is a forward, which nobody drops: a received one's,
 or its owner's once its pool let go of it (``Segment.outside_its_pool``), which lasts
-while the owner holds it as a receiver (``settle``) and goes back to a new broker
+while the owner holds it as a receiver (``transfer.settle_dead``) and goes back to a new broker
 while its refs wait to be loaded. A deposit ends in ``Segment.undeposit``, which
-unindexes the segment's token with it: the C sender (``_native.reduce``) never sends
+unindexes the segment's Gen with it: the C sender (``_native.reduce``) never sends
 from a descriptor its broker may have let go of.
 
 Memory bounds: a pool keeps at most ``POOL_BYTES`` of free segments (the
@@ -89,27 +82,22 @@ reused (the child may use their storages without its parent's pool knowing).
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import fcntl
 import itertools
 import mmap
 import os
 import threading
 import time
-import weakref
-from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
-from shmreduce import _faults, _native, _platform, _torch, segments
-from shmreduce.broker import client as broker
-from shmreduce.errors import OutOfSharedMemory, SharingError, out_of_shm
+from shmreduce import _faults, _native, _platform, forking, segments
+from shmreduce._native import Gen
+from shmreduce.errors import OutOfSharedMemory, SharingError
+from shmreduce.segments import HEADER, Segment
 
-HEADER = _native.HEADER_BYTES  # a pooled segment's shared header (generation, counters, tickets); storages start after
-ALIGN = _native.ALIGN  # a slab places each storage on a cache line, as torch's CPU allocator aligns (Gen.put)
 SLAB_ITEM_MAX = _native.SLAB_ITEM_MAX  # storages up to this size share their thread's current slab
 SLAB_SIZE = 1 << 20
 # Storages above SLAB_ITEM_MAX up to ARENA_ITEM_MAX share their thread's current arena
@@ -128,29 +116,16 @@ ARENA_CHUNK = 1 << 20
 ARENA_MOUNT_SHARE = 8
 POOL_BYTES = int(os.environ.get("SHMREDUCE_POOL_BYTES", str(1 << 30)))
 POOL_IDLE = float(os.environ.get("SHMREDUCE_POOL_IDLE", "10"))
-KEPT_SEGMENTS = int(os.environ.get("SHMREDUCE_KEPT_SEGMENTS", "8"))
-REAP_PER_TAKE = 8  # waiting segments a take() looks at (Pool.reap): its cost, however much is kept
+REAP_PER_TAKE = 8  # waiting segments a take() looks at (Pool.reap_waiting): its cost, however much is kept
 # A pool keeps at most IDLE_SEGMENTS segments free and as many waiting (their
 # generation over here, held elsewhere or with refs in flight): each keeps a
 # descriptor here and, under file_descriptor, one at the broker. Past that, the
 # longest waiting leaves the pool (never reused: its memory goes back once its holders
 # let go of it) and the oldest free one is closed, so this process and its broker hold a
-# bounded number of descriptors however much receivers keep (SPEC 12).
+# bounded number of descriptors however much receivers keep.
 IDLE_SEGMENTS = 16
 _PAGE = mmap.PAGESIZE
 _T = TypeVar("_T")
-
-_U64 = ctypes.c_uint64
-_Gen = _native.Gen
-# A receiver's live tokens by their refs' template (kind, directory, segment,
-# generation, tag: the sender's Gen's own tuple), published once held
-# (``Gen.publish``): ``_native.load`` / ``rebuild`` load through them in one C call;
-# ``_native.dead()`` takes a token out as it ends.
-live: dict[tuple, Any] = {}
-# DLPack's dtype (code, bits, lanes) and the itemsize of each torch dtype it carries
-# (``reductions`` fills it on first use).
-dtypes: dict[torch.dtype, tuple[int, int, int, int]] = {}
-_native.init(_torch.from_dlpack, SharingError, dtypes, live, _torch.swap_memory, _torch.dlpack_versioned())
 
 
 class _Tier:
@@ -173,399 +148,39 @@ def class_size(nbytes: int) -> int:
     return -(-need // step) * step
 
 
-# -- segments ----------------------------------------------------------------------
-
-# Every segment mapped in this process, by (kind, key): a memfd by its inode, a file
-# by its name. Weak: a segment is kept by its live tokens, its pool, the kept list.
-_mapped: weakref.WeakValueDictionary[tuple, Segment] = weakref.WeakValueDictionary()
-_kept: OrderedDict[tuple, Segment] = OrderedDict()
-_kept_lock = threading.Lock()  # a leaf: loader threads keep and look up at once
-# Every mapping is registered by its address in ``_native`` (``segment_at``), which
-# finds the segment a storage lies in, for Python and for ``_native.reduce``.
-
-
-class Segment:
-    """One shared-memory segment mapped in this process; unmapped (and its
-    descriptor closed) when the last reference goes. ``fd`` never changes."""
-
-    __slots__ = (
-        "kind",
-        "key",
-        "directory",
-        "fd",
-        "addr",
-        "size",
-        "pid",
-        "gen",
-        "token",
-        "pool",
-        "deposited",
-        "tag",
-        "retired",
-        "sealed",
-        "since",
-        "filled",
-        "__weakref__",
-    )
-
-    def __init__(self, kind: str, key: int | str, directory: str, fd: int | None, size: int, map_fd: int) -> None:
-        _native.guard_faults()  # a file another process cuts under this mapping: an error, not a SIGBUS (cut)
-        addr = _platform.map_shared(map_fd, size)
-        self.kind, self.key, self.directory = kind, key, directory  # directory: fs only
-        self.fd, self.addr, self.size = fd, addr, size
-        self.pid = os.getpid()
-        self.gen = 0  # the generation whose token lives here (or is being filled)
-        self.token: weakref.ref | None = None
-        self.pool: Pool | None = None  # the pool that made it, in its owner only, until it leaves (Pool.closed)
-        self.deposited = False  # a memfd: its descriptor is at this process's broker (undeposit)
-        self.tag: tuple[int, int] = (0, 0)  # a file: (generation, its refs' tag), see transfer.fs_tag
-        self.retired = False  # never reused: closed once free
-        self.sealed = False  # filled no further (its file went with a broker that died)
-        self.since = 0.0  # when it became free
-        self.filled = 0  # its pages up to here are allocated (written through fd, or allocate())
-        # Unmapped (and its descriptor closed) once the segment is gone: a weakref
-        # callback, run after every weak reference to it is cleared, never __del__,
-        # which runs while _mapped can still hand the dying segment to another thread.
-        weakref.finalize(self, _unmap_close, addr, size, fd).atexit = False  # at exit the OS does it, after any last use
-        _mapped[(kind, key)] = self
-        _native.mapped(addr, size, weakref.ref(self))
-
-    @property
-    def name(self) -> str:
-        """A file_system segment's file name."""
-        return str(self.key)
-
-    def header(self) -> int:
-        return int(_U64.from_address(self.addr).value)
-
-    def begin(self, gen: int) -> Any:
-        """Start generation *gen* (owner): header written, a new token, empty."""
-        assert self.fd is not None
-        try:
-            os.pwrite(self.fd, gen.to_bytes(8, "little"), 0)  # allocates the page if need be
-        except OSError as exc:
-            raise self._write_error(exc, self.size, "writing a segment header") from exc
-        self.filled = max(self.filled, HEADER)  # its first page is allocated now
-        return self.new_token(gen, None)
-
-    def new_token(self, gen: int, entry: tuple | None) -> Any:
-        """The token of *gen* in this process, made held once: its maker ``release()``s
-        that hold (or hands it to a ``Hold``). *entry*: a receiver's, its ledger entry
-        for *gen* (``hdr_hold`` counted it in the header), let go of when the token
-        dies (``settle``)."""
-        token = _Gen(self, self.addr, self.size, gen, HEADER if gen else 0)
-        token.info = (entry, os.getpid())
-        self.token, self.gen = weakref.ref(token), gen
-        return token
-
-    def seal(self) -> None:
-        """Fill it no further, nor send from it: its file went with a broker that died,
-        or its memfd with the broker it was deposited at (a storage in it is shared anew)."""
-        self.sealed = True
-        token = self.live_token(self.gen)
-        if token is not None:
-            token.seal()  # a slab: nothing more is placed in it
-
-    def lose(self) -> None:
-        """Its file was cut by another process (``cut``): never filled, reused or sent
-        from again; what lies in it is lost."""
-        self.retired = True
-        self.seal()
-
-    def undeposit(self) -> bool:
-        """Its memfd's descriptor is no longer kept at this process's broker for it:
-        nothing sends from it without depositing it again, ``_native.reduce`` included
-        (its index dropped with the deposit). Whether it was deposited."""
-        was, self.deposited = self.deposited, False
-        _native.unindex(self.addr)
-        return was
-
-    def outside_its_pool(self) -> bool:
-        """Made here (a pooled generation, its descriptor here) and let go of by its
-        pool: this process holds it at most, as any receiver, and what it deposits of
-        it is a forward, which lasts while it holds it."""
-        return self.pool is None and self.fd is not None and self.gen != 0 and self.pid == os.getpid()
-
-    def index(self, token: Any, template: tuple) -> None:
-        """``_native.reduce`` sends storages of *token* from now on, with refs of
-        *template*, while what the caller checked holds: a memfd deposited (another
-        thread may let go of the deposit meanwhile: then it is not indexed)."""
-        token.index(template)
-        if self.kind == "fd" and not self.deposited:
-            _native.unindex(self.addr)
-
-    def live_token(self, gen: int) -> Any | None:
-        """The token of *gen*, if it still makes storages here (alive, or dead but not
-        yet settled: a new storage revives it)."""
-        ref = self.token
-        token = ref() if ref is not None else None
-        return token if token is not None and self.gen == gen and not token.ended else None
-
-    def fill(self, token: Any, offset: int, nbytes: int, source: torch.UntypedStorage | None, zero: bool = True) -> torch.UntypedStorage:
-        """Write *source*'s bytes (or zeros, unless not *zero*) at *offset*; the storage
-        there. Not *zero*: pages written before keep this program's old bytes.
-
-        Into pages allocated already (a reused segment), a copy through the mapping:
-        twice the speed of ``pwrite`` for 64 MiB here (9.8 against 4.9 GB/s), once
-        this process has touched them. Else through the descriptor: the kernel
-        allocates the missing pages now (no page fault per page), so a full memory
-        limit is an error here rather than a SIGBUS later."""
-        assert self.fd is not None
-        end = offset + nbytes
-        if end <= self.filled:
-            if source is None and not zero:
-                return token.storage(offset, nbytes)
-            return token.place(offset, nbytes, source)  # its address read at the copy, in C
-        written = self.filled  # zeros: what an earlier generation wrote there is cleared
-        try:
-            segments.fill(self.fd, nbytes, source, offset, self.addr)
-        except OSError as exc:
-            raise self._write_error(exc, nbytes, "filling a shared segment") from exc
-        if offset <= self.filled:
-            self.filled = end
-        if source is None and zero and written > offset:
-            token.place(offset, written - offset, None)  # the storage it returns goes at once
-        return token.storage(offset, nbytes)
-
-    def reserve(self, cursor: int, nbytes: int) -> bool:
-        """Allocate the pages a storage of *nbytes* placed after *cursor* (a token's)
-        would take, a chunk ahead; False if it does not fit (a new arena is due)."""
-        end = -(-cursor // ALIGN) * ALIGN + nbytes
-        if end > self.size:
-            return False
-        if end > self.filled:
-            upto = min(self.size, -(-max(end, self.filled + ARENA_CHUNK) // _PAGE) * _PAGE)
-            self._allocate(self.filled, upto)
-            self.filled = upto
-        return True
-
-    def allocate(self) -> None:
-        """Allocate every page of the segment now (a slab, once): later copies into
-        its mapping cannot fault on a full memory limit."""
-        self._allocate(0, self.size)
-        self.filled = self.size
-
-    def _allocate(self, start: int, end: int) -> None:
-        """Allocate the pages of bytes *start* to *end* (a page boundary or the size)
-        and map them here: one call (``_platform.populate``), not a write fault per
-        page as the copies into them come (a kept 128 KiB tensor's 32 pages: about a
-        tenth of the program's CPU per message, producer and consumer);
-        ``posix_fallocate`` where the kernel cannot."""
-        fresh = -(-start // _PAGE) * _PAGE  # the first page nothing lies in yet
-        start -= start % _PAGE
-        try:
-            try:
-                if _platform.populate(self.addr + start, end - start):
-                    return
-            except OSError:
-                _platform.release(self.addr + fresh, end - fresh)  # what it allocated before it failed
-                raise
-            assert self.fd is not None
-            os.posix_fallocate(self.fd, start, end - start)
-        except OSError as exc:
-            raise self._write_error(exc, end - start, "allocating a shared segment") from exc
-
-    def _write_error(self, exc: OSError, nbytes: int, what: str) -> SharingError:
-        if self.kind == "fs" and exc.errno in _FULL:
-            return out_of_shm(self.directory, nbytes, exc.strerror or str(exc))
-        return _no_memory(exc, what, nbytes)
-
-
-def cut(exc: OSError) -> bool:
-    """Whether *exc* says a segment's memory is gone: a header function or a copy into
-    it met a SIGBUS, its file truncated by another process of the user (a memfd is
-    sealed against it). The guard (``_native.guard_faults``, installed by every process
-    that maps a segment) turns that SIGBUS into this error."""
-    return exc.errno == errno.EFAULT
-
-
-def _unmap_close(addr: int, size: int, fd: int | None) -> None:
-    # Out of the index first: once unmapped, another thread may map the address anew.
-    _native.unmapped(addr)
-    _platform.unmap(addr, size)
-    if fd is not None:
-        os.close(fd)
-
-
-def _mapped_now() -> list[Segment]:
-    """Every segment mapped here now: its weak references listed without allocating
-    per item (a WeakValueDictionary's own iteration fails if another thread maps a
-    segment meanwhile, which a collection's finalizer can let run mid-way)."""
-    return [seg for seg in (ref() for ref in _mapped.valuerefs()) if seg is not None]
-
-
-def segment_at(ptr: int, nbytes: int) -> Segment | None:
-    """The segment whose mapping holds the *nbytes* at address *ptr*, if any: a live
-    storage there is of the segment's live generation (``seg.gen``), unless the
-    segment is sealed (its file went with a broker that died: shared anew)."""
-    seg: Segment | None = _native.segment_at(ptr, nbytes)
-    return None if seg is None or seg.sealed else seg
-
-
-def lookup(kind: str, key: int | str) -> Segment | None:
-    """This process's mapping of a segment, if it has one."""
-    seg = _mapped.get((kind, key))
-    if seg is not None and (kind, key) in _kept:
-        with _kept_lock:
-            if (kind, key) in _kept:
-                _kept.move_to_end((kind, key))
-    return seg
-
-
-def keep(seg: Segment) -> None:
-    """Keep a received segment mapped after its last storage dies (the latest
-    KEPT_SEGMENTS of them): its owner goes on filling or reusing it."""
-    if KEPT_SEGMENTS <= 0:
-        return
-    with _kept_lock:
-        _kept[(seg.kind, seg.key)] = seg
-        _kept.move_to_end((seg.kind, seg.key))
-        dropped = [_kept.popitem(last=False) for _ in range(len(_kept) - KEPT_SEGMENTS)]
-    del dropped  # a segment that dies here unmaps outside the lock
-
-
-def open_fd(fd: int, ino: int) -> Segment:
-    """Map a received memfd, which must be *ino* (its identity: device and inode),
-    and close *fd*: a mapping needs no descriptor, so a receiver keeping thousands
-    of tensors holds none per segment (issue 27, item 4). Sending from it again
-    fetches its descriptor anew (``transfer._deposit``)."""
-    try:
-        got, size = segments.fd_identity(fd)
-        if got != ino or size <= 0:
-            raise SharingError(f"received descriptor does not match its handle (memfd {got}, expected {ino}): forged or corrupted message")
-        return Segment("fd", ino, "", None, size, fd)
-    except OSError as exc:
-        raise segments.os_error(exc, "mapping a received segment") from exc
-    finally:
-        os.close(fd)
-
-
-def open_file(directory: str, name: str) -> Segment:
-    """Map the file *name* of *directory* (no descriptor kept)."""
-    fd = segments.open_file(directory, name)
-    try:
-        size = os.fstat(fd).st_size
-        return Segment("fs", name, directory, None, size, fd)
-    except OSError as exc:
-        raise segments.os_error(exc, f"mapping {directory}/{name}") from exc
-    finally:
-        os.close(fd)
-
-
-def adopt(storage: torch.UntypedStorage) -> Segment | None:
-    """The segment of a storage torch already put in fd-backed shared memory: a
-    segment shmreduce does not pool (generation 0), kept while that storage lives."""
-    try:
-        fd = _torch.storage_fd(storage)
-    except RuntimeError:
-        return None
-    if fd < 0:
-        return None
-    ino, size = segments.fd_identity(fd)
-    seg = _mapped.get(("fd", ino))
-    if seg is None:
-        dup = os.dup(fd)
-        try:
-            seg = Segment("fd", ino, "", dup, size, dup)
-        except OSError as exc:
-            os.close(dup)
-            raise segments.os_error(exc, "mapping a shared storage") from exc
-    return seg
-
-
-# -- tokens ------------------------------------------------------------------------
+# -- holds and retries -----------------------------------------------------------
 
 
 class Hold:
-    """One count on a token held by Python, not by a storage (a thread's current
+    """One count on a Gen held by Python, not by a storage (a thread's current
     slab): let go of when the holder drops it, whatever the thread or the time (a
     thread's slab goes with its thread-local data)."""
 
-    __slots__ = ("seg", "token")
+    __slots__ = ("seg", "gen")
 
-    def __init__(self, seg: Segment, token: Any, take: bool = True) -> None:
-        """*take*: acquire a count now; else the maker's hold of a new token is handed over."""
-        self.seg, self.token = seg, None
-        if take and not token.acquire():
-            raise RuntimeError("a hold on a token that is over")
-        self.token = token
+    def __init__(self, seg: Segment, gen: Gen, take: bool = True) -> None:
+        """*take*: acquire a count now; else the maker's hold of a new Gen is handed over."""
+        self.seg = seg
+        self.gen: Gen | None = None  # none yet: a failed acquire() leaves nothing to release
+        if take and not gen.acquire():
+            raise RuntimeError("a hold on a Gen that is over")
+        self.gen = gen
 
     def __del__(self) -> None:
-        if self.token is not None:
-            self.token.release()
+        if self.gen is not None:
+            self.gen.release()
 
 
-def has_dead() -> bool:
-    """Whether settle has something to do (one atomic load)."""
-    return _native.pending()
-
-
-def settle(dead: list[Any] | None = None) -> None:
-    """Account for every generation whose last storage died here since the last call.
-
-    In its owner the generation is over here: its segment is free at once if nobody
-    holds it elsewhere and every ref sent in it was loaded (``_native.hdr_end``),
-    else it waits for that (``Pool.reap``). A receiver lets go of its hold: its
-    ledger entry cleared, then the header's holders (``broker.client.let_go``).
-    *dead*: tokens taken from ``_native.dead()`` already."""
-    pid = os.getpid()
-    for token in _native.dead() if dead is None else dead:
-        info: Any = token.info
-        entry, owner = info
-        if owner != pid:
-            continue  # a forked child's copy of its parent's token: not ours to tell
-        seg: Segment = token.owner  # type: ignore[assignment]
-        gen = token.number
-        if entry is not None:
-            # The ledger says "dropping" before the header counts this process out, and
-            # is cleared after: a process killed in between is retired, not guessed.
-            if broker.dropping(entry):  # else this process is exiting: its brokers count it out
-                _faults.point("letgo.ledger")
-                try:
-                    _native.hdr_unhold(seg.addr, gen)
-                except OSError:  # cut: nothing left to count out of
-                    pass
-                _faults.point("letgo.unhold")
-                broker.let_go(entry)
-            if seg.outside_its_pool():
-                # Its deposit was a forward, kept at the broker while something reaches
-                # it, this hold among them: the next send from it deposits again.
-                seg.undeposit()
-            continue
-        pool = seg.pool
-        if pool is None or seg.gen != gen:
-            continue
-        if seg.retired or not pool.active:
-            pool.closed(seg)  # never reused: what is in flight in it stays readable (the broker)
-        elif not pool.end(seg, gen):
-            pool.wait(seg, gen)  # held elsewhere, or refs to it in flight
-
-
-def _in_use() -> list[Segment]:
-    """The segments with a storage (or a hold) alive here now."""
-    in_use = []
-    for seg in _mapped_now():
-        token = seg.live_token(seg.gen)
-        if token is not None and token.live:
-            in_use.append(seg)
-    return in_use
-
-
-def live_segments() -> int:
-    return len(_in_use())
-
-
-def retire_in_use() -> None:
-    """Before a fork: every generation with a storage (or a hold) alive here now is
-    retired in its header, never reused by its owner, whoever that is: the child
-    keeps what it inherits without counting itself a holder (SPEC 14), and its pages
-    go back to the system once the last process maps them no more."""
-    for seg in _in_use():
-        if seg.gen:
-            try:
-                _native.hdr_retire(seg.addr, seg.gen)  # its owner, this process or another, reads it there
-            except OSError:
-                seg.lose()  # cut: never reused anyway
+def twice(full: Callable[[], None], attempt: Callable[[bool], _T]) -> _T:
+    """``attempt(False)``; on a full mount (which may be full of segments nobody uses
+    any more: ``full()`` lets go of them) ``attempt(True)`` once more, outside the
+    first one's handler: one exception, its cause chained once."""
+    try:
+        return attempt(False)
+    except OutOfSharedMemory:
+        pass
+    full()
+    return attempt(True)
 
 
 # -- generations -------------------------------------------------------------------
@@ -580,7 +195,7 @@ _gen_count = 0
 _gen_lock = threading.Lock()
 
 
-def new_gen() -> int:
+def new_gen_number() -> int:
     global _gen_count
     with _gen_lock:
         _gen_count += 1
@@ -599,7 +214,7 @@ class Pool:
     def __init__(self) -> None:
         self.free: dict[int, list[Segment]] = {}
         # segment key -> (the segment, its generation that is over here, not yet free):
-        # the generation its caller saw goes with it to every transition (``end``).
+        # the generation its caller saw goes with it to every transition (``end_generation``).
         self.waiting: dict[int | str, tuple[Segment, int]] = {}
         # Retired past IDLE_SEGMENTS waiting with refs in flight: kept (its descriptor, its
         # deposit or hold) until every ref sent in it is loaded, so that a broker
@@ -608,7 +223,7 @@ class Pool:
         self.free_bytes = 0
         self.made = 0  # segments made, for stats
         self.reused = 0
-        self.active = True  # until let_go() (unregister()), and again from the next place(): free segments are kept
+        self.active = True  # until deactivate() (unregister()), and again from the next place(): free segments are kept
         self.lock = threading.Lock()
         self.local = threading.local()
 
@@ -629,111 +244,100 @@ class Pool:
     # Placing storages.
     def place(
         self, nbytes: int, source: torch.UntypedStorage | None, zero: bool = True
-    ) -> tuple[Segment, int, int, torch.UntypedStorage, Any]:
+    ) -> tuple[Segment, int, int, torch.UntypedStorage, Gen]:
         """Put *source*'s bytes (or zeros; unless *zero*, whatever this program left
         there) in a segment: (segment, generation, offset, the new storage there, the
-        generation's token)."""
+        generation's Gen)."""
         self.active = True
-        if nbytes <= ARENA_ITEM_MAX:
-            tier = _SLAB if nbytes <= SLAB_ITEM_MAX else _ARENA
+        if nbytes > ARENA_ITEM_MAX:
+            return self._own(nbytes, source, zero)
+        tier = _SLAB if nbytes <= SLAB_ITEM_MAX else _ARENA
+        while True:
             current = self.local.__dict__.get(tier.name)
             if current is not None:
                 # put() claims the place first: the one placement routine, which
                 # ``_native.reduce`` uses for the same slab. The pages are allocated
                 # already (a slab's when it is made, an arena's a chunk ahead: reserve),
                 # so a plain copy into the mapping cannot fault on a full memory limit.
-                seg, token = current.seg, current.token
+                seg, gen = current.seg, current.gen
+                mount_full = False
                 try:
-                    fits: bool | None = tier is _SLAB or seg.reserve(token.cursor, nbytes)
+                    room = tier is _SLAB or seg.reserve(gen.cursor, nbytes, ARENA_CHUNK)
                 except OutOfSharedMemory:
-                    fits = None  # handled below, outside this handler: one exception if _own fails too
-                if fits is None:
-                    # A full mount: the arena ends (its generation with its last
-                    # storage) and this storage gets a segment of its own, as before
-                    # arenas: a stream through a small /dev/shm reuses one segment.
+                    room, mount_full = False, True  # handled below, outside this handler: one exception if _own fails too
+                if mount_full:
+                    # The arena ends (its generation with its last storage) and this
+                    # storage gets a segment of its own size class, which the next
+                    # storage of that size reuses: a stream through a small /dev/shm
+                    # goes on in one segment.
                     self.drop_current(tier)
                     return self._own(nbytes, source, zero)
-                if fits:
+                if room:
                     try:
-                        put = token.put(nbytes, source, zero)
+                        put = gen.put(nbytes, source, zero)
                     except OSError as exc:
-                        if not cut(exc):
+                        if not segments.cut(exc):
                             raise
-                        seg.lose()  # its generation ends with its last storage (end)
+                        seg.lose()  # its generation ends with its last storage (end_generation)
                         self.drop_current(tier)
-                        return self.place(nbytes, source, zero)
+                        continue  # into a new one
                     if put is not None:
-                        return seg, seg.gen, put[0], put[1], token
+                        return seg, seg.gen, put[0], put[1], gen
             try:
                 self._new_current(tier)
-                made = True
+                continue  # placed in it on the next turn
             except OutOfSharedMemory:
                 if tier is _SLAB:
                     raise
-                made = False
-            if not made:
-                return self._own(nbytes, source, zero)  # no room for a new arena's header
-            return self.place(nbytes, source, zero)
-        return self._own(nbytes, source, zero)
+            return self._own(nbytes, source, zero)  # no room for a new arena's header (outside the handler)
 
-    def _own(self, nbytes: int, source: torch.UntypedStorage | None, zero: bool) -> tuple[Segment, int, int, torch.UntypedStorage, Any]:
+    def _own(self, nbytes: int, source: torch.UntypedStorage | None, zero: bool) -> tuple[Segment, int, int, torch.UntypedStorage, Gen]:
         """*source*'s bytes in a segment of its own (its size class)."""
         seg = self.take(class_size(nbytes))
         offset = HEADER
-        token = self._twice(lambda last: self._begin(seg, retry=not last))
+        gen = twice(self.full, lambda last: self._begin(seg, retry=not last))
         try:
-            storage = self._twice(lambda last: seg.fill(token, offset, nbytes, source, zero))
+            storage = twice(self.full, lambda last: seg.fill(gen, offset, nbytes, source, zero))
         except OSError as exc:
-            if not cut(exc):
+            if not segments.cut(exc):
                 raise
-            seg.lose()  # cut by another process under this copy: its generation ends with the token
+            seg.lose()  # cut by another process under this copy: its generation ends with the Gen
             return self._own(nbytes, source, zero)
         finally:
-            token.release()  # the maker's hold: failing, the token's death gives the segment back (settle)
-        return seg, seg.gen, offset, storage, token
+            gen.release()  # the maker's hold: failing, the Gen's death gives the segment back (settle_dead)
+        return seg, seg.gen, offset, storage, gen
 
-    def _twice(self, attempt: Callable[[bool], _T]) -> _T:
-        """``attempt(False)``; on a full mount (which may be full of segments nobody
-        uses any more: ``full`` lets go of them) ``attempt(True)`` once more, outside
-        the first one's handler: one exception, its cause chained once."""
-        try:
-            return attempt(False)
-        except OutOfSharedMemory:
-            pass
-        self.full()
-        return attempt(True)
-
-    def _begin(self, seg: Segment, retry: bool) -> Any:
-        """*seg*'s new generation's token. A segment whose header cannot be written
-        has no token to give it back when it dies: it leaves the pool, unless a full
+    def _begin(self, seg: Segment, retry: bool) -> Gen:
+        """*seg*'s new generation's Gen. A segment whose header cannot be written
+        has no Gen to give it back when it dies: it leaves the pool, unless a full
         mount is to be tried once more (*retry*)."""
         try:
-            return seg.begin(new_gen())
+            return seg.begin(new_gen_number())
         except SharingError as exc:
             if not (retry and isinstance(exc, OutOfSharedMemory)):
-                self.closed(seg)
+                self.leave(seg)
             raise
 
     def _new_current(self, tier: _Tier) -> None:
-        """This thread's next slab or arena: the thread keeps its token, so a
+        """This thread's next slab or arena: the thread keeps its Gen, so a
         generation spans many messages and ends only once the segment is full (and
         every storage in it is gone). A slab's pages are allocated at once, an arena's
         as it fills (``Segment.reserve``)."""
         seg = self.take(tier.size if tier is _SLAB else self.arena_size())
         if tier is _SLAB and seg.filled < seg.size:
-            self._twice(lambda last: seg.allocate())
+            twice(self.full, lambda last: seg.allocate())
         _faults.pause("pool.new_current")
         self.drop_current(tier)
         hold = Hold(seg, self._begin(seg, retry=False), take=False)
         self.local.__dict__[tier.name] = hold
         if tier is _SLAB:
-            _native.set_slab(self.kind == "fs", hold.token)  # reduce() fills it too, once indexed
+            _native.set_slab(self.kind == "fs", hold.gen)  # reduce() fills it too, once indexed
 
     def take(self, size: int) -> Segment:
         """A free segment of *size*, else a new one."""
         free = self.free.get(size)
         if not free and self.waiting:
-            self.reap(most=REAP_PER_TAKE)
+            self.reap_waiting(most=REAP_PER_TAKE)
             free = self.free.get(size)
         if free:
             with self.lock:
@@ -743,7 +347,7 @@ class Pool:
             if seg is not None:
                 if seg.kind == "fs" and seg.fd is not None and os.fstat(seg.fd).st_size < seg.size:
                     seg.lose()  # cut by another process while free
-                    self.closed(seg)
+                    self.leave(seg)
                     return self.take(size)
                 self.reused += 1
                 return seg
@@ -752,7 +356,7 @@ class Pool:
         self.made += 1
         return seg
 
-    def reap(self, most: int | None = None) -> None:
+    def reap_waiting(self, most: int | None = None) -> None:
         """Give back the waiting segments that are free now (nobody holds their
         generation and every ref sent in it was loaded: their headers say), close
         those retired meanwhile. *most*: look at that many only, the longest waiting
@@ -761,7 +365,7 @@ class Pool:
         looked at in turn (the collector looks at all of them, every PURGE_EVERY)."""
         # Each entry carries the generation it waits for: another thread may end it,
         # give the segment back and begin the next one before this loop reaches it,
-        # and ``end`` then does nothing. Taken under the lock, which nothing this
+        # and ``end_generation`` then does nothing. Taken under the lock, which nothing this
         # thread could run meanwhile takes (deleters and finalizers never do).
         with self.lock:
             if most is None:
@@ -770,7 +374,7 @@ class Pool:
                 pairs = list(itertools.islice(self.waiting.values(), most))
         for seg, gen in pairs:
             _faults.pause("reap.end")
-            if not self.end(seg, gen, waited=True) and most is not None:
+            if not self.end_generation(seg, gen, waited=True) and most is not None:
                 with self.lock:
                     if self.waiting.get(seg.key) == (seg, gen):
                         del self.waiting[seg.key]
@@ -782,9 +386,21 @@ class Pool:
             with self.lock:
                 taken = [seg for seg in loaded if self.leaving.pop(seg.key, (None, 0))[0] is seg]
             for seg in taken:  # loaded, not free: its holders keep reading it, so closed, not discarded
-                self.closed(seg)
+                self.leave(seg)
 
-    def wait(self, seg: Segment, gen: int) -> None:
+    def generation_over(self, seg: Segment, gen: int) -> None:
+        """*seg*'s generation *gen* is over here (its owner's last storage of it died,
+        ``transfer.settle_dead``): given back if free, else waiting until it is; closed,
+        never reused, if retired or this pool is no longer active (what is in flight in
+        it stays readable: the broker keeps it)."""
+        if seg.gen != gen:
+            return  # reused since: that generation is over already
+        if seg.retired or not self.active:
+            self.leave(seg)
+        elif not self.end_generation(seg, gen):
+            self.add_waiting(seg, gen)  # held elsewhere, or refs to it in flight
+
+    def add_waiting(self, seg: Segment, gen: int) -> None:
         """*seg*'s generation *gen* is over here but not free: reaped later. Past
         IDLE_SEGMENTS waiting, the longest waiting leave the pool, never reused."""
         with self.lock:
@@ -801,9 +417,9 @@ class Pool:
                 with self.lock:
                     self.leaving[old.key] = (old, old_gen)  # closed once its refs are loaded (reap)
             else:
-                self.closed(old)  # kept by the broker while a process holds its generation
+                self.leave(old)  # kept by the broker while a process holds its generation
 
-    def end(self, seg: Segment, gen: int, waited: bool = False) -> bool:
+    def end_generation(self, seg: Segment, gen: int, waited: bool = False) -> bool:
         """*seg*'s generation *gen* is over in its owner: given back if free (nobody
         holds it, every ref sent was loaded), closed if retired (a fork, a process dead
         mid-hold: never reused); False if it must wait. One transition in the header
@@ -821,7 +437,7 @@ class Pool:
                 if waited and claimed:
                     del self.waiting[seg.key]
             if claimed:
-                self.closed(seg)
+                self.leave(seg)
             return True
         if done == _END_WAIT:
             return False
@@ -833,7 +449,7 @@ class Pool:
             self.give_back(seg)
         elif done == _END_RETIRED:
             seg.retired = True
-            self.closed(seg)
+            self.leave(seg)
         return True
 
     def give_back(self, seg: Segment) -> None:
@@ -898,23 +514,23 @@ class Pool:
         over two pages. A kept mapping pins that page, no more."""
         start = -(-HEADER // _PAGE) * _PAGE  # the first page after the header
         _platform.release(seg.addr + start, seg.size - start)
-        self.closed(seg)
+        self.leave(seg)
 
-    def closed(self, seg: Segment) -> None:
+    def leave(self, seg: Segment) -> None:
         """*seg* leaves the pool, once (its memory goes once nothing maps it): its
         deposit or hold at the broker let go of. From then on this process is one of
         its holders at most, as any receiver (``transfer._deposit``)."""
         if seg.pool is self:
             seg.pool = None
-            self.let_go_of(seg)
+            self.release_at_broker(seg)
 
-    def let_go_of(self, seg: Segment) -> None:
+    def release_at_broker(self, seg: Segment) -> None:
         """What the broker keeps of *seg* for this pool is let go of (a strategy's)."""
 
     def owned(self) -> list[Segment]:
         """Every segment of this pool this process still has: in use, free,
         waiting until its generation is free, or leaving once its refs are loaded."""
-        found = {id(seg): seg for seg in _mapped_now() if seg.pool is self and seg.live_token(seg.gen) is not None}
+        found = {id(seg): seg for seg in segments.mapped_now() if seg.pool is self and seg.live_gen(seg.gen) is not None}
         with self.lock:
             for segs in self.free.values():
                 found.update((id(seg), seg) for seg in segs)
@@ -930,7 +546,7 @@ class Pool:
         that maps the file already can, and a retired generation keeps its bytes for
         it); any other (its last storage dead but not settled yet) is closed once free
         instead of reused (reused, it would be filled under a name no receiver can open)."""
-        for seg in _mapped_now():
+        for seg in segments.mapped_now():
             if seg.pool is self and gone(seg):
                 seg.retired = True
                 seg.seal()
@@ -952,18 +568,18 @@ class Pool:
                     taken.append(seg)
         self._close_all(taken)
 
-    def let_go(self) -> None:
+    def deactivate(self) -> None:
         """Drop this thread's current slab and every free segment (``unregister()``).
         Those waiting for their generation to be free wait on: a message in flight in
         one is loaded whenever its receiver gets to it, and each is closed, never
         reused, once free (``give_back`` of a pool no longer active)."""
-        self.drop_slab()
+        self.drop_currents()
         self.active = False
         with self.lock:
             taken = self._trim_locked(lambda s: True)
         self._close_all(taken)
 
-    def drop_slab(self) -> None:
+    def drop_currents(self) -> None:
         """This thread's current slab and arena are over: their generations end with
         their last storages."""
         self.drop_current(_SLAB)
@@ -1016,19 +632,19 @@ class FdPool(Pool):
         try:
             fd = os.memfd_create("shmreduce", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as exc:
-            raise _no_memory(exc, "memfd_create", size) from exc
+            raise segments.no_memory(exc, "memfd_create", size) from exc
         try:
             os.ftruncate(fd, size)  # no memory until written
             # Its size for good: no process (the broker, which maps every header, least)
-            # can be killed with SIGBUS by another that shrinks it (issue 29, item 1).
+            # can be killed with SIGBUS by another that shrinks it.
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             ino, _ = segments.fd_identity(fd)
             return Segment("fd", ino, "", fd, size, fd)
         except OSError as exc:
             os.close(fd)
-            raise _no_memory(exc, "mapping a new memfd", size) from exc
+            raise segments.no_memory(exc, "mapping a new memfd", size) from exc
 
-    def let_go_of(self, seg: Segment) -> None:
+    def release_at_broker(self, seg: Segment) -> None:
         if seg.undeposit():
             self._drop(seg)
 
@@ -1073,11 +689,10 @@ class FilePool(Pool):
     def create(self, size: int) -> Segment:
         return self._make(size)
 
-    def let_go_of(self, seg: Segment) -> None:
+    def release_at_broker(self, seg: Segment) -> None:
         self._release(seg.directory, [seg.name])
 
 
-_FULL = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
 _END_STALE, _END_WAIT, _END_FREED, _END_RETIRED = _native.END_STALE, _native.END_WAIT, _native.END_FREED, _native.END_RETIRED
 
 
@@ -1088,72 +703,29 @@ def _in_flight(seg: Segment, gen: int) -> bool:
     return now == gen and (sent > loaded or bool(_native.hdr_flags(seg.addr) & _native.UNCOUNTED))
 
 
-def _no_memory(exc: OSError, what: str, nbytes: int) -> SharingError:
-    if exc.errno in _FULL:
-        return SharingError(f"out of memory for a {nbytes}-byte shared segment: {exc.strerror}")
-    return segments.os_error(exc, what)
-
-
-def drop_kept() -> None:
-    _kept.clear()
-
-
-def forget_mappings() -> None:
-    """Forget every segment this process maps (they stay mapped while storages use
-    them): a forked child then receives like a process that never saw them."""
-    _kept.clear()
-    _mapped.clear()
-    live.clear()
-    _native.forget_mapped()
-
-
-def seal_where(gone: Callable[[Segment], bool]) -> None:
-    """Never fill or send from again the mapped segments *gone* names (their files
-    went with a broker that died): a storage in one is shared anew when sent."""
-    for seg in _mapped_now():
-        if gone(seg):
-            seg.seal()
-    _native.unindex_all()  # reduce() sends from none of them (each is indexed again once sent from here)
-
-
-def forget_deposits() -> None:
-    """This process's broker is new: it keeps none of the memfds sent before."""
-    for seg in _mapped_now():
-        seg.deposited = False
-    _native.unindex_all()  # reduce() sends from none until each is deposited again
-
-
-def let_go_of_here() -> list[Segment]:
-    """The memfds this process made that its pool let go of and it still maps (it
-    holds them as a receiver), with their descriptors."""
-    return [seg for seg in _mapped_now() if seg.kind == "fd" and seg.outside_its_pool()]
-
-
-def mapped_stats() -> dict[str, int]:
-    segs = _mapped_now()
-    return {
-        "segments_mapped": len(segs),
-        "bytes_mapped": sum(s.size for s in segs),
-        "descriptors": sum(1 for s in segs if s.fd is not None),
-        "segments_kept": len(_kept),
-    }
-
-
 def _after_fork_in_child() -> None:
-    global _gen_prefix, _gen_count, _gen_lock, _kept_lock
+    global _gen_prefix, _gen_count, _gen_lock
     _gen_prefix = int.from_bytes(os.urandom(3), "little") << 40
     _gen_count = 0
     _gen_lock = threading.Lock()
-    _kept_lock = threading.Lock()
-    live.clear()  # nor theirs to load through: what this process keeps, it holds itself
-    _native.unindex_all()  # nor to send from without depositing them itself
-    for seg in _mapped_now():
-        # Never revive a token of the parent's here: what this process keeps, it claims
-        # itself (a new token), or its owner could reuse memory this process reads.
-        seg.token = None
-        seg.deposited = False  # the parent's deposit, not ours
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+forking.part("pool", after_in_child=_after_fork_in_child)
 
-__all__ = ["FdPool", "FilePool", "Pool", "Segment"]
+# What other modules use: the pools, their settings, and the helpers transfer shares.
+__all__ = [
+    "ARENA_ITEM_MAX",
+    "ARENA_SIZE",
+    "IDLE_SEGMENTS",
+    "POOL_BYTES",
+    "POOL_IDLE",
+    "SLAB_ITEM_MAX",
+    "SLAB_SIZE",
+    "FdPool",
+    "FilePool",
+    "Hold",
+    "Pool",
+    "class_size",
+    "new_gen_number",
+    "twice",
+]

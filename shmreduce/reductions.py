@@ -11,14 +11,13 @@ and storages rebuild as meta.
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from typing import Any, NamedTuple
 
 import torch
 
-from shmreduce import _faults, _native, _torch, pool, transfer
+from shmreduce import _faults, _native, _torch, forking, segments, transfer
 from shmreduce.errors import SharingError
 
 _SPARSE_COMPRESSED = {
@@ -29,16 +28,15 @@ _SPARSE_COMPRESSED = {
 }
 
 
-# A strided tensor travels as (ref, meta): *ref* the storage's transfer.SegmentRef as
+# A strided tensor travels as (ref, meta): *ref* the storage's ref (``transfer``),
 # a plain tuple (or None for an empty storage), *meta* everything else as a plain
 # tuple (dtype, size, stride, offset, extra), where *extra* is None for a plain
 # Tensor that does not require grad and is neither a conjugate nor a negative view,
 # else (class, requires_grad, instance __dict__ or None, conj, neg): the view bits are
 # on the tensor, its storage holds the bytes they are lazily applied to. Plain tuples
-# pickle and load in C: measured here, a (ref, meta) pair as two NamedTuples costs
-# 1.9 us to pickle and 0.8 us to load per tensor, as plain tuples 0.3 and 0.3, on the
-# per-tensor hot path. transfer.SegmentRef names the
-# ref's fields in code; receive() checks the shape of what arrives. A plain tensor
+# pickle and load in C: a (ref, meta) pair as two NamedTuples costs several times as
+# much to pickle and to load, on the per-tensor hot path. transfer.share names the
+# ref's fields; receive() checks the shape of what arrives. A plain tensor
 # _native.reduce sends travels in a more compact form still, _native.load(template,
 # packed): its generation's template tuple (pickled once a message) and a few packed
 # bytes; rebuild_packed below is its general path.
@@ -122,11 +120,11 @@ def reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple]:
 
 
 _EMPTY: dict[torch.dtype, torch.Tensor] = {}  # one empty tensor per dtype: new_empty is cheap
-_DLPACK = pool.dtypes  # (code, bits, lanes, itemsize) of each dtype DLPack carries, filled by prepare()
+_DLPACK = segments.dtypes  # (code, bits, lanes, itemsize) of each dtype DLPack carries, filled by prepare()
 
 
 def dlpack_table() -> dict[torch.dtype, tuple[int, int, int, int]]:
-    """The dtypes ``_native.rebuild`` makes tensors of (``pool.dtypes``), filled once."""
+    """The dtypes ``_native.rebuild`` makes tensors of (``segments.dtypes``), filled once."""
     if not _prepared:
         prepare()
     return _DLPACK
@@ -203,7 +201,7 @@ def _before_fork() -> None:
     _prepare_lock.acquire()
 
 
-os.register_at_fork(before=_before_fork, after_in_parent=_prepare_lock.release, after_in_child=_prepare_lock.release)
+forking.part("reductions", before=_before_fork, after_in_parent=_prepare_lock.release, after_in_child=_prepare_lock.release)
 
 
 def _plain(meta: Any) -> tuple | None:
@@ -216,7 +214,7 @@ def _plain(meta: Any) -> tuple | None:
 
 
 def rebuild_tensor(ref: tuple | torch.UntypedStorage | None, meta: Meta) -> torch.Tensor:
-    """The general rebuild of a strided CPU tensor: *ref*, a storage's SegmentRef, or
+    """The general rebuild of a strided CPU tensor: *ref*, a storage's ref (``transfer``), or
     an empty storage already rebuilt (None from older pickles). Pickles name
     ``_native.rebuild``, which makes the common case in one C call (a plain tensor
     over the whole of a storage not loaded here yet, in a generation this process
@@ -235,7 +233,7 @@ def rebuild_tensor(ref: tuple | torch.UntypedStorage | None, meta: Meta) -> torc
         if empty is None:
             empty = _EMPTY[dtype] = torch.empty((0,), dtype=dtype)
         # new(): an empty tensor of empty's dtype and device, in half the time of
-        # new_empty((0,)) (measured: 1.4 us against 3.6), on the per-tensor hot path.
+        # new_empty((0,)), on the per-tensor hot path.
         t = empty.new().set_(storage, offset, size, stride)
         return t if extra is None else _finish(t, extra)
     except (TypeError, ValueError, RuntimeError) as exc:
@@ -366,7 +364,7 @@ def rebuild_typed_storage(untyped: torch.UntypedStorage, dtype: torch.dtype, cls
 
 
 def default_reducers() -> dict[type, Any]:
-    """The built-in table: every torch tensor and storage class SPEC.md names."""
+    """The built-in table: every torch tensor and storage class shmreduce shares."""
     table: dict[type, Any] = {}
     for cls in _torch.storage_classes():
         table[cls] = reduce_storage if issubclass(cls, torch.UntypedStorage) else reduce_typed_storage

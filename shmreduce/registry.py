@@ -42,7 +42,7 @@ from typing import Any
 import cloudpickle
 import torch
 
-from shmreduce import _faults, _platform, errors, patches, program, reductions, transfer
+from shmreduce import _faults, _platform, errors, forking, patches, program, reductions, transfer
 from shmreduce import strategy as _strategy
 from shmreduce.broker import client as broker
 
@@ -75,7 +75,7 @@ def lookup(cls: type) -> Reducer | None:
     *cls*, else the user reducer of the nearest class in its MRO.
 
     Built-ins match exact classes only, as in torch's ForkingPickler table: a tensor
-    subclass pickles through its own ``__reduce_ex__``/``__getstate__`` (SPEC 11),
+    subclass pickles through its own ``__reduce_ex__``/``__getstate__``,
     and the storages that pickles still reach ``reductions.reduce_storage``.
     """
     try:
@@ -111,8 +111,8 @@ class DispatchTable(dict):
         """For a class every message meets (a tensor's dtype, the rebuild function):
         the reducer the lookup would find (*bases*, then user reducers), looked up at
         each call, else what pickle does itself (``__reduce__`` gives the name). A
-        miss costs a Python ``__missing__`` and a KeyError per message, 4 to 7 us of
-        the 16 to 34 of pickling one small tensor (measured here)."""
+        miss costs a Python ``__missing__`` and a KeyError per message: a fifth or
+        more of pickling one small tensor."""
         bases = self.bases
 
         def reduce(obj: Any) -> Any:
@@ -148,14 +148,22 @@ def dispatch_table(base: Mapping[Any, Any] | None = None) -> DispatchTable:
     return DispatchTable((copyreg.dispatch_table if base is None else base,))
 
 
-def _made(made: list[DispatchTable], bases: tuple[Mapping[Any, Any], ...]) -> DispatchTable:
-    """The table in *made* (emptied when the reducers change), made over *bases* if none."""
-    try:
-        return made[0]
-    except IndexError:  # none yet, or emptied meanwhile by another thread
-        table = DispatchTable(bases)
-        made[:] = [table]
+class _Made:
+    """One dispatch table over *bases*, made at its first use and again after the
+    reducers change (``clear``)."""
+
+    def __init__(self, bases: tuple[Mapping[Any, Any], ...]) -> None:
+        self.bases = bases
+        self.table: DispatchTable | None = None
+
+    def get(self) -> DispatchTable:
+        table = self.table  # read once: another thread may clear it meanwhile
+        if table is None:
+            table = self.table = DispatchTable(self.bases)
         return table
+
+    def clear(self) -> None:
+        self.table = None
 
 
 # -- user reducers -----------------------------------------------------------------
@@ -192,15 +200,13 @@ def list_reducers() -> dict[type, Reducer]:
     return dict(_user)
 
 
+# A fork waits for a register(), unregister() or reducer change in progress on another
+# thread: else the child inherits _lock held by a thread it does not have, and its own
+# register() waits for ever. Re-entrant: a fork from inside one takes it again. Let go of
+# after the fork in both processes (``_after_fork_in_child``; ``forking`` runs both).
 def _before_fork() -> None:
     _faults.pause("fork.waits")
     _lock.acquire()
-
-
-# A fork waits for a register(), unregister() or reducer change in progress on another
-# thread: else the child inherits _lock held by a thread it does not have, and its own
-# register() waits for ever. Re-entrant: a fork from inside one takes it again.
-os.register_at_fork(before=_before_fork, after_in_parent=_lock.release, after_in_child=_lock.release)
 
 
 def _changed() -> None:
@@ -214,12 +220,12 @@ def _changed() -> None:
 
 # ForkingPickler's table (its _extra_reducers over copyreg's, under shmreduce's),
 # made once rather than copied for every message as ForkingPickler.__init__ does.
-_forking_table: list[DispatchTable] = []
 _FORKING_BASES = (patches.EXTRA_REDUCERS, copyreg.dispatch_table)
+_forking_table = _Made(_FORKING_BASES)
 
 
 def _forking_dispatch_table() -> DispatchTable:
-    return _made(_forking_table, _FORKING_BASES)
+    return _forking_table.get()
 
 
 def _forking_dumps(cls: type, obj: Any, protocol: int | None = None) -> memoryview:
@@ -325,19 +331,20 @@ def _let_go_of_program() -> None:
 
 
 def _after_fork_in_child() -> None:
+    global _dumps_cond, _dumps_in_flight, _dumps_by_thread, _close_when_done
+    _lock.release()  # taken before the fork (_before_fork)
     # The parent's threads, and the dumps they had in flight, did not come along (one
     # may have held the condition's lock).
-    global _dumps_cond, _dumps_in_flight, _dumps_by_thread, _close_when_done
     _dumps_cond = threading.Condition(threading.Lock())
     _dumps_in_flight = 0
     _dumps_by_thread = {}
     _close_when_done = False
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+forking.part("registry", before=_before_fork, after_in_parent=_lock.release, after_in_child=_after_fork_in_child)
 
 
-# -- a failure in a queue's feeder thread (SPEC 16) ----------------------------------
+# -- a failure in a queue's feeder thread -------------------------------------------
 #
 # ``mp.Queue.put`` only buffers: its feeder thread pickles and writes later, and a
 # pickling error there is printed (a traceback per message) and the message dropped;
@@ -352,7 +359,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # documents where that error goes; registering shmreduce does not change it. Only
 # queues that keep multiprocessing's own ``_on_queue_feeder_error``: a queue that
 # overrides it (ProcessPoolExecutor's call queue fails the future there) hears its
-# errors as before.
+# errors as it would without shmreduce.
 
 # Both private, so absent from typeshed; present from 3.8 to 3.13.
 _FEED = multiprocessing.queues.Queue._feed.__code__  # type: ignore[attr-defined]
@@ -476,7 +483,7 @@ def register(*, strategy: str | None = None, cloudpickle: bool | None = None) ->
         patches.install(_forking_dumps, _forking_loads, _table(), _Inherit())
         # The program starts here, so forked children join it rather than each
         # becoming the root of its own (whose broker, and the messages it holds,
-        # would go when that child exits: SPEC 7). Not in a spawn/forkserver child
+        # would go when that child exits). Not in a spawn/forkserver child
         # still inheriting: sitecustomize, a .pth file and its main module's top level
         # (and a register() there) run before the parent's marker is unpickled, which
         # then adopts the parent's.
@@ -497,8 +504,8 @@ def _warn_of_workers_started_before() -> None:
     """Warn, once a process, of the children that run without shmreduce: started
     before the first ``register()`` (no marker in their process config, which
     multiprocessing copied when it made them), they keep torch's reducers, and what
-    they send back does not go through shmreduce (issue 38, item 2). A user must act
-    on it (SPEC 13): move ``register()`` before the Pool, DataLoader or Process."""
+    they send back does not go through shmreduce. A user must act on it, so it is
+    a warning: move ``register()`` before the Pool, DataLoader or Process."""
     global _workers_warned
     if _workers_warned:
         return
@@ -521,7 +528,7 @@ def _warn_of_workers_started_before() -> None:
 
 def _sweep_dead_programs() -> None:
     """What programs killed with their broker and its janitor left in the shm base
-    goes at the next program's ``register()`` (issue 29, item 4), not only once it
+    goes at the next program's ``register()``, not only once it
     starts a broker; ``shmreduce cleanup`` does the same by hand."""
     from shmreduce.broker import programdir
 
@@ -531,7 +538,7 @@ def _sweep_dead_programs() -> None:
         pass  # a base we cannot read: its owner's to clean
 
 
-# What register() did to the strategy, for unregister() to undo (issue 38, item 6): the
+# What register() did to the strategy, for unregister() to undo: the
 # strategy before the first register(), and the one register(strategy=...) set last.
 _strategy_before: str | None = None
 _strategy_set: str | None = None
@@ -606,8 +613,8 @@ def registered(strategy: str | None = None) -> Iterator[None]:
 # -- cloudpickle -------------------------------------------------------------------
 
 
-_cloud_table: list[DispatchTable] = []
 _CLOUD_BASES = tuple(cloudpickle.Pickler.dispatch_table.maps)  # cloudpickle's reducers, copyreg's
+_cloud_table = _Made(_CLOUD_BASES)
 
 
 def _cloudpickle_table(pickler: Any) -> DispatchTable:
@@ -615,7 +622,7 @@ def _cloudpickle_table(pickler: Any) -> DispatchTable:
     # the C pickler's slot: only a class-level attribute is seen (at __init__), so
     # ours is a property over a table remade when the reducers change, reading
     # the dicts of cloudpickle's own ChainMap live.
-    return _made(_cloud_table, _CLOUD_BASES)
+    return _cloud_table.get()
 
 
 class _CloudPickler(cloudpickle.Pickler):

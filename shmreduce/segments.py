@@ -1,6 +1,17 @@
-"""Descriptor-level helpers for shared segments (``pool`` owns the segments):
-file names, creating and opening file_system files, writing bytes through a
-descriptor (``fill``), identities, and the errors they raise.
+"""The shared segments this process maps, and the descriptor-level helpers under
+them (``pool`` keeps the segments this process made, for reuse).
+
+A ``Segment`` is one piece of shared memory mapped in this process: a memfd
+(``file_descriptor``) or a file in the program directory (``file_system``). It owns
+its mapping, its bounds and, for a memfd, its descriptor. Every segment mapped here
+is registered by its identity (``lookup``) and by its address (``segment_at``, in
+``_native``), whoever made it.
+
+A receiver finds a segment it maps already by identity (a memfd's inode, a file's
+name) and checks the header against the handle's generation: a stale handle is a
+``SharingError``, never another message's bytes. It keeps its ``KEPT_SEGMENTS``
+latest mappings after their last storage dies (``keep``; no descriptor kept): the
+next message in one costs no round trip, no descriptor, no mapping.
 
 A file_system segment is a named file, mode 0600, in the program directory; a
 file_descriptor segment is a memfd. Bytes go in through the descriptor, never a
@@ -10,15 +21,32 @@ fresh mapping: every page is allocated by that write, so a full mount is a
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import itertools
+import mmap
 import os
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from shmreduce import _native
+from shmreduce import _native, _platform, _torch, forking
+from shmreduce._native import Gen
 from shmreduce.broker.protocol import DIR_PREFIX, SEG_PREFIX, identity, is_segment_name
 from shmreduce.errors import SharingError, out_of_shm, too_many_files
+
+if TYPE_CHECKING:
+    from shmreduce.pool import Pool  # a segment's pool, in its owner: typing only, pool imports this module
+
+HEADER = _native.HEADER_BYTES  # a pooled segment's shared header (generation, counters, tickets); storages start after
+ALIGN = _native.ALIGN  # a slab places each storage on a cache line, as torch's CPU allocator aligns (Gen.put)
+KEPT_SEGMENTS = int(os.environ.get("SHMREDUCE_KEPT_SEGMENTS", "8"))
+_PAGE = mmap.PAGESIZE
+_U64 = ctypes.c_uint64
 
 
 class ProgramDirectoryGone(SharingError):
@@ -38,11 +66,19 @@ def new_name() -> str:
 
 
 def _after_fork_in_child() -> None:
-    global _name_prefix
+    global _name_prefix, _kept_lock
     _name_prefix = os.urandom(6).hex()
+    _kept_lock = threading.Lock()
+    live.clear()  # nor theirs to load through: what this process keeps, it holds itself
+    _native.unindex_all()  # nor to send from without depositing them itself
+    for seg in mapped_now():
+        # Never revive a Gen of the parent's here: what this process keeps, it claims
+        # itself (a new Gen), or its owner could reuse memory this process reads.
+        seg.gen_ref = None
+        seg.deposited = False  # the parent's deposit, not ours
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+forking.part("segments", after_in_child=_after_fork_in_child)
 
 
 def fd_identity(fd: int) -> tuple[int, int]:
@@ -97,7 +133,7 @@ def create_file(directory: str, name: str, size: int) -> int:
     return fd
 
 
-def open_file(directory: str, name: str) -> int:
+def _open_checked(directory: str, name: str) -> int:
     """A descriptor of the existing segment file *name* of *directory* (its handle's
     tag already checked: transfer.fs_tag), checked to be this user's.
 
@@ -138,3 +174,431 @@ def refuse_foreign_file(storage: torch.UntypedStorage) -> None:
         "sharing moves a storage into shmreduce's shared memory, which would detach it "
         "from its file. Send a copy (tensor.clone()), or map the file in the receiver too"
     )
+
+
+# -- the segments mapped in this process ---------------------------------------
+
+
+class GenInfo(NamedTuple):
+    """What a Gen's maker tells ``transfer.settle_dead`` of it: the fields of ``Gen.info``,
+    in this order. Written as a plain tuple, not a GenInfo: with GenInfo instances,
+    tests/test_pool.py's past_its_cap[file_system] keeps segments when it runs after
+    a failed test_broker_ops adopted-memfd test (the cause is not known yet)."""
+
+    entry: tuple | None  # a receiver's: its ledger entry for the generation, let go of when the Gen dies
+    pid: int  # the process that made it: a forked child's copy of it is not the child's to settle
+
+
+# A receiver's live Gens by their refs' template (kind, directory, segment,
+# generation, tag: the sender's Gen's own tuple), published once held
+# (``Gen.publish``): ``_native.load`` / ``rebuild`` load through them in one C call;
+# ``_native.dead()`` takes a Gen out as it ends.
+live: dict[tuple, Gen] = {}
+# DLPack's dtype (code, bits, lanes) and the itemsize of each torch dtype it carries
+# (``reductions`` fills it on first use).
+dtypes: dict[torch.dtype, tuple[int, int, int, int]] = {}
+_native.init(_torch.from_dlpack, SharingError, dtypes, live, _torch.swap_memory, _torch.dlpack_versioned())
+
+# Every segment mapped in this process, by (kind, key): a memfd by its inode, a file
+# by its name. Weak: a segment is kept by its live Gens, its pool, the kept list.
+_mapped: weakref.WeakValueDictionary[tuple, Segment] = weakref.WeakValueDictionary()
+_kept: OrderedDict[tuple, Segment] = OrderedDict()
+_kept_lock = threading.Lock()  # a leaf: loader threads keep and look up at once
+# Every mapping is registered by its address in ``_native`` (``segment_at``), which
+# finds the segment a storage lies in, for Python and for ``_native.reduce``.
+
+
+class Segment:
+    """One shared-memory segment mapped in this process; unmapped (and its
+    descriptor closed) when the last reference goes. ``fd`` never changes."""
+
+    __slots__ = (
+        "kind",
+        "key",
+        "directory",
+        "fd",
+        "addr",
+        "size",
+        "pid",
+        "gen",
+        "gen_ref",
+        "pool",
+        "deposited",
+        "tag",
+        "retired",
+        "sealed",
+        "since",
+        "filled",
+        "__weakref__",
+    )
+
+    def __init__(self, kind: str, key: int | str, directory: str, fd: int | None, size: int, map_fd: int) -> None:
+        _native.guard_faults()  # a file another process cuts under this mapping: an error, not a SIGBUS (cut)
+        addr = _platform.map_shared(map_fd, size)
+        self.kind, self.key, self.directory = kind, key, directory  # directory: fs only
+        self.fd, self.addr, self.size = fd, addr, size
+        self.pid = os.getpid()
+        self.gen = 0  # the generation whose Gen lives here (or is being filled)
+        self.gen_ref: weakref.ref | None = None
+        self.pool: Pool | None = None  # the pool that made it, in its owner only, until it leaves (Pool.leave)
+        self.deposited = False  # a memfd: its descriptor is at this process's broker (undeposit)
+        self.tag: tuple[int, int] = (0, 0)  # a file: (generation, its refs' tag), see transfer.fs_tag
+        self.retired = False  # never reused: closed once free
+        self.sealed = False  # filled no further (its file went with a broker that died)
+        self.since = 0.0  # when it became free
+        self.filled = 0  # its pages up to here are allocated (written through fd, or allocate())
+        # Unmapped (and its descriptor closed) once the segment is gone: a weakref
+        # callback, run after every weak reference to it is cleared, never __del__,
+        # which runs while _mapped can still hand the dying segment to another thread.
+        weakref.finalize(self, _unmap_close, addr, size, fd).atexit = False  # at exit the OS does it, after any last use
+        _mapped[(kind, key)] = self
+        _native.mapped(addr, size, weakref.ref(self))
+
+    @property
+    def name(self) -> str:
+        """A file_system segment's file name."""
+        return str(self.key)
+
+    def header(self) -> int:
+        return int(_U64.from_address(self.addr).value)
+
+    def begin(self, number: int) -> Gen:
+        """Start generation *number* (owner): header written, a new Gen, empty."""
+        assert self.fd is not None
+        try:
+            os.pwrite(self.fd, number.to_bytes(8, "little"), 0)  # allocates the page if need be
+        except OSError as exc:
+            raise self._write_error(exc, self.size, "writing a segment header") from exc
+        self.filled = max(self.filled, HEADER)  # its first page is allocated now
+        return self.new_gen(number, None)
+
+    def new_gen(self, number: int, entry: tuple | None) -> Gen:
+        """The Gen of *number* in this process, made held once: its maker ``release()``s
+        that hold (or hands it to a ``Hold``). *entry*: a receiver's, its ledger entry
+        for *number* (``hdr_hold`` counted it in the header), let go of when the Gen
+        dies (``transfer.settle_dead``)."""
+        gen = Gen(self, self.addr, self.size, number, HEADER if number else 0)
+        gen.info = (entry, os.getpid())  # GenInfo's fields
+        self.gen_ref, self.gen = weakref.ref(gen), number
+        return gen
+
+    def seal(self) -> None:
+        """Fill it no further, nor send from it: its file went with a broker that died,
+        or its memfd with the broker it was deposited at (a storage in it is shared anew)."""
+        self.sealed = True
+        gen = self.live_gen(self.gen)
+        if gen is not None:
+            gen.seal()  # a slab: nothing more is placed in it
+
+    def lose(self) -> None:
+        """Its file was cut by another process (``cut``): never filled, reused or sent
+        from again; what lies in it is lost."""
+        self.retired = True
+        self.seal()
+
+    def undeposit(self) -> bool:
+        """Its memfd's descriptor is no longer kept at this process's broker for it:
+        nothing sends from it without depositing it again, ``_native.reduce`` included
+        (its index dropped with the deposit). Whether it was deposited."""
+        was, self.deposited = self.deposited, False
+        _native.unindex(self.addr)
+        return was
+
+    def outside_its_pool(self) -> bool:
+        """Made here (a pooled generation, its descriptor here) and let go of by its
+        pool: this process holds it at most, as any receiver, and what it deposits of
+        it is a forward, which lasts while it holds it."""
+        return self.pool is None and self.fd is not None and self.gen != 0 and self.pid == os.getpid()
+
+    def index(self, gen: Gen, template: tuple) -> None:
+        """``_native.reduce`` sends storages of *gen* from now on, with refs of
+        *template*, while what the caller checked holds: a memfd deposited (another
+        thread may let go of the deposit meanwhile: then it is not indexed)."""
+        gen.index(template)
+        if self.kind == "fd" and not self.deposited:
+            _native.unindex(self.addr)
+
+    def live_gen(self, number: int) -> Gen | None:
+        """The Gen of *number*, if it still makes storages here (alive, or dead but not
+        yet settled: a new storage revives it)."""
+        ref = self.gen_ref
+        gen = ref() if ref is not None else None
+        return gen if gen is not None and self.gen == number and not gen.ended else None
+
+    def fill(self, gen: Gen, offset: int, nbytes: int, source: torch.UntypedStorage | None, zero: bool = True) -> torch.UntypedStorage:
+        """Write *source*'s bytes (or zeros, unless not *zero*) at *offset*; the storage
+        there. Not *zero*: pages written before keep this program's old bytes.
+
+        Into pages allocated already (a reused segment), a copy through the mapping:
+        about twice the speed of ``pwrite`` for a large storage, once this process has
+        touched them. Else through the descriptor: the kernel
+        allocates the missing pages now (no page fault per page), so a full memory
+        limit is an error here rather than a SIGBUS later."""
+        assert self.fd is not None
+        end = offset + nbytes
+        if end <= self.filled:
+            if source is None and not zero:
+                return gen.storage(offset, nbytes)
+            return gen.place(offset, nbytes, source)  # its address read at the copy, in C
+        written = self.filled  # zeros: what an earlier generation wrote there is cleared
+        try:
+            fill(self.fd, nbytes, source, offset, self.addr)
+        except OSError as exc:
+            raise self._write_error(exc, nbytes, "filling a shared segment") from exc
+        if offset <= self.filled:
+            self.filled = end
+        if source is None and zero and written > offset:
+            gen.place(offset, written - offset, None)  # the storage it returns goes at once
+        return gen.storage(offset, nbytes)
+
+    def reserve(self, cursor: int, nbytes: int, ahead: int) -> bool:
+        """Allocate the pages a storage of *nbytes* placed after *cursor* (a Gen's)
+        would take, *ahead* bytes ahead; False if it does not fit (a new arena is due)."""
+        end = -(-cursor // ALIGN) * ALIGN + nbytes
+        if end > self.size:
+            return False
+        if end > self.filled:
+            upto = min(self.size, -(-max(end, self.filled + ahead) // _PAGE) * _PAGE)
+            self._allocate(self.filled, upto)
+            self.filled = upto
+        return True
+
+    def allocate(self) -> None:
+        """Allocate every page of the segment now (a slab, once): later copies into
+        its mapping cannot fault on a full memory limit."""
+        self._allocate(0, self.size)
+        self.filled = self.size
+
+    def _allocate(self, start: int, end: int) -> None:
+        """Allocate the pages of bytes *start* to *end* (a page boundary or the size)
+        and map them here: one call (``_platform.populate``), not a write fault per
+        page as the copies into them come (a kept 128 KiB tensor's 32 pages: about a
+        tenth of the program's CPU per message, producer and consumer);
+        ``posix_fallocate`` where the kernel cannot."""
+        fresh = -(-start // _PAGE) * _PAGE  # the first page nothing lies in yet
+        start -= start % _PAGE
+        try:
+            try:
+                if _platform.populate(self.addr + start, end - start):
+                    return
+            except OSError:
+                _platform.release(self.addr + fresh, end - fresh)  # what it allocated before it failed
+                raise
+            assert self.fd is not None
+            os.posix_fallocate(self.fd, start, end - start)
+        except OSError as exc:
+            raise self._write_error(exc, end - start, "allocating a shared segment") from exc
+
+    def _write_error(self, exc: OSError, nbytes: int, what: str) -> SharingError:
+        if self.kind == "fs" and exc.errno in _FULL:
+            return out_of_shm(self.directory, nbytes, exc.strerror or str(exc))
+        return no_memory(exc, what, nbytes)
+
+
+def cut(exc: OSError) -> bool:
+    """Whether *exc* says a segment's memory is gone: a header function or a copy into
+    it met a SIGBUS, its file truncated by another process of the user (a memfd is
+    sealed against it). The guard (``_native.guard_faults``, installed by every process
+    that maps a segment) turns that SIGBUS into this error."""
+    return exc.errno == errno.EFAULT
+
+
+def _unmap_close(addr: int, size: int, fd: int | None) -> None:
+    # Out of the index first: once unmapped, another thread may map the address anew.
+    _native.unmapped(addr)
+    _platform.unmap(addr, size)
+    if fd is not None:
+        os.close(fd)
+
+
+def mapped_now() -> list[Segment]:
+    """Every segment mapped here now: its weak references listed without allocating
+    per item (a WeakValueDictionary's own iteration fails if another thread maps a
+    segment meanwhile, which a collection's finalizer can let run mid-way)."""
+    return [seg for seg in (ref() for ref in _mapped.valuerefs()) if seg is not None]
+
+
+def segment_at(ptr: int, nbytes: int) -> Segment | None:
+    """The segment whose mapping holds the *nbytes* at address *ptr*, if any: a live
+    storage there is of the segment's live generation (``seg.gen``), unless the
+    segment is sealed (its file went with a broker that died: shared anew)."""
+    seg: Segment | None = _native.segment_at(ptr, nbytes)
+    return None if seg is None or seg.sealed else seg
+
+
+def lookup(kind: str, key: int | str) -> Segment | None:
+    """This process's mapping of a segment, if it has one."""
+    seg = _mapped.get((kind, key))
+    if seg is not None and (kind, key) in _kept:
+        with _kept_lock:
+            if (kind, key) in _kept:
+                _kept.move_to_end((kind, key))
+    return seg
+
+
+def keep(seg: Segment) -> None:
+    """Keep a received segment mapped after its last storage dies (the latest
+    KEPT_SEGMENTS of them): its owner goes on filling or reusing it."""
+    if KEPT_SEGMENTS <= 0:
+        return
+    with _kept_lock:
+        _kept[(seg.kind, seg.key)] = seg
+        _kept.move_to_end((seg.kind, seg.key))
+        dropped = [_kept.popitem(last=False) for _ in range(len(_kept) - KEPT_SEGMENTS)]
+    del dropped  # a segment that dies here unmaps outside the lock
+
+
+def open_fd(fd: int, ino: int) -> Segment:
+    """Map a received memfd, which must be *ino* (its identity: device and inode),
+    and close *fd*: a mapping needs no descriptor, so a receiver keeping thousands
+    of tensors holds none per segment. Sending from it again
+    fetches its descriptor anew (``transfer._deposit``)."""
+    try:
+        got, size = fd_identity(fd)
+        if got != ino or size <= 0:
+            raise SharingError(f"received descriptor does not match its handle (memfd {got}, expected {ino}): forged or corrupted message")
+        return Segment("fd", ino, "", None, size, fd)
+    except OSError as exc:
+        raise os_error(exc, "mapping a received segment") from exc
+    finally:
+        os.close(fd)
+
+
+def open_file(directory: str, name: str) -> Segment:
+    """Map the file *name* of *directory* (no descriptor kept)."""
+    fd = _open_checked(directory, name)
+    try:
+        size = os.fstat(fd).st_size
+        return Segment("fs", name, directory, None, size, fd)
+    except OSError as exc:
+        raise os_error(exc, f"mapping {directory}/{name}") from exc
+    finally:
+        os.close(fd)
+
+
+def adopt(storage: torch.UntypedStorage) -> Segment | None:
+    """The segment of a storage torch already put in fd-backed shared memory: a
+    segment shmreduce does not pool (generation 0), kept while that storage lives."""
+    try:
+        fd = _torch.storage_fd(storage)
+    except RuntimeError:
+        return None
+    if fd < 0:
+        return None
+    ino, size = fd_identity(fd)
+    seg = _mapped.get(("fd", ino))
+    if seg is None:
+        dup = os.dup(fd)
+        try:
+            seg = Segment("fd", ino, "", dup, size, dup)
+        except OSError as exc:
+            os.close(dup)
+            raise os_error(exc, "mapping a shared storage") from exc
+    return seg
+
+
+_FULL = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
+
+
+def no_memory(exc: OSError, what: str, nbytes: int) -> SharingError:
+    if exc.errno in _FULL:
+        return SharingError(f"out of memory for a {nbytes}-byte shared segment: {exc.strerror}")
+    return os_error(exc, what)
+
+
+def _in_use() -> list[Segment]:
+    """The segments with a storage (or a hold) alive here now."""
+    in_use = []
+    for seg in mapped_now():
+        gen = seg.live_gen(seg.gen)
+        if gen is not None and gen.live:
+            in_use.append(seg)
+    return in_use
+
+
+def live_segments() -> int:
+    return len(_in_use())
+
+
+def retire_in_use() -> None:
+    """Before a fork: every generation with a storage (or a hold) alive here now is
+    retired in its header, never reused by its owner, whoever that is: the child
+    keeps what it inherits without counting itself a holder, and its pages
+    go back to the system once the last process maps them no more."""
+    for seg in _in_use():
+        if seg.gen:
+            try:
+                _native.hdr_retire(seg.addr, seg.gen)  # its owner, this process or another, reads it there
+            except OSError:
+                seg.lose()  # cut: never reused anyway
+
+
+def drop_kept() -> None:
+    _kept.clear()
+
+
+def seal_where(gone: Callable[[Segment], bool]) -> None:
+    """Never fill or send from again the mapped segments *gone* names (their files
+    went with a broker that died): a storage in one is shared anew when sent."""
+    for seg in mapped_now():
+        if gone(seg):
+            seg.seal()
+    _native.unindex_all()  # reduce() sends from none of them (each is indexed again once sent from here)
+
+
+def forget_deposits() -> None:
+    """This process's broker is new: it keeps none of the memfds sent before."""
+    for seg in mapped_now():
+        seg.deposited = False
+    _native.unindex_all()  # reduce() sends from none until each is deposited again
+
+
+def let_go_of_here() -> list[Segment]:
+    """The memfds this process made that its pool let go of and it still maps (it
+    holds them as a receiver), with their descriptors."""
+    return [seg for seg in mapped_now() if seg.kind == "fd" and seg.outside_its_pool()]
+
+
+def mapped_stats() -> dict[str, int]:
+    segs = mapped_now()
+    return {
+        "segments_mapped": len(segs),
+        "bytes_mapped": sum(s.size for s in segs),
+        "descriptors": sum(1 for s in segs if s.fd is not None),
+        "segments_kept": len(_kept),
+    }
+
+
+# What other modules use (transfer, pool, cache, reductions, stats).
+__all__ = [
+    "ALIGN",
+    "HEADER",
+    "KEPT_SEGMENTS",
+    "GenInfo",
+    "ProgramDirectoryGone",
+    "Segment",
+    "adopt",
+    "create_file",
+    "cut",
+    "drop_kept",
+    "dtypes",
+    "fd_identity",
+    "fill",
+    "forget_deposits",
+    "keep",
+    "let_go_of_here",
+    "live",
+    "live_segments",
+    "lookup",
+    "mapped_now",
+    "mapped_stats",
+    "new_name",
+    "no_memory",
+    "open_fd",
+    "open_file",
+    "os_error",
+    "refuse_foreign_file",
+    "retire_in_use",
+    "seal_where",
+    "segment_at",
+]

@@ -1,7 +1,7 @@
 """Sharing a storage (sender) and loading it (receiver): no broker record per message.
 
 ``share(storage)`` (sender) moves a storage into this process's pool (``pool``)
-once and returns the ``SegmentRef`` a pickle carries, as a plain tuple, counting it
+once and returns the *ref* a pickle carries (below), a plain tuple, counting it
 *sent* in its segment's shared header; ``receive(ref)`` (receiver) turns it back
 into a storage, counting it *loaded*. A receiver holds each generation it makes
 storages of (``_native.hdr_hold``, before it trusts the generation) and lets go when
@@ -20,7 +20,23 @@ either side, and neither does a generation.
 These are the general path. A plain CPU tensor is sent and loaded in one C call
 (``_native.reduce`` / ``_native.rebuild``) wherever its generation is indexed /
 published: ``share`` indexes each generation it sends from (its memfd deposited,
-its file's tag computed) and ``_new_token`` publishes each it holds as a receiver.
+its file's tag computed) and ``_new_gen`` publishes each it holds as a receiver.
+
+A ref is the plain tuple (kind, program, segment, gen, offset, nbytes, tag, ticket),
+plain because plain tuples pickle and load in C, on the hot path; checked in one
+place, ``_checked``:
+
+- kind: "fd" or "fs"; program: the broker directory that keeps the segment (fd) or
+  holds the file (fs); segment: the memfd's identity (fd) or the file's name (fs);
+- gen: the segment's generation (0: a segment shmreduce does not pool); offset,
+  nbytes: the storage's bytes in the segment;
+- tag: fs, a keyed hash of directory, file and generation under the program's
+  authkey (``fs_tag``): nothing asks the broker before a file is mapped, so the
+  receiver checks the tag instead, once per generation; fd, 0 (the broker
+  authenticates);
+- ticket: the ref's ticket in its generation (``_native.hdr_issue``): its first load
+  sets the ticket's bit in the header and counts it loaded, a repeated load counts
+  nothing (broker/protocol.py, "Lifetimes"); 0 for generation 0.
 
 Inside a ``sending()`` scope (``registry``'s ``ForkingPickler.dumps``,
 ``shmreduce.dumps``) a message's refs are counted sent when the scope closes
@@ -34,13 +50,13 @@ earlier one):
 1. ``_stripes[i]``: one storage's move into shared memory (read its address, copy,
    swap), by the Python path; the C path (``_native.reduce``) reads the address at
    its copy and swaps only if the storage is still where it was read.
-2. ``_tokens_lock``: finding or making the token of a generation this process loads.
-3. ``_releases_lock``: ``pool.settle`` (what died is let go of, one thread at a time).
+2. ``_gens_lock``: finding or making the Gen of a generation this process loads.
+3. ``_releases_lock``: ``settle_dead`` (what died is let go of, one thread at a time).
 4. the broker client's lock (``broker.client``): its requests and posts, and the
    ``on_connect`` hooks it runs after a reconnection.
 5. ``Pool.lock``: a leaf (``pool``).
 
-A sending scope holds the token of each ref it pickles until its refs are counted
+A sending scope holds the Gen of each ref it pickles until its refs are counted
 sent (``_Outgoing``): its generation cannot end under a ref in flight.
 """
 
@@ -56,41 +72,20 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import torch
 
-from shmreduce import _faults, _native, _torch, pool, program, segments
+from shmreduce import _faults, _native, _torch, forking, pool, program, segments
 from shmreduce.broker import client as broker
 from shmreduce.broker.protocol import is_program_dir
 from shmreduce.cache import Place, cache
-from shmreduce.errors import OutOfSharedMemory, SharingError, stale_message
+from shmreduce.errors import SharingError, stale_message
 from shmreduce.strategy import get_sharing_strategy
 
-HEADER = pool.HEADER
+HEADER = segments.HEADER
 
 log = logging.getLogger("shmreduce")
-
-
-class SegmentRef(NamedTuple):
-    """What a pickle carries for one shared storage: names the fields of the plain
-    tuple ``share`` returns (plain tuples pickle and load in C, on the hot path).
-    Checked in one place, ``_checked``."""
-
-    kind: str  # "fd" | "fs"
-    program: str  # the broker directory that keeps the segment (fd) / holds the file (fs)
-    segment: int | str  # fd: the memfd's inode; fs: the file's name
-    gen: int  # the segment's generation (0: a segment shmreduce does not pool)
-    offset: int
-    nbytes: int
-    # fs: a keyed hash of directory, file and generation under the program's authkey
-    # (see fs_tag): nothing asks the broker before a file is mapped, so the receiver
-    # checks the tag instead, once per generation. fd: 0 (the broker authenticates).
-    tag: int
-    # This ref's ticket in its generation (``_native.hdr_issue``): its first load sets
-    # the ticket's bit in the header and counts it loaded, a repeated load counts
-    # nothing (broker/protocol.py, "Lifetimes"). 0 for generation 0.
-    ticket: int
 
 
 def fs_tag(directory: str, name: str, gen: int) -> int:
@@ -149,27 +144,30 @@ def _release_files(directory: str, names: list[str]) -> None:
         _quietly(client.release, names)
 
 
-def _drop_memfd(seg: pool.Segment) -> None:
+def _drop_memfd(seg: segments.Segment) -> None:
     client = broker.connected_client(_program_dir())
     if client is not None:
         _quietly(client.drop, [seg.key])
 
 
-def _make_file(size: int) -> pool.Segment:
+def _make_file(size: int) -> segments.Segment:
     """A new file_system segment: a file in the program directory, its broker live,
     its name held there before the file exists (a sender killed mid-pickle leaves
-    nothing: issue 11, item 17).
+    nothing).
 
-    If that broker died after the check, its directory may be gone: check again (a
-    new broker makes it) and try once more. A full mount may be full of segments
-    nobody uses any more: let go of them, and try once more.
+    A full mount may be full of segments nobody uses any more: let go of them
+    (``_fs_full``), and try once more (``pool.twice``).
     """
+    return pool.twice(_fs_full, lambda last: _new_file_in_live_directory(size))
+
+
+def _new_file_in_live_directory(size: int) -> segments.Segment:
+    """A new file in the program directory. If its broker died after the check, the
+    directory may be gone: check again (a new broker makes it) and try once more."""
     try:
         return _new_file(size)
     except segments.ProgramDirectoryGone:
         pass  # made again by the next broker: once more, outside this handler
-    except OutOfSharedMemory:
-        _fs_full()
     return _new_file(size)
 
 
@@ -184,12 +182,12 @@ def _fs_full() -> None:
     client.ping()  # barrier: the broker unlinked the files nobody holds
 
 
-def _new_file(size: int) -> pool.Segment:
+def _new_file(size: int) -> segments.Segment:
     prog = _live_program()
     name = _names.take(prog.directory, prog.root_pid)
     fd = segments.create_file(prog.directory, name, size)
     try:
-        return pool.Segment("fs", name, prog.directory, fd, size, fd)
+        return segments.Segment("fs", name, prog.directory, fd, size, fd)
     except OSError as exc:
         os.close(fd)
         raise segments.os_error(exc, f"mapping {prog.directory}/{name}") from exc
@@ -205,7 +203,7 @@ _fs_pool = pool.FilePool(_make_file, _program_dir, _release_files, _fs_full)
 class _NameReserve:
     """file_system file names this process holds at its broker before it makes the
     files, a batch at a time: a sender killed in the middle of a pickle leaves files
-    its broker still removes, as its holds go with its connection (issue 11, item 17).
+    its broker still removes, as its holds go with its connection.
     One hold record per RESERVED_NAMES new files; a name held for a file never made
     costs the broker a dict entry until the process lets go."""
 
@@ -233,7 +231,7 @@ _local = threading.local()
 
 
 class _Outgoing:
-    """The message a ``sending()`` scope is pickling: the token of each of its refs,
+    """The message a ``sending()`` scope is pickling: the Gen of each of its refs,
     held once per ref until the scope closes and counts it sent (a storage made while
     pickling, which only the pickler's memo keeps, cannot die, and its generation end,
     before its ref is counted), and whether its broker was checked live."""
@@ -241,7 +239,7 @@ class _Outgoing:
     __slots__ = ("counted", "checked", "program")
 
     def __init__(self) -> None:
-        self.counted: list[Any] = []
+        self.counted: list[_native.Gen] = []
         self.checked = False
         self.program = ""
 
@@ -268,13 +266,13 @@ class sending:
                 _native.count_sent(out.counted, exc_type is None)  # and lets go of the scope's holds
                 if exc_type is None:
                     _counters["messages_sent"] += 1
-                if pool.has_dead():
+                if _native.pending():
                     _settle()
 
 
 def share(storage: torch.UntypedStorage) -> tuple:
     """Move *storage* into shared memory (once) and add it to the current message;
-    return its ``SegmentRef`` as a plain tuple."""
+    return its ref (the module docstring says what a ref is)."""
     out = getattr(_local, "out", None)
     if out is None:
         with sending():
@@ -283,8 +281,8 @@ def share(storage: torch.UntypedStorage) -> tuple:
     place = cache.place_of(storage, key)
     if not out.checked:
         # Once per message, before its first ref: a broker that died since is replaced
-        # now. The files that went with it are forgotten (the storage is shared again:
-        # issue 11, item 5) or held at the new broker (issue 19, item 4), and the
+        # now. The files that went with it are forgotten (the storage is shared again)
+        # or held at the new broker (``_on_connect``), and the
         # memfds it kept go to the new one with their next ref (``_on_connect``): else
         # a sender whose refs all name memfds it deposited before never reconnected,
         # and a receiver that does not map them received none. One non-blocking poll
@@ -296,45 +294,45 @@ def share(storage: torch.UntypedStorage) -> tuple:
         place = _move_once(storage, key)
     else:
         _counters["storages_reused"] += 1
-    seg, gen, offset, nbytes = place
+    seg, number, offset, nbytes = place
     if seg.kind == "fs":
         tag_gen, tag = seg.tag
-        if tag_gen != gen:
-            tag = fs_tag(seg.directory, seg.key, gen)
-            seg.tag = (gen, tag)
-        template = ("fs", seg.directory, seg.key, gen, tag)
+        if tag_gen != number:
+            tag = fs_tag(seg.directory, seg.key, number)
+            seg.tag = (number, tag)
+        template = ("fs", seg.directory, seg.key, number, tag)
     else:
         if not out.program:
             out.program = _program_dir()
-        if not seg.deposited and not _deposit(seg, storage, gen):
+        if not seg.deposited and not _deposit(seg, storage, number):
             # A received memfd its broker let go of (its owner and every other sender
             # gone): what lies in it is shared anew, from this process's pool.
             seg.seal()
             return share(storage)
-        template = ("fd", out.program, seg.key, gen, 0)
+        template = ("fd", out.program, seg.key, number, 0)
     ticket = 0
-    if gen:
+    if number:
         try:
             ticket = _native.hdr_issue(seg.addr)
         except OSError:
             raise SharingError(_native.CUT_MESSAGE) from None  # nothing of this ref counted yet
-        token = seg.live_token(gen)
-        if token is not None:
-            token.acquire()  # alive: *storage* is one of its storages
-            seg.index(token, template)  # _native.reduce sends from it from now on
+        gen = seg.live_gen(number)
+        if gen is not None:
+            gen.acquire()  # alive: *storage* is one of its storages
+            seg.index(gen, template)  # _native.reduce sends from it from now on
         else:
             # A storage a forked child inherited (its generation retired at the fork,
-            # never reused): a token of its own only carries the hold and the mapping.
-            token = _native.Gen(seg, seg.addr, seg.size, gen, HEADER)
-            token.info = (None, -1)  # nobody's to settle
-        out.counted.append(token)
-    kind, directory, key, gen, tag = template
-    return (kind, directory, key, gen, offset, nbytes, tag, ticket)
+            # never reused): a Gen of its own only carries the hold and the mapping.
+            gen = _native.Gen(seg, seg.addr, seg.size, number, HEADER)
+            gen.info = (None, -1)  # GenInfo's fields: nobody's to settle
+        out.counted.append(gen)
+    kind, directory, key, number, tag = template
+    return (kind, directory, key, number, offset, nbytes, tag, ticket)
 
 
-def _deposit(seg: pool.Segment, storage: torch.UntypedStorage, gen: int) -> bool:
+def _deposit(seg: segments.Segment, storage: torch.UntypedStorage, gen: int) -> bool:
     """This process's first ref to the memfd *seg*: its descriptor goes to the broker.
-    A received one is mapped without a descriptor (``pool.open_fd``): the broker's is
+    A received one is mapped without a descriptor (``segments.open_fd``): the broker's is
     fetched once more, for this deposit; False if the broker keeps it no longer. One
     no pool of this process keeps (its own, let go of by its pool: this process holds
     it as a receiver) is forwarded as a received one is: nothing here will drop it."""
@@ -358,8 +356,8 @@ def _deposit(seg: pool.Segment, storage: torch.UntypedStorage, gen: int) -> bool
 # at the same time (one tensor put on several queues: each feeder thread pickles it),
 # and share_memory_() takes the same path. The check-then-move runs under a lock of
 # that storage: the copy into the segment releases the GIL, and another thread must
-# not copy from memory this one is swapping away (issue 11: EFAULT, wrong bytes, lost
-# writes). torch guards its own moves alike (torch/storage.py,
+# not copy from memory this one is swapping away (EFAULT, wrong bytes, lost writes).
+# torch guards its own moves alike (torch/storage.py,
 # _share_memory_lock_protected).
 # One lock of a fixed set per storage (by its key): two storages may share one, which
 # costs them a wait, never correctness; no lock is made per storage.
@@ -387,9 +385,9 @@ def _move_once(storage: torch.UntypedStorage, key: int) -> Place:
             if _torch.swap_memory is None:
                 return _moved_by_torch(storage, key, nbytes)
             ptr = storage.data_ptr()
-            seg, gen, offset, shared, token = _current_pool().place(nbytes, storage)
+            seg, number, offset, shared, gen = _current_pool().place(nbytes, storage)
             if _native.move(storage, ptr, shared):
-                return _placed(storage, Place(seg, gen, offset, nbytes), token)
+                return _placed(storage, Place(seg, number, offset, nbytes), gen)
             # Moved meanwhile, by _native.reduce in another thread (which takes no
             # stripe): where it lies now is found on the next turn, under this lock.
             del shared
@@ -423,7 +421,7 @@ def _adopt(storage: torch.UntypedStorage, key: int, nbytes: int) -> Place | None
     shmreduce does not pool). None for one torch shared otherwise: it moves into the
     pool like any other, unless it is mapped from a file shmreduce did not make
     (refused)."""
-    seg = pool.adopt(storage)
+    seg = segments.adopt(storage)
     if seg is None:
         segments.refuse_foreign_file(storage)
         return None
@@ -432,10 +430,10 @@ def _adopt(storage: torch.UntypedStorage, key: int, nbytes: int) -> Place | None
     return place
 
 
-def _placed(storage: torch.UntypedStorage, place: Place, token: Any) -> Place:
+def _placed(storage: torch.UntypedStorage, place: Place, gen: _native.Gen) -> Place:
     """*storage* lies in *place* now (found there by its address from now on; and
     what a ref to it loads here, as torch gives a process its own storage back)."""
-    token.remember(place.offset, storage)
+    gen.remember(place.offset, storage)
     _counters["storages_shared"] += 1
     _counters["bytes_shared"] += place.nbytes
     if not _collector.started:
@@ -464,15 +462,15 @@ def new_shared(nbytes: int) -> torch.UntypedStorage:
     """
     if nbytes <= 0:
         return torch.UntypedStorage(0)
-    seg, gen, offset, storage, token = _current_pool().place(nbytes, None, zero=False)
-    _placed(storage, Place(seg, gen, offset, nbytes), token)
+    seg, number, offset, storage, gen = _current_pool().place(nbytes, None, zero=False)
+    _placed(storage, Place(seg, number, offset, nbytes), gen)
     return storage
 
 
 def let_go_slabs() -> None:
     """End this thread's current slabs: their generations end with their last storages."""
     for p in (_fd_pool, _fs_pool):
-        p.drop_slab()
+        p.drop_currents()
 
 
 def let_go() -> None:
@@ -482,9 +480,9 @@ def let_go() -> None:
     gc.collect()  # storages in reference cycles die now, not at some later collection
     let_go_slabs()
     collect()
-    _fd_pool.let_go()
-    _fs_pool.let_go()
-    pool.drop_kept()
+    _fd_pool.deactivate()
+    _fs_pool.deactivate()
+    segments.drop_kept()
 
 
 def _live_program() -> program.Program:
@@ -505,12 +503,46 @@ _releases_lock = threading.Lock()
 
 
 def _settle(wait: bool = False) -> None:
-    """Account for what died since the last call (``pool.settle``); *wait*: also for
+    """Account for what died since the last call (``settle_dead``); *wait*: also for
     a call running in another thread (the collector's) to finish, so that its effects
     are seen on return."""
-    if wait or pool.has_dead():
+    if wait or _native.pending():  # one atomic load
         with _releases_lock:
-            pool.settle()
+            settle_dead()
+
+
+def settle_dead(dead: list[_native.Gen] | None = None) -> None:
+    """Account for every generation whose last storage died here since the last call
+    (*dead*: Gens taken from ``_native.dead()`` already).
+
+    In its owner the generation is over here: its pool ends it (``Pool.generation_over``).
+    A receiver lets go of its hold, taken by ``_new_gen``: its ledger entry cleared,
+    then the header's holders (``broker.client.let_go``)."""
+    pid = os.getpid()
+    for gen in _native.dead() if dead is None else dead:
+        entry, maker = cast(segments.GenInfo, gen.info)
+        if maker != pid:
+            continue  # a forked child's copy of its parent's Gen: not ours to tell
+        seg = cast(segments.Segment, gen.owner)
+        if entry is None:
+            owner = seg.pool  # read once: another thread may take it out of its pool meanwhile
+            if owner is not None:
+                owner.generation_over(seg, gen.number)
+            continue
+        # The ledger says "dropping" before the header counts this process out, and
+        # is cleared after: a process killed in between is retired, not guessed.
+        if broker.dropping(entry):  # else this process is exiting: its brokers count it out
+            _faults.point("letgo.ledger")
+            try:
+                _native.hdr_unhold(seg.addr, gen.number)
+            except OSError:  # cut: nothing left to count out of
+                pass
+            _faults.point("letgo.unhold")
+            broker.let_go(entry)
+        if seg.outside_its_pool():
+            # Its deposit was a forward, kept at the broker while something reaches
+            # it, this hold among them: the next send from it deposits again.
+            seg.undeposit()
 
 
 def _quietly(send: Callable[..., None], *args: Any) -> None:
@@ -530,11 +562,11 @@ def collect() -> None:
     _drop_adopted(cache.take_dead_adopted())
     for p in (_fd_pool, _fs_pool):
         if p.waiting or p.leaving:
-            p.reap()
+            p.reap_waiting()
         p.trim()
 
 
-def _drop_adopted(segs: list[pool.Segment]) -> None:
+def _drop_adopted(segs: list[segments.Segment]) -> None:
     """The memfds of adopted storages that died here: this process sends no more refs
     to them (the broker keeps each ORPHAN_TTL for the refs in flight)."""
     keys = []
@@ -550,10 +582,10 @@ def _drop_adopted(segs: list[pool.Segment]) -> None:
 class _Collector:
     """A daemon thread that runs ``collect`` every PURGE_EVERY, whether or not anything
     else is sent or received: memory is reusable (or returned) within about a second
-    of the last process letting go (issue 12). Started with this process's first
-    segment, again in a forked child. It waits on a condition, not in a sleep, so
-    that a new period (``collect_every``) applies at once: a wait begun under an hour
-    would otherwise last the hour."""
+    of the last process letting go. Started with this process's first segment,
+    again in a forked child. It waits on a condition, not in a sleep, so that a new
+    period (``collect_every``) applies at once: a wait begun under an hour would
+    otherwise last the hour."""
 
     def __init__(self) -> None:
         self.logged = float("-inf")  # when it last logged an error
@@ -624,7 +656,7 @@ def collect_every(seconds: float) -> Iterator[None]:
 
 
 def receive(ref: tuple) -> torch.UntypedStorage:
-    """The storage *ref* (a ``SegmentRef`` or its plain tuple) names: from the cache
+    """The storage *ref* names: from the cache
     if this process has it already."""
     storage = receive_tensor(ref, None)
     assert isinstance(storage, torch.UntypedStorage)
@@ -636,17 +668,17 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
     its storage exactly, the tensor itself, made by ``_native.rebuild`` once the
     generation is published here (its storage is the storage ``receive`` would
     return, and is cached as such). Counts the ref loaded."""
-    kind, directory, segkey, gen, offset, nbytes, tag, ticket = _checked(ref)
-    token = _held_token(kind, directory, segkey, gen)
-    if token is None:
-        _faults.pause("load.token")
-        with _tokens_lock:  # one token per (segment, generation) here: found again, or made
-            token = _held_token(kind, directory, segkey, gen)
-            if token is None:
+    kind, directory, segkey, number, offset, nbytes, tag, ticket = _checked(ref)
+    gen = _held_gen(kind, directory, segkey, number)
+    if gen is None:
+        _faults.pause("load.gen")
+        with _gens_lock:  # one Gen per (segment, generation) here: found again, or made
+            gen = _held_gen(kind, directory, segkey, number)
+            if gen is None:
                 seg = _mapped_segment(kind, directory, segkey)
                 if seg is None:
-                    seg = _map(kind, directory, segkey, gen, tag)
-                token = _new_token(seg, kind, directory, segkey, gen, tag)
+                    seg = _map(kind, directory, segkey, number, tag)
+                gen = _new_gen(seg, kind, directory, segkey, number, tag)
     try:
         if meta is not None:
             # None where the storage was loaded here already (or the tensor is not
@@ -657,35 +689,35 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
                 return tensor
         # This process's storage at offset, else a new one (the range checked first),
         # counted loaded once it exists: one routine for both paths (Gen.load).
-        storage: torch.UntypedStorage = token.load(offset, nbytes, ticket)
-        if gen:
+        storage: torch.UntypedStorage = gen.load(offset, nbytes, ticket)
+        if number:
             _faults.point("load.counted")
     finally:
-        token.release()  # the load's hold: from now on its storages hold it
+        gen.release()  # the load's hold: from now on its storages hold it
     return storage
 
 
-# Finding or making the token of a generation here is one step per (segment,
+# Finding or making the Gen of a generation here is one step per (segment,
 # generation): two threads loading its first storage at once would otherwise map it
-# twice, hold it twice, and leave one token the segment does not know (a fork then
+# twice, hold it twice, and leave one Gen the segment does not know (a fork then
 # retires the other only, and the child's copy of the first is overwritten). Taken
 # before the broker client's lock (a first load fetches a memfd), never under it.
-_tokens_lock = threading.RLock()
+_gens_lock = threading.RLock()
 
 
-def _mapped_segment(kind: str, directory: str, segkey: Any) -> pool.Segment | None:
-    seg = pool.lookup(kind, segkey)
+def _mapped_segment(kind: str, directory: str, segkey: Any) -> segments.Segment | None:
+    seg = segments.lookup(kind, segkey)
     return None if seg is None or (kind == "fs" and seg.directory != directory) else seg
 
 
-def _held_token(kind: str, directory: str, segkey: Any, gen: int) -> Any | None:
-    """The live token of *gen* here, acquired for the caller, if there is one."""
+def _held_gen(kind: str, directory: str, segkey: Any, number: int) -> _native.Gen | None:
+    """The live Gen of *number* here, acquired for the caller, if there is one."""
     seg = _mapped_segment(kind, directory, segkey)
-    token = seg.live_token(gen) if seg is not None else None
-    return token if token is not None and token.acquire() else None
+    gen = seg.live_gen(number) if seg is not None else None
+    return gen if gen is not None and gen.acquire() else None
 
 
-def _map(kind: str, directory: str, segkey: Any, gen: int, tag: int) -> pool.Segment:
+def _map(kind: str, directory: str, segkey: Any, gen: int, tag: int) -> segments.Segment:
     """Map a segment this process does not map yet: a memfd fetched from the broker
     of *directory* (once per segment), or the file *segkey* there."""
     client = broker.client_for(directory)
@@ -705,11 +737,11 @@ def _map(kind: str, directory: str, segkey: Any, gen: int, tag: int) -> pool.Seg
             raise SharingError(f"refusing handle for {directory!r}: not a shmreduce program directory (forged message?)")
     if kind == "fs":
         _check_tag(directory, segkey, gen, tag)
-        return pool.open_file(directory, segkey)
+        return segments.open_file(directory, segkey)
     fd = client.fetch(segkey)
     if fd is None:
         raise stale_message(f"cannot receive segment {segkey}")
-    return pool.open_fd(fd, segkey)  # checks the identity; owns fd from now on
+    return segments.open_fd(fd, segkey)  # checks the identity; owns fd from now on
 
 
 def _check_tag(directory: str, segkey: str, gen: int, tag: int) -> None:
@@ -719,41 +751,41 @@ def _check_tag(directory: str, segkey: str, gen: int, tag: int) -> None:
         )
 
 
-def _new_token(seg: pool.Segment, kind: str, directory: str, segkey: Any, gen: int, tag: int) -> Any:
-    """A new token of *gen* in *seg*, held once for the caller to release. A pooled
+def _new_gen(seg: segments.Segment, kind: str, directory: str, segkey: Any, number: int, tag: int) -> _native.Gen:
+    """A new Gen of *number* in *seg*, held once for the caller to release. A pooled
     generation is held first (counted in the header, then checked to be the one
     there: its owner never reuses the segment under this load), then written in this
     process's ledger (read by the broker if it dies)."""
-    if not gen:
-        token = seg.new_token(0, None)
+    if not number:
+        gen = seg.new_gen(0, None)
     else:
         if kind == "fs":
-            _check_tag(directory, segkey, gen, tag)
+            _check_tag(directory, segkey, number, tag)
         # The ledger says "taking" before the header counts the hold, "held" after:
         # a process killed in between is retired, not guessed (protocol.py, "Lifetimes").
-        entry = broker.hold(directory, segkey, gen)
+        entry = broker.hold(directory, segkey, number)
         _faults.point("load.ledger")
         try:
-            held = _native.hdr_hold(seg.addr, gen)
+            held = _native.hdr_hold(seg.addr, number)
         except OSError:
             broker.let_go(entry)
             raise SharingError(_native.CUT_MESSAGE) from None
         if not held:
             broker.let_go(entry)
-            raise stale_message(f"segment {segkey!r} holds other data now (generation {gen:x} is over)")
+            raise stale_message(f"segment {segkey!r} holds other data now (generation {number:x} is over)")
         _faults.point("load.hold")
         broker.held(entry)
-        token = seg.new_token(gen, entry)
-        token.publish((kind, directory, segkey, gen, tag))  # _native.load / rebuild load through it from now on (the sender's template)
+        gen = seg.new_gen(number, entry)
+        gen.publish((kind, directory, segkey, number, tag))  # _native.load / rebuild load through it from now on (the sender's template)
     if seg.pool is None:
-        pool.keep(seg)
+        segments.keep(seg)
     if not _collector.started:
         _collector.ensure()  # what this process holds is let go of without further loads
-    return token
+    return gen
 
 
 def _checked(ref: Any) -> tuple:
-    """*ref*'s fields, each of the type and range a ``SegmentRef`` has, or
+    """*ref*'s fields, each of the type and range a ref's has (module docstring), or
     SharingError: the one place a handle from a pickle is checked before use."""
     try:
         kind, directory, segkey, gen, offset, nbytes, tag, ticket = ref
@@ -794,7 +826,7 @@ class receiving:
             before, _local.incoming = _local.incoming, None
             if _loads() != before:
                 _counters["messages_received"] += 1
-            if pool.has_dead():
+            if _native.pending():
                 _settle()
 
 
@@ -807,7 +839,7 @@ def _loads() -> int:
 
 def stats() -> dict[str, int]:
     """This process's pools and mappings (see ``shmreduce.stats``)."""
-    result = pool.mapped_stats()
+    result = segments.mapped_stats()
     for p in (_fd_pool, _fs_pool):
         for name, value in p.stats().items():
             result[f"{p.kind}_{name}"] = value
@@ -817,14 +849,14 @@ def stats() -> dict[str, int]:
 def _before_fork() -> None:
     # The child keeps the storages alive now, sent or received, without holding
     # their generations: those are retired (broker/protocol.py, "Lifetimes").
-    pool.retire_in_use()
+    segments.retire_in_use()
 
 
 def _after_fork_in_child() -> None:
-    global _stripes, _releases_lock, _tokens_lock
+    global _stripes, _releases_lock, _gens_lock
     _stripes = [threading.Lock() for _ in range(_STRIPES)]  # a parent's thread may have held one
     _releases_lock = threading.Lock()
-    _tokens_lock = threading.RLock()
+    _gens_lock = threading.RLock()
     _names.names.clear()  # the parent's holds, not ours
     _collector.reset()
     _fd_pool.reset_after_fork()
@@ -835,7 +867,7 @@ def _after_fork_in_child() -> None:
     _connected_before.clear()
 
 
-os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+forking.part("transfer", before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 _connected_before: set[str] = set()
@@ -855,40 +887,40 @@ def _on_connect(client: broker.BrokerClient) -> None:
         _connected_before.add(directory)
         return
     if directory == _program_dir():
-        pool.forget_deposits()
+        segments.forget_deposits()
     try:
         present = set(os.listdir(directory))
     except OSError:
         present = set()
 
-    def file_gone(seg: pool.Segment) -> bool:
+    def file_gone(seg: segments.Segment) -> bool:
         return seg.kind == "fs" and seg.directory == directory and seg.key not in present
 
     # This process's files that outlived the broker (all of its processes were
     # killed: nobody removed the directory) are held at the new one, which knows
     # nothing of them: else it unlinked each as soon as nothing was in flight in it,
     # while this process went on filling and reusing it, and every message after
-    # failed ('shared-memory file ... is gone', issue 19, item 4).
+    # failed ('shared-memory file ... is gone').
     kept = [seg.name for seg in _fs_pool.owned() if seg.directory == directory and seg.key in present]
     if kept:
         client.hold(kept)
     _fs_pool.retire_where(file_gone)
-    pool.seal_where(file_gone)
+    segments.seal_where(file_gone)
     if directory == _program_dir():
         _bring_back(client, file_gone)
 
 
-def _bring_back(client: broker.BrokerClient, file_gone: Callable[[pool.Segment], bool]) -> None:
+def _bring_back(client: broker.BrokerClient, file_gone: Callable[[segments.Segment], bool]) -> None:
     """A new broker: it gets every pooled segment this process keeps that another
     process may hold or load (its header says so: holders, or refs not all loaded):
     its memfds, and its files that went with the old broker's directory (by
     descriptor), so that it reads their headers as the old one did: a process that
     holds a generation of one and dies is counted out of it, whenever it took its hold
-    (issue 36, item 6: a receiver killed after a restart pinned the segment it held
-    from before for its owner's life). One round trip each, once per restart; a free
-    segment goes to it with its next ref, as before."""
+    (else a receiver killed after a restart pinned the segment it held from before
+    for its owner's life). One round trip each, once per restart; a free segment
+    goes to it with its next ref, as to any broker."""
 
-    def reachable(seg: pool.Segment) -> bool:
+    def reachable(seg: segments.Segment) -> bool:
         try:
             _gen, sent, loaded, holders = _native.hdr_read(seg.addr)
         except OSError:
@@ -901,7 +933,7 @@ def _bring_back(client: broker.BrokerClient, file_gone: Callable[[pool.Segment],
             seg.deposited = True
     # Its own memfds its pool let go of, which it holds as a receiver: those it sent
     # refs in that wait to be loaded go back too, as any sender's (a forward).
-    for seg in pool.let_go_of_here():
+    for seg in segments.let_go_of_here():
         _gen, sent, loaded, _holders = _native.hdr_read(seg.addr)
         if not seg.deposited and sent > loaded:
             _quietly(client.segment, seg.fd, True, True)

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import shmreduce
 from shmreduce import program
@@ -42,17 +42,17 @@ def without_swap() -> Iterator[None]:
     """This process as on a torch without ``UntypedStorage._swap_data_ptr_`` (before
     2.12): torch moves each storage sent and shmreduce adopts it (``_torch.path()``,
     in Python and in the native core); the swap bound again after."""
-    from shmreduce import _native, _torch, pool
+    from shmreduce import _native, _torch, segments
     from shmreduce.errors import SharingError
 
     swap = _torch.swap_memory
     _torch.swap_memory = None
-    _native.init(_torch.from_dlpack, SharingError, pool.dtypes, pool.live, None, _torch.dlpack_versioned())
+    _native.init(_torch.from_dlpack, SharingError, segments.dtypes, segments.live, None, _torch.dlpack_versioned())
     try:
         yield
     finally:
         _torch.swap_memory = swap
-        _native.init(_torch.from_dlpack, SharingError, pool.dtypes, pool.live, swap, _torch.dlpack_versioned())
+        _native.init(_torch.from_dlpack, SharingError, segments.dtypes, segments.live, swap, _torch.dlpack_versioned())
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> bool:
@@ -240,15 +240,33 @@ def pipe_echo(ctx, timeout: float = 30.0) -> Iterator[Callable[[Any], Any]]:
     assert proc.exitcode == 0
 
 
+class SegmentRef(NamedTuple):
+    """A ref (``transfer.share``'s plain tuple: its fields are in transfer's module
+    docstring), read by name in tests: ``SegmentRef(*transfer.share(storage))``."""
+
+    kind: str
+    program: str
+    segment: int | str
+    gen: int
+    offset: int
+    nbytes: int
+    tag: int
+    ticket: int
+
+
 def forget_mappings() -> None:
     """In a forked child: forget the segments inherited from the parent (its storage
     cache, its file_descriptor slabs), so the child receives like a process that never
     saw them."""
-    from shmreduce import pool
+    from shmreduce import _native, segments
     from shmreduce.cache import cache
 
     cache.clear()
-    pool.forget_mappings()
+    # Every segment this process maps is forgotten (each stays mapped while storages use it).
+    segments._kept.clear()
+    segments._mapped.clear()
+    segments.live.clear()
+    _native.forget_mapped()
 
 
 def let_go_now() -> None:

@@ -42,11 +42,12 @@ import pytest
 import torch
 
 import shmreduce
-from shmreduce import _native, pool, program, reductions, transfer
+from shmreduce import _native, pool, program, reductions, segments, transfer
 from shmreduce.broker import protocol as P
 from shmreduce.cache import cache
 
 from helpers import (
+    SegmentRef,
     broker_pids,
     forget_mappings,
     let_go_now,
@@ -99,7 +100,7 @@ def _load_twice(data: bytes) -> tuple[float, float, bool]:
 def _shared_ref(t):
     """A real handle for t's storage, counted sent as its own message."""
     with transfer.sending():
-        ref = transfer.SegmentRef(*transfer.share(t.untyped_storage()))
+        ref = SegmentRef(*transfer.share(t.untyped_storage()))
     return ref
 
 
@@ -467,14 +468,14 @@ def test_broker_gone_is_sharing_error(registered_fd):
 
 
 def test_missing_file_is_gone_and_never_created():
-    # torch's from_file would create a missing path full of zeros: map_file must not
+    # torch's from_file would create a missing path full of zeros: segments.open_file must not
     # let it (a file released a moment ago is an error, never silent zeros).
     with shmreduce.registered(strategy="file_system"):
         shmreduce.loads(shmreduce.dumps(torch.ones(4)))  # the program directory exists
         directory = program.current().directory
         name = "seg-" + "ab" * 12
         with pytest.raises(shmreduce.SharingError, match="gone"):
-            pool.open_file(directory, name)
+            segments.open_file(directory, name)
         assert not os.path.exists(os.path.join(directory, name))
 
 

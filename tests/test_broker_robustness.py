@@ -33,7 +33,7 @@ from shmreduce import program, transfer
 from shmreduce.broker import client as broker_client
 from shmreduce.broker import protocol as P
 
-from helpers import broker_pids, forget_mappings, gone, let_go_now, run_in_child, seg_files, wait_for
+from helpers import SegmentRef, broker_pids, forget_mappings, gone, let_go_now, run_in_child, seg_files, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 30.0
@@ -565,7 +565,7 @@ def test_a_pooled_memfd_cannot_be_shrunk_or_grown(registered_fd):
     import fcntl
 
     t = torch.arange(1000.0)
-    ref = transfer.SegmentRef(*transfer.share(t.untyped_storage()))
+    ref = SegmentRef(*transfer.share(t.untyped_storage()))
     fd = _client().fetch(ref.segment)
     assert fd is not None
     try:

@@ -85,11 +85,9 @@ def _consumer(conn, results, go, stranger=False):
     import shmreduce
 
     if stranger:
-        from shmreduce import pool
-        from shmreduce.cache import cache
+        from helpers import forget_mappings
 
-        cache.clear()
-        pool.forget_mappings()
+        forget_mappings()
     held = []
     while True:
         try:

@@ -91,16 +91,6 @@ def test_swap_memory_moves_memory_under_live_views():
     assert not shared.is_shared()  # it holds the old private memory now
 
 
-def test_map_file_keeps_no_descriptor(tmp_path):
-    path = tmp_path / "seg"
-    path.write_bytes(bytes(range(16)))
-    before = len(os.listdir("/proc/self/fd"))
-    storage = _torch.map_file(str(path), 16)
-    assert len(os.listdir("/proc/self/fd")) == before
-    assert storage.is_shared() and bytes(storage.tolist()) == bytes(range(16))
-    assert _torch.storage_fd(storage) == -1
-
-
 def test_a_storage_object_lives_as_long_as_its_storage_impl():
     # The identity maps (shmreduce/cache.py, _native.rebuild) hold weakref.ref(storage):
     # torch must keep one Python object per StorageImpl while a tensor uses it.
@@ -116,26 +106,6 @@ def test_a_storage_object_lives_as_long_as_its_storage_impl():
     del view
     gc.collect()
     assert weak() is None
-
-
-def test_map_file_through_proc_fd_maps_the_open_file_even_unlinked(tmp_path):
-    # segments.map_file relies on this: the descriptor pins the file it checked, so a
-    # file unlinked meanwhile still maps its bytes, and from_file creates nothing.
-    path = tmp_path / "seg"
-    path.write_bytes(bytes(range(16)))
-    fd = os.open(path, os.O_RDWR)
-    try:
-        os.unlink(path)
-        storage = _torch.map_file(f"/proc/self/fd/{fd}", 16)
-    finally:
-        os.close(fd)
-    assert storage.is_shared() and list(storage) == list(range(16))
-    assert not path.exists()
-
-
-# -- tensors and classes (reductions) --
-# Each message names the torch API it pins and the wrapper to fix in shmreduce/_torch.py
-# (reductions.py calls only the wrappers).
 
 
 def _require(owner: object, name: str, wrapper: str) -> None:

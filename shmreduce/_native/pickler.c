@@ -390,7 +390,7 @@ native_load(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 PyDoc_STRVAR(unpack_doc,
              "unpack($module, template, packed, /)\n--\n\n-> (ref, meta)\n\nload()'s arguments as "
-             "rebuild()'s: the ref (a SegmentRef's plain tuple) and the meta of a plain tensor; "
+             "rebuild()'s: the ref (the plain tuple transfer.share returns) and the meta of a plain tensor; "
              "SharingError if malformed, or of a dtype the table (filled first) does not have.");
 
 static PyObject *

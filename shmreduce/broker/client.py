@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
-from shmreduce import _faults
+from shmreduce import _faults, forking
 from shmreduce.broker import protocol as P
 from shmreduce.errors import SharingError, broker_gone, deposit_lost, stale_message, too_many_files
 
@@ -71,7 +71,7 @@ def _authkey() -> bytes:
 # The descriptors of the launches in progress in this process. A child forked during
 # a launch closes them at once (after_in_child): it must neither hold the launcher's
 # status socket nor reply on ours; the launch itself never waits for an end of file,
-# so a child that forked before the hook ran changes nothing either (issue 19, item 3).
+# so a child that forked before the hook ran changes nothing either.
 # Registered and let go of under _launch_lock, which a fork waits for (a few
 # system calls at most): no descriptor of a launch is ever unregistered in a child.
 #
@@ -79,7 +79,7 @@ def _authkey() -> bytes:
 # client's lock, never the other way), and a fork's before-hook takes it. A fork
 # can come from the very thread inside the section: a collection set off by an
 # allocation there (``socket.socketpair``) runs gc callbacks and finalizers, which may
-# fork (issue 36, item 11: it waited for the lock its own thread held, for ever). So
+# fork (taking the lock, it would wait for ever for its own thread to let go of it). So
 # the section records its thread (``_launch_owner``), and a fork from that thread
 # takes nothing: what the lock keeps whole is only ever changed by this thread, which
 # is stopped in the fork, so the child sees it as it was before or after one whole
@@ -108,13 +108,11 @@ def start_broker(directory: str, root_pid: int) -> None:
     """Run the launcher; return once a broker listens on *directory*.
 
     No pipe, no end of file awaited, every wait bounded by START_TIMEOUT (see
-    Launch handshake in ``server.py``). Before issue 19 the launch was a
-    ``subprocess.run`` with the authkey on the launcher's stdin: a child forked
-    meanwhile (a DataLoader worker, a Pool; the feeder thread makes the first share
-    while the main thread forks) kept the pipe's write end open, so the launcher
-    waited 30 s for the end of the authkey and the share failed, or ``Popen``
-    waited for ever on its error pipe, holding the client's lock (3 fresh programs
-    of 10 hung in the issue's reduction under file_system).
+    Launch handshake in ``server.py``). Not ``subprocess.run`` with the authkey on
+    the launcher's stdin: a child forked meanwhile (a DataLoader worker, a Pool; the
+    feeder thread makes the first share while the main thread forks) would keep the
+    pipe's write end open, so the launcher would wait for an end of the authkey that
+    never comes, or ``Popen`` for ever on its error pipe, holding the client's lock.
     """
     deadline = time.monotonic() + START_TIMEOUT
     env = dict(os.environ)
@@ -326,11 +324,11 @@ class BrokerClient:
         runs); if the broker closed the connection (killed, or exited), connect afresh,
         which starts a new one. One non-blocking poll when connected. Under the lock:
         threads making their first share at once connect once, never closing each
-        other's fresh connection (issue 11, item 13).
+        other's fresh connection.
 
         The poll asks for the hang-up itself, not for something to read: a peek that
         took buffered data for a sign of life let a sender pack the next message into
-        files the dead broker's janitor was removing (issue 19, item 4)."""
+        files the dead broker's janitor was removing."""
         with self.lock:
             if self.post is not None and not self._post_hung_up():
                 return  # no hang-up: the broker is there
@@ -339,7 +337,7 @@ class BrokerClient:
     def _post_hung_up(self) -> bool:
         """Whether the broker closed its end of the post connection (then closed here:
         the next post connects afresh). It died (a sender's new connection starts a
-        new one), or it dropped this connection alone (issue 27: the new one joins
+        new one), or it dropped this connection alone (the new one joins
         this process's identity there, its ledger posted again)."""
         post = self.post
         if post is None:
@@ -358,7 +356,7 @@ class BrokerClient:
         counts nobody out); the next connections are a new identity.
 
         Without a K posted the identity stays: the broker counts a process out once it
-        is dead (issue 27), and a live one's next connections join what it holds there
+        is dead, and a live one's next connections join what it holds there
         (a new identity would post the same ledger twice: counted out twice at death)."""
         with self.lock:
             kept = False
@@ -369,8 +367,8 @@ class BrokerClient:
                 except OSError as exc:
                     # Not posted within IO_TIMEOUT (the broker stopped, its buffer full;
                     # or gone). The broker keeps this identity while the process lives,
-                    # and lets go of its ledger when the next identity posts it (issue
-                    # 29, item 6): a process is never counted out twice, or early.
+                    # and lets go of its ledger when the next identity posts it: a process
+                    # is never counted out twice, or early.
                     log.debug("could not tell the shmreduce broker of %s that this process lives on: %s", self.directory, exc)
             self._close_post()
             self._close_request()
@@ -400,7 +398,7 @@ class BrokerClient:
         A client outlives its place in ``_clients`` wherever it was kept (a thread may
         have taken it just before ``close_all``). Reconnected, such a client held a
         connection nothing would close: the broker saw a live client and never
-        exited (the symptom of issue 19, item 2). *exiting*: at interpreter exit, the
+        exited. *exiting*: at interpreter exit, the
         broker counts this process out of what it holds (else it keeps them)."""
         with self.lock:
             self.retired = True
@@ -408,8 +406,8 @@ class BrokerClient:
                 self.close(keep=True)
                 return
             # At interpreter exit the connections are left to the kernel, which closes
-            # them as the process ends: the broker counts a process out once it is dead
-            # (issue 27), and a close seen long before that (the interpreter's teardown)
+            # them as the process ends: the broker counts a process out once it is dead,
+            # and a close seen long before that (the interpreter's teardown)
             # left it with no client and nothing draining yet: it exited under the
             # messages this process had just sent.
             self._close_post(detach=True)
@@ -459,7 +457,7 @@ class BrokerClient:
         A round trip, once per segment this process sends from: a deposit the broker
         could not keep (at its descriptor limit, the kernel dropped the descriptor) is
         a SharingError here, before any ref to it is sent, not a message whose
-        receiver finds it stale (issue 29, item 2)."""
+        receiver finds it stale."""
         with self.lock:
             self._post_socket(start=True)  # this identity's ledger at the broker first, as for any record
             kind = (P.SEG_FORWARDED if forward else P.SEG_MADE) if header else P.SEG_TORCH
@@ -475,7 +473,7 @@ class BrokerClient:
         """This process holds the file *name* it made, which went with a broker that
         died (its directory removed): the new broker gets its descriptor *fd* (still
         the caller's), to read its header when a process that holds its generation
-        dies (issue 36, item 6). Let go of as a hold (``release``)."""
+        dies. Let go of as a hold (``release``)."""
         with self.lock:
             self._post_socket(start=True)
             _op, body, fds = self._round_trip(P.SEGMENT, P.SEG_FILE + P.encode_names([name]), P.DEPOSITED, start=True, fds=[fd])
@@ -538,7 +536,7 @@ class BrokerClient:
         A request connection the broker closed (a send refused, or no reply but the
         end of the stream) is replaced once, and the request asked again: the broker
         died (its successor may know what was asked; *start*: start one), or it
-        dropped that connection alone and lives (issue 27). Each receive is bounded by
+        dropped that connection alone and lives. Each receive is bounded by
         IO_TIMEOUT: a broker that does not answer is a SharingError."""
         retried = False
         while True:
@@ -639,7 +637,7 @@ def _close_all_at_exit() -> None:
         # that function joins the queues' feeder threads, still pickling what was put
         # (a loaded machine runs them late), through these connections: close after
         # them, as its last finalizer. Were they closed first, each such message
-        # failed, and the failure was written on stderr (SPEC 13).
+        # failed, and the failure was written on stderr.
         multiprocessing.util.Finalize(None, _close_all_at_exit, exitpriority=_AFTER_FEEDERS)
         return
     exiting = True
@@ -846,7 +844,7 @@ def _after_fork_in_parent() -> None:
         _launch_lock.release()
 
 
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
+forking.part("broker.client", before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 __all__ = [
     "BrokerClient",

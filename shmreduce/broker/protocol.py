@@ -43,7 +43,7 @@ Segments and generations (``shmreduce/pool.py``, ``shmreduce/transfer.py``)
                 on holders == 0 and ends the generation if sent == loaded and it is
                 not RETIRED (generation 0, counters, tickets, flags cleared); a
                 RETIRED one leaves the pool (closed); else it waits and is looked at
-                again (``Pool.reap``).
+                again (``Pool.reap_waiting``).
     fork        before any fork (``os.register_at_fork``), every generation with a
                 storage or a hold alive in the forking process, owner or receiver, is
                 retired: the child keeps what it inherits without holding it, and
@@ -203,12 +203,12 @@ Lifetimes
     what an exited maker made), or while refs sent in its
     generation are not all loaded and one of their senders lives (its maker, a
     forwarder that deposited it with ``f``: a generation retired by a fork keeps
-    its queued messages however long they wait, item 8), or ``$SHMREDUCE_ORPHAN_TTL``
+    its queued messages however long they wait), or ``$SHMREDUCE_ORPHAN_TTL``
     seconds (default 60) after the last such sender died: a receiver can read what
     an exited sender put, and a program whose workers come and go does not keep
     their unread messages for its whole life. Else it is closed or unlinked at once:
     a relay's deposits of what exited producers made go once loaded and dropped
-    (item 10). A memfd without a header whose depositor died, or dropped it, is kept
+    as any other. A memfd without a header whose depositor died, or dropped it, is kept
     ORPHAN_TTL (nothing counts its refs in flight). A
     hold that is never counted out (its process died while no broker ran) keeps its
     segment at the broker until the program's root exits. The broker exits once it
