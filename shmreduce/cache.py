@@ -8,9 +8,10 @@ twice is moved once, and a received storage (or a slice of one) sent on goes out
 from where it is. The one exception, a storage torch shared by descriptor itself
 (a segment shmreduce maps elsewhere, generation 0), is remembered by its
 StorageImpl (``remember_adopted``) with a weak reference; when that storage dies,
-its entry and segment go to ``take_dead_adopted`` (``transfer.collect`` drops the
-memfd at the broker: a stream of fresh tensors on a torch without the swap,
-``_torch.path()``, would otherwise keep every one until the sender exits).
+its entry goes, and the segment of one torch moved for shmreduce (*moved*: on a
+torch without the swap, ``_torch.path()``) goes to ``take_dead_adopted``
+(``transfer.collect`` lets go of its memfd at the broker: a stream of fresh tensors
+would otherwise keep every one until the sender exits).
 
 Which storage lies at a place is not kept here: it is the identity map of each token
 (a generation in this process, ``Gen.stored`` / ``Gen.remember``, in C), so that
@@ -53,14 +54,15 @@ class Place(NamedTuple):
 
 
 class _Adopted(weakref.ref):
-    """A weak reference to an adopted storage, with its key and place: its callback
-    (run where the storage dies, any thread, perhaps mid-call of this cache) only
-    queues it."""
+    """A weak reference to an adopted storage, with its key and place, and whether
+    torch moved it for shmreduce: its callback (run where the storage dies, any
+    thread, perhaps mid-call of this cache) only queues it."""
 
-    __slots__ = ("key", "place")
+    __slots__ = ("key", "place", "moved")
 
     key: int
     place: Place
+    moved: bool
 
 
 class StorageCache:
@@ -87,25 +89,28 @@ class StorageCache:
                 return entry.place
         return None
 
-    def remember_adopted(self, storage: torch.UntypedStorage, place: Place, key: int) -> None:
+    def remember_adopted(self, storage: torch.UntypedStorage, place: Place, key: int, moved: bool = False) -> None:
         """A storage torch shared by descriptor lies in *place* (a segment mapped
-        elsewhere in this process), until it dies. Constant time: a dead storage's
+        elsewhere in this process), until it dies; *moved*: torch moved it there for
+        shmreduce (``transfer._moved_by_torch``). Constant time: a dead storage's
         entry is queued by its weak reference's callback, not looked for."""
         entry = _Adopted(storage, self._dead.append)
-        entry.key, entry.place = key, place
+        entry.key, entry.place, entry.moved = key, place, moved
         with self._lock:
             self._adopted[key] = entry
 
     def take_dead_adopted(self) -> list[Any]:
-        """The segments of adopted storages that died since the last call, their
-        entries forgotten (an entry a new storage of the same key replaced stays)."""
+        """The segments of the storages torch moved for shmreduce that died since the
+        last call; the entries of every adopted storage that died are forgotten (an
+        entry a new storage of the same key replaced stays)."""
         segs = []
         with self._lock:
             while self._dead:
                 entry = self._dead.popleft()
                 if self._adopted.get(entry.key) is entry:
                     del self._adopted[entry.key]
-                segs.append(entry.place.segment)
+                if entry.moved:
+                    segs.append(entry.place.segment)
         return segs
 
     def clear(self) -> None:

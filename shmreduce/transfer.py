@@ -398,12 +398,13 @@ def _moved_by_torch(storage: torch.UntypedStorage, key: int, nbytes: int) -> Pla
     """*storage*'s place once torch moved it into a memfd of its own, in place, and
     shmreduce adopted it: the way in on a torch that cannot swap a storage's memory
     (``_torch.path()``), under either strategy. Its memfd is let go of at the broker
-    once the storage dies (``cache.take_dead_adopted``)."""
+    once the storage dies (``cache.take_dead_adopted``): it exists for shmreduce's
+    messages alone, and a stream of fresh tensors must not keep one each."""
     try:
         _torch.share_fd(storage)
     except RuntimeError as exc:
         raise SharingError(f"torch could not move a storage of {nbytes} bytes into shared memory: {exc}") from exc
-    place = _adopt(storage, key, nbytes)
+    place = _adopt(storage, key, nbytes, moved=True)
     if place is None:
         raise SharingError("torch moved a storage into shared memory that has no descriptor to send")
     _counters["storages_shared"] += 1
@@ -417,17 +418,20 @@ def _current_pool() -> pool.Pool:
     return _fs_pool if get_sharing_strategy() == "file_system" else _fd_pool
 
 
-def _adopt(storage: torch.UntypedStorage, key: int, nbytes: int) -> Place | None:
+def _adopt(storage: torch.UntypedStorage, key: int, nbytes: int, moved: bool = False) -> Place | None:
     """The place of a storage torch shared by descriptor: where it is (a segment
     shmreduce does not pool). None for one torch shared otherwise: it moves into the
     pool like any other, unless it is mapped from a file shmreduce did not make
-    (refused)."""
+    (refused). *moved*: torch moved it for shmreduce (``_moved_by_torch``); one torch
+    shared for the user or for its own reductions keeps its memfd at the broker while
+    this process lives, as a pooled segment keeps its messages while their sender
+    lives (``_drop_adopted``)."""
     seg = pool.adopt(storage)
     if seg is None:
         segments.refuse_foreign_file(storage)
         return None
     place = Place(seg, 0, 0, nbytes)
-    cache.remember_adopted(storage, place, key)
+    cache.remember_adopted(storage, place, key, moved)
     return place
 
 
@@ -534,8 +538,10 @@ def collect() -> None:
 
 
 def _drop_adopted(segs: list[pool.Segment]) -> None:
-    """The memfds of adopted storages that died here: this process sends no more refs
-    to them (the broker keeps each ORPHAN_TTL for the refs in flight)."""
+    """The memfds of storages torch moved for shmreduce that died here: this process
+    sends no more refs to them. No header counts their refs in flight: the broker
+    keeps each ORPHAN_TTL for them (protocol.py, "Lifetimes"), the bound a torch
+    without the swap puts on a message whose storage died in its sender."""
     keys = []
     for seg in segs:
         if seg.deposited:

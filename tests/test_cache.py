@@ -68,17 +68,19 @@ def test_received_storages_are_one_per_place_and_held_weakly(strategy: str) -> N
 
 def test_torch_shared_storages_are_remembered_weakly() -> None:
     local = StorageCache()
-    t = torch.ones(4)
-    segment = object()
+    t, users = torch.ones(4), torch.ones(4)
+    segment, users_segment = object(), object()
     key = t.untyped_storage()._cdata
-    local.remember_adopted(t.untyped_storage(), Place(segment, 0, 0, 16), key)
+    local.remember_adopted(t.untyped_storage(), Place(segment, 0, 0, 16), key, moved=True)
+    local.remember_adopted(users.untyped_storage(), Place(users_segment, 0, 0, 16), users.untyped_storage()._cdata)
     assert local.place_of(t.untyped_storage()) == Place(segment, 0, 0, 16)
-    del t
+    del t, users
     gc.collect()
     other = torch.ones(4)
     local.remember_adopted(other.untyped_storage(), Place(segment, 0, 0, 16), other.untyped_storage()._cdata)
-    # The dead one's segment is handed over once (its memfd let go of), its entry gone;
-    # a live one stays, even under the dead one's key (a StorageImpl address reused).
+    # The dead ones' entries go; the segment of the one torch moved for shmreduce is
+    # handed over once (its memfd let go of), never that of one torch shared for the
+    # user. A live one stays, even under a dead one's key (a StorageImpl address reused).
     assert local.take_dead_adopted() == [segment] and local.take_dead_adopted() == []
     assert len(local._adopted) == 1 and local.place_of(other.untyped_storage()) is not None
 
@@ -87,7 +89,7 @@ def test_an_entry_replaced_under_its_key_stays_when_the_dead_one_is_taken() -> N
     local = StorageCache()
     a, b = torch.ones(4), torch.ones(4)
     first, second = object(), object()
-    local.remember_adopted(a.untyped_storage(), Place(first, 0, 0, 16), 7)
+    local.remember_adopted(a.untyped_storage(), Place(first, 0, 0, 16), 7, moved=True)
     del a
     gc.collect()
     # A new StorageImpl at the dead one's address, remembered before the dead one is taken.

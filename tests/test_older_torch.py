@@ -102,25 +102,49 @@ def _sum_each(conn) -> None:
         conn.send(float(t.sum()))
 
 
+def _segments_at_the_broker() -> dict:
+    client = broker_client.connected_client(program.current().directory)
+    assert client is not None
+    return client.ping()
+
+
 def test_a_storage_torch_moved_is_let_go_of_at_the_broker_once_it_died():
     # A stream of fresh tensors must not keep a memfd each at the broker until the sender
     # exits: each is let go of when its storage dies (kept ORPHAN_TTL there for refs in
     # flight, which nothing counts: here 0.5 s).
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    with shmreduce.registered(strategy="file_descriptor"):
+    with without_swap(), shmreduce.registered(strategy="file_descriptor"):
         proc = ctx.Process(target=_sum_each, args=(child,))
         with running(proc):
             child.close()
             for i in range(6):
                 t = torch.full((1000,), float(i))
-                t.untyped_storage()._share_fd_cpu_()  # torch shares it itself: shmreduce adopts it
-                parent.send(t)
+                parent.send(t)  # torch moves it, shmreduce adopts it
                 assert parent.poll(60) and parent.recv() == 1000.0 * i
-                del t
+                del t  # after its load: a ref that waits past ORPHAN_TTL (0.5 s here) is stale
             let_go_now()
-            client = broker_client.connected_client(program.current().directory)
-            assert client is not None
-            assert wait_for(lambda: client.ping()["segments"] == 0, 15), client.ping()
+            assert wait_for(lambda: _segments_at_the_broker()["segments"] == 0, 15), _segments_at_the_broker()
+            parent.send(None)
+    parent.close()
+
+
+def test_a_storage_torch_shared_for_the_user_keeps_its_memfd_at_the_broker_while_its_sender_lives():
+    # shmreduce did not make it: nothing bounds its refs in flight but its sender's life,
+    # as for a pooled segment's messages; only what torch moved for shmreduce is let go of.
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    with shmreduce.registered(strategy="file_descriptor"):
+        proc = ctx.Process(target=_sum_each, args=(child,))
+        with running(proc):
+            child.close()
+            t = torch.full((1000,), 2.0)
+            t.untyped_storage()._share_fd_cpu_()  # torch shares it itself: shmreduce adopts it
+            parent.send(t)
+            assert parent.poll(60) and parent.recv() == 2000.0
+            del t
+            let_go_now()  # a barrier: a drop posted before it is read
+            counters = _segments_at_the_broker()
+            assert counters["segments"] == 1 and counters["draining"] == 0, counters
             parent.send(None)
     parent.close()

@@ -208,9 +208,15 @@ Lifetimes
     an exited sender put, and a program whose workers come and go does not keep
     their unread messages for its whole life. Else it is closed or unlinked at once:
     a relay's deposits of what exited producers made go once loaded and dropped
-    (item 10). A memfd without a header whose depositor died, or dropped it, is kept
-    ORPHAN_TTL (nothing counts its refs in flight). A
-    hold that is never counted out (its process died while no broker ran) keeps its
+    (item 10). A memfd without a header (a storage torch shared) is the one
+    exception to that rule: nothing counts its refs in flight, so once its depositor
+    let go of it (X) or died it is kept ORPHAN_TTL, as refs whose senders are all
+    gone are; a ref to it that waits longer is stale. Its depositor lets go of it
+    only where torch moved the storage for shmreduce (a torch without
+    ``_swap_data_ptr_``), once that storage died: a stream of fresh tensors costs
+    ORPHAN_TTL of memory, not the sender's life; one torch shared for the user stays
+    while its depositor lives, as a pooled segment's messages wait for their sender.
+    A hold that is never counted out (its process died while no broker ran) keeps its
     segment at the broker until the program's root exits. The broker exits once it
     has had no client for GRACE seconds and either keeps nothing draining or the
     program's root process is gone; on exit it closes every descriptor and removes
