@@ -68,6 +68,7 @@ class _Adopted(weakref.ref):
 class StorageCache:
     def __init__(self) -> None:
         self._adopted: dict[int, _Adopted] = {}  # storage key -> its entry
+        self._in_segment: dict[int, _Adopted] = {}  # id() of its segment (its place keeps it) -> its entry
         self._dead: deque[_Adopted] = deque()  # entries whose storage died, not yet taken
         self._after_fork()
         os.register_at_fork(after_in_child=self._after_fork)
@@ -98,6 +99,13 @@ class StorageCache:
         entry.key, entry.place, entry.moved = key, place, moved
         with self._lock:
             self._adopted[key] = entry
+            self._in_segment[id(place.segment)] = entry
+
+    def adopted_in(self, segment: Any) -> torch.UntypedStorage | None:
+        """The live adopted storage that lies in *segment*, if any: what a ref to it
+        loads in this process (as torch gives a process its own shared storage back)."""
+        entry = self._in_segment.get(id(segment))
+        return None if entry is None else entry()
 
     def take_dead_adopted(self) -> list[Any]:
         """The segments of the storages torch moved for shmreduce that died since the
@@ -109,6 +117,8 @@ class StorageCache:
                 entry = self._dead.popleft()
                 if self._adopted.get(entry.key) is entry:
                     del self._adopted[entry.key]
+                if self._in_segment.get(id(entry.place.segment)) is entry:
+                    del self._in_segment[id(entry.place.segment)]
                 if entry.moved:
                     segs.append(entry.place.segment)
         return segs
@@ -117,6 +127,7 @@ class StorageCache:
         """Forget everything (a test acting as a process that never saw these storages)."""
         with self._lock:
             self._adopted.clear()
+            self._in_segment.clear()
             self._dead.clear()
 
 

@@ -601,6 +601,10 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
     generation is published here (its storage is the storage ``receive`` would
     return, and is cached as such). Counts the ref loaded."""
     kind, directory, segkey, gen, offset, nbytes, tag, ticket = _checked(ref)
+    if not gen:
+        own = _adopted_here(kind, directory, segkey, offset, nbytes)
+        if own is not None:
+            return own
     token = _held_token(kind, directory, segkey, gen)
     if token is None:
         _faults.pause("load.token")
@@ -627,6 +631,15 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
     finally:
         token.release()  # the load's hold: from now on its storages hold it
     return storage
+
+
+def _adopted_here(kind: str, directory: str, segkey: Any, offset: int, nbytes: int) -> torch.UntypedStorage | None:
+    """The storage a ref of generation 0 names, where it is one this process adopted
+    (torch shared it here, or moved it: a torch without the swap): the very storage,
+    as a pooled one loads as its sender's own (``_placed``), not a second mapping."""
+    seg = _mapped_segment(kind, directory, segkey)
+    own = cache.adopted_in(seg) if seg is not None else None
+    return own if own is not None and offset == 0 and own.nbytes() == nbytes else None
 
 
 # Finding or making the token of a generation here is one step per (segment,

@@ -97,6 +97,19 @@ def test_without_the_swap_a_storage_sent_moves_through_torch_in_place_and_receiv
         del got, got_big, got_tiny
 
 
+@pytest.mark.parametrize("how", ["torch moved it for shmreduce", "torch shared it for the user"])
+def test_a_storage_torch_shared_loads_in_its_own_process_as_the_very_storage(strategy, how):
+    # As a pooled one does, and as torch gives a process its own shared storage back.
+    with without_swap():
+        t = torch.arange(16.0)
+        if how == "torch shared it for the user":
+            t.untyped_storage()._share_fd_cpu_()
+        out = shmreduce.loads(shmreduce.dumps(t[4:]))
+        assert out.untyped_storage()._cdata == t.untyped_storage()._cdata and out.data_ptr() == t[4:].data_ptr()
+        out[0] = -1.0
+        assert t[4].item() == -1.0
+
+
 def _sum_each(conn) -> None:
     while (t := conn.recv()) is not None:
         conn.send(float(t.sum()))
