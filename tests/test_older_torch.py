@@ -19,7 +19,7 @@ import shmreduce
 from shmreduce import _torch, program
 from shmreduce.broker import client as broker_client
 
-from helpers import broker_pids, let_go_now, pipe_echo, running, wait_for, without_swap
+from helpers import broker_pids, let_go_now, pipe_echo, run_in_child, running, wait_for, without_swap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -108,6 +108,28 @@ def test_a_storage_torch_shared_loads_in_its_own_process_as_the_very_storage(str
         assert out.untyped_storage()._cdata == t.untyped_storage()._cdata and out.data_ptr() == t[4:].data_ptr()
         out[0] = -1.0
         assert t[4].item() == -1.0
+
+
+def _rebuild_past_the_end(meta) -> str:
+    from shmreduce import reductions, transfer
+
+    with without_swap():
+        t = torch.ones(4)
+        with transfer.sending():
+            ref = transfer.share(t.untyped_storage())
+        try:
+            reductions.rebuild_tensor(ref, meta)
+        except shmreduce.SharingError as exc:
+            return str(exc)
+        return "rebuilt"
+
+
+@pytest.mark.parametrize("meta", [(torch.float32, (1 << 40,), (1,), 0, None), (torch.float32, (2, 3), (3, 1), 1, None)])
+def test_metadata_past_the_end_of_a_storage_loaded_in_its_own_process_is_refused(strategy, meta):
+    # The very storage comes back (torch's, which set_ would grow over its mapping:
+    # SIGSEGV), so the view is checked against it first. In a child: a crash is a result.
+    status, said = run_in_child(_rebuild_past_the_end, meta)
+    assert status == "ok" and "forged or corrupted" in said, (status, said)
 
 
 def _sum_each(conn) -> None:
