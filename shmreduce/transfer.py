@@ -604,6 +604,8 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
     if not gen:
         own = _adopted_here(kind, directory, segkey, offset, nbytes)
         if own is not None:
+            global _own_loads
+            _own_loads += 1  # a load of a storage it had already, as Gen.load counts one
             return own
     token = _held_token(kind, directory, segkey, gen)
     if token is None:
@@ -631,6 +633,9 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
     finally:
         token.release()  # the load's hold: from now on its storages hold it
     return storage
+
+
+_own_loads = 0  # refs loaded as a storage this process adopted (_adopted_here): counted in no Gen
 
 
 def _adopted_here(kind: str, directory: str, segkey: Any, offset: int, nbytes: int) -> torch.UntypedStorage | None:
@@ -779,7 +784,7 @@ def _loads() -> int:
     """Refs loaded in this process (``Gen.load`` and ``_native.rebuild``), a storage it
     had already included."""
     storages, _nbytes, again = _native.loaded()
-    return storages + again
+    return storages + again + _own_loads
 
 
 def stats() -> dict[str, int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 
 import shmreduce
@@ -13,6 +14,7 @@ from shmreduce import pool, transfer
 from shmreduce.cache import Place, StorageCache, cache
 
 
+@pytest.mark.swap_path
 def test_a_shared_storage_is_found_by_its_address(strategy: str) -> None:
     t = torch.arange(1000.0)
     assert cache.place_of(t.untyped_storage()) is None, "private memory lies in no segment"
@@ -35,6 +37,7 @@ def test_a_shared_storage_is_found_by_its_address(strategy: str) -> None:
         assert transfer.receive(ref)._cdata == transfer.receive(again)._cdata == t.untyped_storage()._cdata
 
 
+@pytest.mark.swap_path
 def test_a_sealed_segment_is_not_a_place(strategy: str) -> None:
     # Its file went with a broker that died: a storage in it is shared anew.
     t = torch.ones(100)
@@ -49,6 +52,7 @@ def test_a_sealed_segment_is_not_a_place(strategy: str) -> None:
     assert cache.place_of(t.untyped_storage()) == place
 
 
+@pytest.mark.swap_path
 def test_received_storages_are_one_per_place_and_held_weakly(strategy: str) -> None:
     t = torch.arange(64.0)
     data = shmreduce.dumps([t, t[8:], t.untyped_storage()])

@@ -770,6 +770,7 @@ def _replay_consumer(say: Callable[[Any], None], stop: Any, q: Any, recheck: Any
     say(sum(not bool((t == i).all()) for i, t in enumerate(kept)))
 
 
+@pytest.mark.swap_path
 @pytest.mark.parametrize("replay", sorted(REPLAYS))
 def test_a_replay_buffer_holds_few_descriptors_in_every_process(strategy: str, replay: str) -> None:
     """A consumer (descriptor limit 256) keeps every tensor it receives (3,000 of 100

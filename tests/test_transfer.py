@@ -205,8 +205,9 @@ def test_receiving_a_ref_of_this_process_gives_the_very_storage(strategy: str) -
         assert got.data_ptr() == again.data_ptr() == s.data_ptr()
         assert got.nbytes() == nbytes
         assert bool((_bytes_of(got) == 3).all())
-        sent, loaded = _counts(transfer.SegmentRef(*ref))
-        assert loaded == sent, "a ref loaded twice counts once: its ticket"
+        if transfer.SegmentRef(*ref).gen:  # a pooled generation; torch's memfd (the adopt path) has no header
+            sent, loaded = _counts(transfer.SegmentRef(*ref))
+            assert loaded == sent, "a ref loaded twice counts once: its ticket"
 
 
 @pytest.mark.swap_path
