@@ -133,9 +133,11 @@ class Keeper:
 
     def deposit(self, client: Account, fd: int, header: bool, forward: bool = False) -> None:
         """*client* sends refs to the memfd *fd* (taken over here): kept by inode.
-        *forward*: a pooled segment it received and sends on (it did not make it):
-        it is one of the segment's senders, not a user (as a user, a relay's deposit
-        would keep every memfd it forwarded for the relay's life)."""
+        *forward*: a segment it received and sends on (it did not make it): it is
+        one of the segment's senders, not a user (as a user, a relay's deposit would
+        keep every memfd it forwarded for the relay's life). One without a header
+        (nothing counts its refs) is kept at least ORPHAN_TTL from this deposit, as
+        from its depositor's let-go."""
         try:
             ino = P.identity(os.fstat(fd))
         except OSError:
@@ -155,6 +157,8 @@ class Keeper:
             # sent: its descriptor is never let go of while it is kept.
             seg.forwarded = True
             self.forwardable.pop(ino, None)
+            if not header and not seg.users:
+                seg.until = max(seg.until, time.monotonic() + ORPHAN_TTL)
         self._sends(client, seg)
         if not forward and ino not in client.segs:
             client.segs.add(ino)
