@@ -280,6 +280,7 @@ def _keep(conn) -> None:
         conn.send(float(t.sum()))
 
 
+@pytest.mark.swap_path
 def test_file_segments_held_or_in_flight_at_a_broker_restart_are_held_at_the_new_one(broker_log, monkeypatch):
     # file_system: a receiver holds one segment, a message in another is not loaded
     # yet; the broker is killed and its directory goes. The owner's next connection
