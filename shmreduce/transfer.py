@@ -426,7 +426,10 @@ def _adopt(storage: torch.UntypedStorage, key: int, nbytes: int, moved: bool = F
     shared for the user or for its own reductions keeps its memfd at the broker while
     this process lives, as a pooled segment keeps its messages while their sender
     lives (``_drop_adopted``)."""
-    seg = pool.adopt(storage)
+    try:
+        seg = pool.adopt(storage)
+    except OSError as exc:  # its descriptor's dup, at this process's limit
+        raise segments.os_error(exc, "keeping the descriptor of a storage torch shared") from exc
     if seg is None:
         segments.refuse_foreign_file(storage)
         return None
