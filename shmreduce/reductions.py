@@ -169,6 +169,8 @@ def prepare() -> None:
         _DLPACK.update((dtype, (*code, dtype.itemsize)) for dtype, code in _torch.dlpack_dtypes(_native.dltype).items())
         try:
             _torch.quantized_engine()  # what a quantized tensor's rebuild would settle
+            if _torch.swap_memory is None:
+                _torch.prime_share_fd()  # every storage sent takes torch's share_fd on this torch
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # torch calls nested tensors a prototype
                 for example in _examples():
