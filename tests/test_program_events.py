@@ -125,6 +125,7 @@ def _run_program(script: str, *args: str, env: dict[str, str] | None = None) -> 
 # -- item 6: a broker restart forgets nothing a live process holds ------------------------
 
 
+@pytest.mark.swap_path
 @pytest.mark.parametrize("how", ["exit", "sigkill"])
 def test_a_receiver_holding_across_a_broker_restart_is_counted_out_at_its_death(strategy: str, how: str) -> None:
     """R keeps a 1 MiB tensor; the broker is SIGKILLed and a new one starts; R loads one
@@ -205,6 +206,7 @@ _RETIRED_SLAB = textwrap.dedent(
 )
 
 
+@pytest.mark.swap_path
 @pytest.mark.parametrize("strategy_name", ["file_descriptor", "file_system"])
 def test_messages_queued_in_a_retired_generation_wait_while_their_sender_lives(strategy_name: str) -> None:
     out = _run_program(_RETIRED_SLAB, strategy_name, env={"SHMREDUCE_ORPHAN_TTL": "1", "SHMREDUCE_BROKER_GRACE": "0.3"})
@@ -396,6 +398,7 @@ _UNREGISTER_IN_FLIGHT = textwrap.dedent(
 )
 
 
+@pytest.mark.swap_path
 @pytest.mark.parametrize("strategy_name", ["file_descriptor", "file_system"])
 def test_messages_in_flight_outlive_their_senders_unregister(strategy_name: str) -> None:
     """A sender unregisters (and lives) while 20 messages are queued: loaded seconds
@@ -422,6 +425,7 @@ def _hold_unregister_and(conn: Any, how: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+@pytest.mark.swap_path
 @pytest.mark.parametrize("how", ["exit", "sigkill"])
 def test_a_receiver_that_unregistered_is_counted_out_at_its_death(strategy: str, how: str) -> None:
     """R loads and keeps a tensor, unregisters, then exits or is SIGKILLed still
