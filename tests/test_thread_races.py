@@ -91,6 +91,7 @@ def _load_and_sum(blob: bytes) -> float:
     return float(shmreduce.loads(blob).sum())
 
 
+@pytest.mark.swap_path
 def test_a_stale_reaper_ends_nothing_of_the_next_generation(strategy, quiet_collector):
     p = transfer._current_pool()
     t = torch.full((NUMEL,), 1.0)
@@ -150,6 +151,7 @@ def _settle_everything() -> None:
     transfer.collect()
 
 
+@pytest.mark.swap_path
 def test_a_tensor_made_while_pickling_keeps_its_generation_until_counted(strategy, quiet_collector):
     _settled.clear()
     _faults.pauses["send.counted"] = _settle_everything
@@ -243,6 +245,7 @@ _COPY_RACE = textwrap.dedent(
 )
 
 
+@pytest.mark.swap_path
 def test_a_copy_reads_its_source_where_it_lies_now(strategy):
     # A child of its own: a fault there is a failure here, and the fence stays its own.
     run = subprocess.run([sys.executable, "-c", _COPY_RACE, strategy], capture_output=True, text=True, timeout=60)
