@@ -268,6 +268,7 @@ def _retired_after_fork() -> bool:
     return True
 
 
+@pytest.mark.swap_path
 def test_two_threads_loading_one_generation_make_one_token(strategy, quiet_collector):
     ctx = mp.get_context("fork")
     here, there = ctx.Pipe()
@@ -346,6 +347,7 @@ def broker_pids_of_this_program() -> int:
     return broker.client_for(program.current().directory).broker_pid
 
 
+@pytest.mark.swap_path
 def test_a_pool_trims_while_its_broker_is_replaced():
     status, value = run_in_child(_trim_while_reconnecting, timeout=30)
     assert (status, value) == ("ok", True)
