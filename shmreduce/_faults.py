@@ -16,9 +16,9 @@ Points (``broker/protocol.py``, "Lifetimes", says what each step does):
 ``letgo.unhold``  holders counted out, the ledger entry not cleared yet
 
 Pause points (``pause``):
-``load.token``    a load found no live token of its generation here, before it makes one
+``load.gen``    a load found no live Gen of its generation here, before it makes one
 ``send.counted``  a sending scope closes, its refs not yet counted sent
-``reap.end``      ``Pool.reap`` took its snapshot of the waiting segments, before it ends one
+``reap.end``      ``Pool.reap_waiting`` took its snapshot of the waiting segments, before it ends one
 ``pool.closing``  a pool closes a free segment it trimmed (its memfd dropped, its file released)
 ``pool.new_current``  a thread's next slab or arena is made, not its current one yet
 ``broker.launch``  the broker's launcher is started, its answer not read yet

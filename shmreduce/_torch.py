@@ -69,7 +69,7 @@ def share_fd(storage: torch.UntypedStorage) -> None:
     """Move *storage* into a memfd of torch's own, in place (``_share_fd_cpu_``): torch
     allocates it, copies, and repoints the same StorageImpl, so every view of it sees
     the shared memory. The one way to move a storage in place where torch has no
-    ``swap_memory``; shmreduce then adopts the memfd (``pool.adopt``). torch's
+    ``swap_memory``; shmreduce then adopts the memfd (``segments.adopt``). torch's
     ``_share_filename_cpu_`` leaves no descriptor to adopt, so this serves under both
     strategies."""
     storage._share_fd_cpu_()

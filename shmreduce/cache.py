@@ -3,7 +3,7 @@
 ``place_of(storage)``: a storage's ``Place`` (its segment, generation, offset, size)
 is where its memory is. A storage whose data lies inside a segment this process maps
 is in that segment's live generation, at its address minus the mapping's: found by
-address (``pool.segment_at``), with no record kept per storage. So a storage sent
+address (``segments.segment_at``), with no record kept per storage. So a storage sent
 twice is moved once, and a received storage (or a slice of one) sent on goes out
 from where it is. The one exception, a storage torch shared by descriptor itself
 (a segment shmreduce maps elsewhere, generation 0), is remembered by its
@@ -13,11 +13,11 @@ torch without the swap, ``_torch.path()``) goes to ``take_dead_adopted``
 (``transfer.collect`` lets go of its memfd at the broker: a stream of fresh tensors
 would otherwise keep every one until the sender exits).
 
-Which storage lies at a place is not kept here: it is the identity map of each token
+Which storage lies at a place is not kept here: it is the identity map of each Gen
 (a generation in this process, ``Gen.stored`` / ``Gen.remember``, in C), so that
 views of one storage sent in one message or in several arrive over one storage (and
 a process loading its own ref gets its own storage back): offset -> a weak reference
-to the storage, never the storage, gone with the token when the generation's last
+to the storage, never the storage, gone with the Gen when the generation's last
 storage here dies, so nothing is ever swept entry by entry. The load paths
 (``Gen.load``, ``_native.rebuild``) and the senders (``transfer._placed``,
 ``_native.reduce``) read and fill it there. Fork-safe: the lock is replaced in the
@@ -44,7 +44,7 @@ from shmreduce._torch import storage_key
 
 class Place(NamedTuple):
     """Where a storage lies: *nbytes* at *offset* of generation *gen* of *segment*
-    (a ``pool.Segment``). *gen* 0: a segment shmreduce does not pool (a storage
+    (a ``segments.Segment``). *gen* 0: a segment shmreduce does not pool (a storage
     torch shared by descriptor), at offset 0."""
 
     segment: Any
@@ -81,7 +81,7 @@ class StorageCache:
         ``storage_key``, if known: only a storage torch shared needs it)."""
         nbytes = storage.nbytes()
         ptr = storage.data_ptr()
-        seg = pool.segment_at(ptr, nbytes)
+        seg = segments.segment_at(ptr, nbytes)
         if seg is not None:
             return Place(seg, seg.gen, ptr - seg.addr, nbytes)
         if self._adopted:

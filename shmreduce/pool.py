@@ -13,14 +13,14 @@ classes per doubling).
 Generations. A segment is filled anew in *generations*. A generation is a number
 unique in the program, written into the segment's first ``HEADER`` bytes with its
 shared counters (refs sent, refs loaded, holders: ``broker/protocol.py``). In each
-process the storages of one generation are made by one *token*, a ``_native.Gen``:
-a storage over the mapping through DLPack, its range checked in C. The token counts
+process the storages of one generation are made by one *gen*, a ``_native.Gen``:
+a storage over the mapping through DLPack, its range checked in C. The Gen counts
 its live storages (and holds: the slab it is, a load in progress) natively; torch's
-deleter decrements the count when a storage dies, on any thread, and the token whose
+deleter decrements the count when a storage dies, on any thread, and the Gen whose
 count reaches zero is handed to ``settle`` (``_native.dead()``): "the last storage
-of generation G died here" is known exactly, without weak references. The token
-keeps its segment, and so the mapping. A token whose count reached zero is revived
-by a new storage until ``settle`` takes it. When a token dies:
+of generation G died here" is known exactly, without weak references. The Gen
+keeps its segment, and so the mapping. A Gen whose count reached zero is revived
+by a new storage until ``settle`` takes it. When a Gen dies:
 
 - in the owner: the generation is over here. The segment is free at once if nobody
   holds the generation elsewhere and every ref sent in it was loaded
@@ -30,7 +30,7 @@ by a new storage until ``settle`` takes it. When a token dies:
 - in a receiver: it lets go of the generation (its entry in this process's
   ledger, which the broker reads if it dies, cleared first, then the header's
   holders: no record). In a stream of messages in one slab, each dropped before
-  the next arrives, the next message's storage revives the token before it is
+  the next arrives, the next message's storage revives the Gen before it is
   settled: a slab's generation is held once, not once per message.
 
 A free segment is reused with its pages already in memory (no page fault per page,
@@ -66,15 +66,15 @@ taken before it (a reconnection's hook reads this pool under the client's lock);
 ``transfer`` writes the whole order.
 
 States. Whether a segment is its pool's is ``Segment.pool`` (the pool in its
-owner, until ``Pool.closed``, the one way out: in use, free, waiting, or *leaving*,
+owner, until ``Pool.leave``, the one way out: in use, free, waiting, or *leaving*,
 retired with refs in flight, kept until they are loaded). Every path asks it: a memfd
 deposited while its pool keeps it is the pool's (the broker counts it a user, dropped
-at ``closed``, and a broker restart gets it back, ``transfer._bring_back``); one
+at ``leave``, and a broker restart gets it back, ``transfer._bring_back``); one
 deposited once no pool keeps it is a forward, which nobody drops: a received one's,
 or its owner's once its pool let go of it (``Segment.outside_its_pool``), which lasts
 while the owner holds it as a receiver (``settle``) and goes back to a new broker
 while its refs wait to be loaded. A deposit ends in ``Segment.undeposit``, which
-unindexes the segment's token with it: the C sender (``_native.reduce``) never sends
+unindexes the segment's gen with it: the C sender (``_native.reduce``) never sends
 from a descriptor its broker may have let go of.
 
 Memory bounds: a pool keeps at most ``POOL_BYTES`` of free segments (the
@@ -129,7 +129,7 @@ ARENA_MOUNT_SHARE = 8
 POOL_BYTES = int(os.environ.get("SHMREDUCE_POOL_BYTES", str(1 << 30)))
 POOL_IDLE = float(os.environ.get("SHMREDUCE_POOL_IDLE", "10"))
 KEPT_SEGMENTS = int(os.environ.get("SHMREDUCE_KEPT_SEGMENTS", "8"))
-REAP_PER_TAKE = 8  # waiting segments a take() looks at (Pool.reap): its cost, however much is kept
+REAP_PER_TAKE = 8  # waiting segments a take() looks at (Pool.reap_waiting): its cost, however much is kept
 # A pool keeps at most IDLE_SEGMENTS segments free and as many waiting (their
 # generation over here, held elsewhere or with refs in flight): each keeps a
 # descriptor here and, under file_descriptor, one at the broker. Past that, the
@@ -142,10 +142,10 @@ _T = TypeVar("_T")
 
 _U64 = ctypes.c_uint64
 _Gen = _native.Gen
-# A receiver's live tokens by their refs' template (kind, directory, segment,
+# A receiver's live Gens by their refs' template (kind, directory, segment,
 # generation, tag: the sender's Gen's own tuple), published once held
 # (``Gen.publish``): ``_native.load`` / ``rebuild`` load through them in one C call;
-# ``_native.dead()`` takes a token out as it ends.
+# ``_native.dead()`` takes a Gen out as it ends.
 live: dict[tuple, Any] = {}
 # DLPack's dtype (code, bits, lanes) and the itemsize of each torch dtype it carries
 # (``reductions`` fills it on first use).
@@ -176,7 +176,7 @@ def class_size(nbytes: int) -> int:
 # -- segments ----------------------------------------------------------------------
 
 # Every segment mapped in this process, by (kind, key): a memfd by its inode, a file
-# by its name. Weak: a segment is kept by its live tokens, its pool, the kept list.
+# by its name. Weak: a segment is kept by its live Gens, its pool, the kept list.
 _mapped: weakref.WeakValueDictionary[tuple, Segment] = weakref.WeakValueDictionary()
 _kept: OrderedDict[tuple, Segment] = OrderedDict()
 _kept_lock = threading.Lock()  # a leaf: loader threads keep and look up at once
@@ -197,7 +197,7 @@ class Segment:
         "size",
         "pid",
         "gen",
-        "token",
+        "gen",
         "pool",
         "deposited",
         "tag",
@@ -214,9 +214,9 @@ class Segment:
         self.kind, self.key, self.directory = kind, key, directory  # directory: fs only
         self.fd, self.addr, self.size = fd, addr, size
         self.pid = os.getpid()
-        self.gen = 0  # the generation whose token lives here (or is being filled)
-        self.token: weakref.ref | None = None
-        self.pool: Pool | None = None  # the pool that made it, in its owner only, until it leaves (Pool.closed)
+        self.gen = 0  # the generation whose Gen lives here (or is being filled)
+        self.gen: weakref.ref | None = None
+        self.pool: Pool | None = None  # the pool that made it, in its owner only, until it leaves (Pool.leave)
         self.deposited = False  # a memfd: its descriptor is at this process's broker (undeposit)
         self.tag: tuple[int, int] = (0, 0)  # a file: (generation, its refs' tag), see transfer.fs_tag
         self.retired = False  # never reused: closed once free
@@ -239,32 +239,32 @@ class Segment:
         return int(_U64.from_address(self.addr).value)
 
     def begin(self, gen: int) -> Any:
-        """Start generation *gen* (owner): header written, a new token, empty."""
+        """Start generation *gen* (owner): header written, a new Gen, empty."""
         assert self.fd is not None
         try:
             os.pwrite(self.fd, gen.to_bytes(8, "little"), 0)  # allocates the page if need be
         except OSError as exc:
             raise self._write_error(exc, self.size, "writing a segment header") from exc
         self.filled = max(self.filled, HEADER)  # its first page is allocated now
-        return self.new_token(gen, None)
+        return self.new_gen(gen, None)
 
-    def new_token(self, gen: int, entry: tuple | None) -> Any:
-        """The token of *gen* in this process, made held once: its maker ``release()``s
+    def new_gen(self, gen: int, entry: tuple | None) -> Any:
+        """The Gen of *gen* in this process, made held once: its maker ``release()``s
         that hold (or hands it to a ``Hold``). *entry*: a receiver's, its ledger entry
-        for *gen* (``hdr_hold`` counted it in the header), let go of when the token
+        for *gen* (``hdr_hold`` counted it in the header), let go of when the Gen
         dies (``settle``)."""
-        token = _Gen(self, self.addr, self.size, gen, HEADER if gen else 0)
-        token.info = (entry, os.getpid())
-        self.token, self.gen = weakref.ref(token), gen
-        return token
+        gen = _Gen(self, self.addr, self.size, gen, HEADER if gen else 0)
+        gen.info = (entry, os.getpid())
+        self.gen, self.gen = weakref.ref(gen), gen
+        return gen
 
     def seal(self) -> None:
         """Fill it no further, nor send from it: its file went with a broker that died,
         or its memfd with the broker it was deposited at (a storage in it is shared anew)."""
         self.sealed = True
-        token = self.live_token(self.gen)
-        if token is not None:
-            token.seal()  # a slab: nothing more is placed in it
+        gen = self.live_gen(self.gen)
+        if gen is not None:
+            gen.seal()  # a slab: nothing more is placed in it
 
     def lose(self) -> None:
         """Its file was cut by another process (``cut``): never filled, reused or sent
@@ -286,22 +286,22 @@ class Segment:
         it is a forward, which lasts while it holds it."""
         return self.pool is None and self.fd is not None and self.gen != 0 and self.pid == os.getpid()
 
-    def index(self, token: Any, template: tuple) -> None:
-        """``_native.reduce`` sends storages of *token* from now on, with refs of
+    def index(self, gen: Any, template: tuple) -> None:
+        """``_native.reduce`` sends storages of *gen* from now on, with refs of
         *template*, while what the caller checked holds: a memfd deposited (another
         thread may let go of the deposit meanwhile: then it is not indexed)."""
-        token.index(template)
+        gen.index(template)
         if self.kind == "fd" and not self.deposited:
             _native.unindex(self.addr)
 
-    def live_token(self, gen: int) -> Any | None:
-        """The token of *gen*, if it still makes storages here (alive, or dead but not
+    def live_gen(self, gen: int) -> Any | None:
+        """The Gen of *gen*, if it still makes storages here (alive, or dead but not
         yet settled: a new storage revives it)."""
-        ref = self.token
-        token = ref() if ref is not None else None
-        return token if token is not None and self.gen == gen and not token.ended else None
+        ref = self.gen
+        gen = ref() if ref is not None else None
+        return gen if gen is not None and self.gen == gen and not gen.ended else None
 
-    def fill(self, token: Any, offset: int, nbytes: int, source: torch.UntypedStorage | None, zero: bool = True) -> torch.UntypedStorage:
+    def fill(self, gen: Any, offset: int, nbytes: int, source: torch.UntypedStorage | None, zero: bool = True) -> torch.UntypedStorage:
         """Write *source*'s bytes (or zeros, unless not *zero*) at *offset*; the storage
         there. Not *zero*: pages written before keep this program's old bytes.
 
@@ -314,8 +314,8 @@ class Segment:
         end = offset + nbytes
         if end <= self.filled:
             if source is None and not zero:
-                return token.storage(offset, nbytes)
-            return token.place(offset, nbytes, source)  # its address read at the copy, in C
+                return gen.storage(offset, nbytes)
+            return gen.place(offset, nbytes, source)  # its address read at the copy, in C
         written = self.filled  # zeros: what an earlier generation wrote there is cleared
         try:
             segments.fill(self.fd, nbytes, source, offset)
@@ -324,11 +324,11 @@ class Segment:
         if offset <= self.filled:
             self.filled = end
         if source is None and zero and written > offset:
-            token.place(offset, written - offset, None)  # the storage it returns goes at once
-        return token.storage(offset, nbytes)
+            gen.place(offset, written - offset, None)  # the storage it returns goes at once
+        return gen.storage(offset, nbytes)
 
     def reserve(self, cursor: int, nbytes: int) -> bool:
-        """Allocate the pages a storage of *nbytes* placed after *cursor* (a token's)
+        """Allocate the pages a storage of *nbytes* placed after *cursor* (a Gen's)
         would take, a chunk ahead; False if it does not fit (a new arena is due)."""
         end = -(-cursor // ALIGN) * ALIGN + nbytes
         if end > self.size:
@@ -473,26 +473,26 @@ def adopt(storage: torch.UntypedStorage) -> Segment | None:
     return seg
 
 
-# -- tokens ------------------------------------------------------------------------
+# -- gens ------------------------------------------------------------------------
 
 
 class Hold:
-    """One count on a token held by Python, not by a storage (a thread's current
+    """One count on a Gen held by Python, not by a storage (a thread's current
     slab): let go of when the holder drops it, whatever the thread or the time (a
     thread's slab goes with its thread-local data)."""
 
-    __slots__ = ("seg", "token")
+    __slots__ = ("seg", "gen")
 
-    def __init__(self, seg: Segment, token: Any, take: bool = True) -> None:
-        """*take*: acquire a count now; else the maker's hold of a new token is handed over."""
-        self.seg, self.token = seg, None
-        if take and not token.acquire():
-            raise RuntimeError("a hold on a token that is over")
-        self.token = token
+    def __init__(self, seg: Segment, gen: Any, take: bool = True) -> None:
+        """*take*: acquire a count now; else the maker's hold of a new Gen is handed over."""
+        self.seg, self.gen = seg, None
+        if take and not gen.acquire():
+            raise RuntimeError("a hold on a Gen that is over")
+        self.gen = gen
 
     def __del__(self) -> None:
-        if self.token is not None:
-            self.token.release()
+        if self.gen is not None:
+            self.gen.release()
 
 
 def has_dead() -> bool:
@@ -505,17 +505,17 @@ def settle(dead: list[Any] | None = None) -> None:
 
     In its owner the generation is over here: its segment is free at once if nobody
     holds it elsewhere and every ref sent in it was loaded (``_native.hdr_end``),
-    else it waits for that (``Pool.reap``). A receiver lets go of its hold: its
+    else it waits for that (``Pool.reap_waiting``). A receiver lets go of its hold: its
     ledger entry cleared, then the header's holders (``broker.client.let_go``).
-    *dead*: tokens taken from ``_native.dead()`` already."""
+    *dead*: gens taken from ``_native.dead()`` already."""
     pid = os.getpid()
-    for token in _native.dead() if dead is None else dead:
-        info: Any = token.info
+    for gen in _native.dead() if dead is None else dead:
+        info: Any = gen.info
         entry, owner = info
         if owner != pid:
-            continue  # a forked child's copy of its parent's token: not ours to tell
-        seg: Segment = token.owner  # type: ignore[assignment]
-        gen = token.number
+            continue  # a forked child's copy of its parent's Gen: not ours to tell
+        seg: Segment = gen.owner  # type: ignore[assignment]
+        gen = gen.number
         if entry is not None:
             # The ledger says "dropping" before the header counts this process out, and
             # is cleared after: a process killed in between is retired, not guessed.
@@ -536,17 +536,17 @@ def settle(dead: list[Any] | None = None) -> None:
         if pool is None or seg.gen != gen:
             continue
         if seg.retired or not pool.active:
-            pool.closed(seg)  # never reused: what is in flight in it stays readable (the broker)
-        elif not pool.end(seg, gen):
-            pool.wait(seg, gen)  # held elsewhere, or refs to it in flight
+            pool.leave(seg)  # never reused: what is in flight in it stays readable (the broker)
+        elif not pool.end_generation(seg, gen):
+            pool.add_waiting(seg, gen)  # held elsewhere, or refs to it in flight
 
 
 def _in_use() -> list[Segment]:
     """The segments with a storage (or a hold) alive here now."""
     in_use = []
     for seg in _mapped_now():
-        token = seg.live_token(seg.gen)
-        if token is not None and token.live:
+        gen = seg.live_gen(seg.gen)
+        if gen is not None and gen.live:
             in_use.append(seg)
     return in_use
 
@@ -580,7 +580,7 @@ _gen_count = 0
 _gen_lock = threading.Lock()
 
 
-def new_gen() -> int:
+def new_gen_number() -> int:
     global _gen_count
     with _gen_lock:
         _gen_count += 1
@@ -599,7 +599,7 @@ class Pool:
     def __init__(self) -> None:
         self.free: dict[int, list[Segment]] = {}
         # segment key -> (the segment, its generation that is over here, not yet free):
-        # the generation its caller saw goes with it to every transition (``end``).
+        # the generation its caller saw goes with it to every transition (``end_generation``).
         self.waiting: dict[int | str, tuple[Segment, int]] = {}
         # Retired past IDLE_SEGMENTS waiting with refs in flight: kept (its descriptor, its
         # deposit or hold) until every ref sent in it is loaded, so that a broker
@@ -608,7 +608,7 @@ class Pool:
         self.free_bytes = 0
         self.made = 0  # segments made, for stats
         self.reused = 0
-        self.active = True  # until let_go() (unregister()), and again from the next place(): free segments are kept
+        self.active = True  # until deactivate() (unregister()), and again from the next place(): free segments are kept
         self.lock = threading.Lock()
         self.local = threading.local()
 
@@ -632,7 +632,7 @@ class Pool:
     ) -> tuple[Segment, int, int, torch.UntypedStorage, Any]:
         """Put *source*'s bytes (or zeros; unless *zero*, whatever this program left
         there) in a segment: (segment, generation, offset, the new storage there, the
-        generation's token)."""
+        generation's Gen)."""
         self.active = True
         if nbytes <= ARENA_ITEM_MAX:
             tier = _SLAB if nbytes <= SLAB_ITEM_MAX else _ARENA
@@ -642,9 +642,9 @@ class Pool:
                 # ``_native.reduce`` uses for the same slab. The pages are allocated
                 # already (a slab's when it is made, an arena's a chunk ahead: reserve),
                 # so a plain copy into the mapping cannot fault on a full memory limit.
-                seg, token = current.seg, current.token
+                seg, gen = current.seg, current.gen
                 try:
-                    fits: bool | None = tier is _SLAB or seg.reserve(token.cursor, nbytes)
+                    fits: bool | None = tier is _SLAB or seg.reserve(gen.cursor, nbytes)
                 except OutOfSharedMemory:
                     fits = None  # handled below, outside this handler: one exception if _own fails too
                 if fits is None:
@@ -655,7 +655,7 @@ class Pool:
                     return self._own(nbytes, source, zero)
                 if fits:
                     try:
-                        put = token.put(nbytes, source, zero)
+                        put = gen.put(nbytes, source, zero)
                     except OSError as exc:
                         if not cut(exc):
                             raise
@@ -663,7 +663,7 @@ class Pool:
                         self.drop_current(tier)
                         return self.place(nbytes, source, zero)
                     if put is not None:
-                        return seg, seg.gen, put[0], put[1], token
+                        return seg, seg.gen, put[0], put[1], gen
             try:
                 self._new_current(tier)
                 made = True
@@ -680,17 +680,17 @@ class Pool:
         """*source*'s bytes in a segment of its own (its size class)."""
         seg = self.take(class_size(nbytes))
         offset = HEADER
-        token = self._twice(lambda last: self._begin(seg, retry=not last))
+        gen = self._twice(lambda last: self._begin(seg, retry=not last))
         try:
-            storage = self._twice(lambda last: seg.fill(token, offset, nbytes, source, zero))
+            storage = self._twice(lambda last: seg.fill(gen, offset, nbytes, source, zero))
         except OSError as exc:
             if not cut(exc):
                 raise
-            seg.lose()  # cut by another process under this copy: its generation ends with the token
+            seg.lose()  # cut by another process under this copy: its generation ends with the Gen
             return self._own(nbytes, source, zero)
         finally:
-            token.release()  # the maker's hold: failing, the token's death gives the segment back (settle)
-        return seg, seg.gen, offset, storage, token
+            gen.release()  # the maker's hold: failing, the Gen's death gives the segment back (settle)
+        return seg, seg.gen, offset, storage, gen
 
     def _twice(self, attempt: Callable[[bool], _T]) -> _T:
         """``attempt(False)``; on a full mount (which may be full of segments nobody
@@ -704,18 +704,18 @@ class Pool:
         return attempt(True)
 
     def _begin(self, seg: Segment, retry: bool) -> Any:
-        """*seg*'s new generation's token. A segment whose header cannot be written
-        has no token to give it back when it dies: it leaves the pool, unless a full
+        """*seg*'s new generation's Gen. A segment whose header cannot be written
+        has no Gen to give it back when it dies: it leaves the pool, unless a full
         mount is to be tried once more (*retry*)."""
         try:
-            return seg.begin(new_gen())
+            return seg.begin(new_gen_number())
         except SharingError as exc:
             if not (retry and isinstance(exc, OutOfSharedMemory)):
-                self.closed(seg)
+                self.leave(seg)
             raise
 
     def _new_current(self, tier: _Tier) -> None:
-        """This thread's next slab or arena: the thread keeps its token, so a
+        """This thread's next slab or arena: the thread keeps its Gen, so a
         generation spans many messages and ends only once the segment is full (and
         every storage in it is gone). A slab's pages are allocated at once, an arena's
         as it fills (``Segment.reserve``)."""
@@ -727,13 +727,13 @@ class Pool:
         hold = Hold(seg, self._begin(seg, retry=False), take=False)
         self.local.__dict__[tier.name] = hold
         if tier is _SLAB:
-            _native.set_slab(self.kind == "fs", hold.token)  # reduce() fills it too, once indexed
+            _native.set_slab(self.kind == "fs", hold.gen)  # reduce() fills it too, once indexed
 
     def take(self, size: int) -> Segment:
         """A free segment of *size*, else a new one."""
         free = self.free.get(size)
         if not free and self.waiting:
-            self.reap(most=REAP_PER_TAKE)
+            self.reap_waiting(most=REAP_PER_TAKE)
             free = self.free.get(size)
         if free:
             with self.lock:
@@ -743,7 +743,7 @@ class Pool:
             if seg is not None:
                 if seg.kind == "fs" and seg.fd is not None and os.fstat(seg.fd).st_size < seg.size:
                     seg.lose()  # cut by another process while free
-                    self.closed(seg)
+                    self.leave(seg)
                     return self.take(size)
                 self.reused += 1
                 return seg
@@ -752,7 +752,7 @@ class Pool:
         self.made += 1
         return seg
 
-    def reap(self, most: int | None = None) -> None:
+    def reap_waiting(self, most: int | None = None) -> None:
         """Give back the waiting segments that are free now (nobody holds their
         generation and every ref sent in it was loaded: their headers say), close
         those retired meanwhile. *most*: look at that many only, the longest waiting
@@ -761,7 +761,7 @@ class Pool:
         looked at in turn (the collector looks at all of them, every PURGE_EVERY)."""
         # Each entry carries the generation it waits for: another thread may end it,
         # give the segment back and begin the next one before this loop reaches it,
-        # and ``end`` then does nothing. Taken under the lock, which nothing this
+        # and ``end_generation`` then does nothing. Taken under the lock, which nothing this
         # thread could run meanwhile takes (deleters and finalizers never do).
         with self.lock:
             if most is None:
@@ -770,7 +770,7 @@ class Pool:
                 pairs = list(itertools.islice(self.waiting.values(), most))
         for seg, gen in pairs:
             _faults.pause("reap.end")
-            if not self.end(seg, gen, waited=True) and most is not None:
+            if not self.end_generation(seg, gen, waited=True) and most is not None:
                 with self.lock:
                     if self.waiting.get(seg.key) == (seg, gen):
                         del self.waiting[seg.key]
@@ -782,9 +782,9 @@ class Pool:
             with self.lock:
                 taken = [seg for seg in loaded if self.leaving.pop(seg.key, (None, 0))[0] is seg]
             for seg in taken:  # loaded, not free: its holders keep reading it, so closed, not discarded
-                self.closed(seg)
+                self.leave(seg)
 
-    def wait(self, seg: Segment, gen: int) -> None:
+    def add_waiting(self, seg: Segment, gen: int) -> None:
         """*seg*'s generation *gen* is over here but not free: reaped later. Past
         IDLE_SEGMENTS waiting, the longest waiting leave the pool, never reused."""
         with self.lock:
@@ -801,9 +801,9 @@ class Pool:
                 with self.lock:
                     self.leaving[old.key] = (old, old_gen)  # closed once its refs are loaded (reap)
             else:
-                self.closed(old)  # kept by the broker while a process holds its generation
+                self.leave(old)  # kept by the broker while a process holds its generation
 
-    def end(self, seg: Segment, gen: int, waited: bool = False) -> bool:
+    def end_generation(self, seg: Segment, gen: int, waited: bool = False) -> bool:
         """*seg*'s generation *gen* is over in its owner: given back if free (nobody
         holds it, every ref sent was loaded), closed if retired (a fork, a process dead
         mid-hold: never reused); False if it must wait. One transition in the header
@@ -821,7 +821,7 @@ class Pool:
                 if waited and claimed:
                     del self.waiting[seg.key]
             if claimed:
-                self.closed(seg)
+                self.leave(seg)
             return True
         if done == _END_WAIT:
             return False
@@ -833,7 +833,7 @@ class Pool:
             self.give_back(seg)
         elif done == _END_RETIRED:
             seg.retired = True
-            self.closed(seg)
+            self.leave(seg)
         return True
 
     def give_back(self, seg: Segment) -> None:
@@ -898,23 +898,23 @@ class Pool:
         over two pages. A kept mapping pins that page, no more."""
         start = -(-HEADER // _PAGE) * _PAGE  # the first page after the header
         _platform.release(seg.addr + start, seg.size - start)
-        self.closed(seg)
+        self.leave(seg)
 
-    def closed(self, seg: Segment) -> None:
+    def leave(self, seg: Segment) -> None:
         """*seg* leaves the pool, once (its memory goes once nothing maps it): its
         deposit or hold at the broker let go of. From then on this process is one of
         its holders at most, as any receiver (``transfer._deposit``)."""
         if seg.pool is self:
             seg.pool = None
-            self.let_go_of(seg)
+            self.release_at_broker(seg)
 
-    def let_go_of(self, seg: Segment) -> None:
+    def release_at_broker(self, seg: Segment) -> None:
         """What the broker keeps of *seg* for this pool is let go of (a strategy's)."""
 
     def owned(self) -> list[Segment]:
         """Every segment of this pool this process still has: in use, free,
         waiting until its generation is free, or leaving once its refs are loaded."""
-        found = {id(seg): seg for seg in _mapped_now() if seg.pool is self and seg.live_token(seg.gen) is not None}
+        found = {id(seg): seg for seg in _mapped_now() if seg.pool is self and seg.live_gen(seg.gen) is not None}
         with self.lock:
             for segs in self.free.values():
                 found.update((id(seg), seg) for seg in segs)
@@ -952,18 +952,18 @@ class Pool:
                     taken.append(seg)
         self._close_all(taken)
 
-    def let_go(self) -> None:
+    def deactivate(self) -> None:
         """Drop this thread's current slab and every free segment (``unregister()``).
         Those waiting for their generation to be free wait on: a message in flight in
         one is loaded whenever its receiver gets to it, and each is closed, never
         reused, once free (``give_back`` of a pool no longer active)."""
-        self.drop_slab()
+        self.drop_currents()
         self.active = False
         with self.lock:
             taken = self._trim_locked(lambda s: True)
         self._close_all(taken)
 
-    def drop_slab(self) -> None:
+    def drop_currents(self) -> None:
         """This thread's current slab and arena are over: their generations end with
         their last storages."""
         self.drop_current(_SLAB)
@@ -1028,7 +1028,7 @@ class FdPool(Pool):
             os.close(fd)
             raise _no_memory(exc, "mapping a new memfd", size) from exc
 
-    def let_go_of(self, seg: Segment) -> None:
+    def release_at_broker(self, seg: Segment) -> None:
         if seg.undeposit():
             self._drop(seg)
 
@@ -1073,7 +1073,7 @@ class FilePool(Pool):
     def create(self, size: int) -> Segment:
         return self._make(size)
 
-    def let_go_of(self, seg: Segment) -> None:
+    def release_at_broker(self, seg: Segment) -> None:
         self._release(seg.directory, [seg.name])
 
 
@@ -1148,9 +1148,9 @@ def _after_fork_in_child() -> None:
     live.clear()  # nor theirs to load through: what this process keeps, it holds itself
     _native.unindex_all()  # nor to send from without depositing them itself
     for seg in _mapped_now():
-        # Never revive a token of the parent's here: what this process keeps, it claims
-        # itself (a new token), or its owner could reuse memory this process reads.
-        seg.token = None
+        # Never revive a Gen of the parent's here: what this process keeps, it claims
+        # itself (a new Gen), or its owner could reuse memory this process reads.
+        seg.gen_ref = None
         seg.deposited = False  # the parent's deposit, not ours
 
 

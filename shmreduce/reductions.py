@@ -29,7 +29,7 @@ _SPARSE_COMPRESSED = {
 }
 
 
-# A strided tensor travels as (ref, meta): *ref* the storage's transfer.SegmentRef as
+# A strided tensor travels as (ref, meta): *ref* the storage's SegmentRef as
 # a plain tuple (or None for an empty storage), *meta* everything else as a plain
 # tuple (dtype, size, stride, offset, extra), where *extra* is None for a plain
 # Tensor that does not require grad and is neither a conjugate nor a negative view,
@@ -37,7 +37,7 @@ _SPARSE_COMPRESSED = {
 # on the tensor, its storage holds the bytes they are lazily applied to. Plain tuples
 # pickle and load in C: measured here, a (ref, meta) pair as two NamedTuples costs
 # 1.9 us to pickle and 0.8 us to load per tensor, as plain tuples 0.3 and 0.3, on the
-# per-tensor hot path. transfer.SegmentRef names the
+# per-tensor hot path. SegmentRef names the
 # ref's fields in code; receive() checks the shape of what arrives. A plain tensor
 # _native.reduce sends travels in a more compact form still, _native.load(template,
 # packed): its generation's template tuple (pickled once a message) and a few packed
@@ -122,11 +122,11 @@ def reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple]:
 
 
 _EMPTY: dict[torch.dtype, torch.Tensor] = {}  # one empty tensor per dtype: new_empty is cheap
-_DLPACK = pool.dtypes  # (code, bits, lanes, itemsize) of each dtype DLPack carries, filled by prepare()
+_DLPACK = segments.dtypes  # (code, bits, lanes, itemsize) of each dtype DLPack carries, filled by prepare()
 
 
 def dlpack_table() -> dict[torch.dtype, tuple[int, int, int, int]]:
-    """The dtypes ``_native.rebuild`` makes tensors of (``pool.dtypes``), filled once."""
+    """The dtypes ``_native.rebuild`` makes tensors of (``segments.dtypes``), filled once."""
     if not _prepared:
         prepare()
     return _DLPACK

@@ -48,6 +48,6 @@ def stats() -> dict[str, Any]:
     result.update(transfer.stats())
     clients = broker.existing_clients()
     result["round_trips"] = sum(c.round_trips for c in clients)
-    result["live_segments"] = pool.live_segments()
+    result["live_segments"] = segments.live_segments()
     result["fds_held"] = _platform.open_fd_count()
     return result

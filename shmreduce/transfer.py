@@ -20,7 +20,7 @@ either side, and neither does a generation.
 These are the general path. A plain CPU tensor is sent and loaded in one C call
 (``_native.reduce`` / ``_native.rebuild``) wherever its generation is indexed /
 published: ``share`` indexes each generation it sends from (its memfd deposited,
-its file's tag computed) and ``_new_token`` publishes each it holds as a receiver.
+its file's tag computed) and ``_new_gen`` publishes each it holds as a receiver.
 
 Inside a ``sending()`` scope (``registry``'s ``ForkingPickler.dumps``,
 ``shmreduce.dumps``) a message's refs are counted sent when the scope closes
@@ -34,13 +34,13 @@ earlier one):
 1. ``_stripes[i]``: one storage's move into shared memory (read its address, copy,
    swap), by the Python path; the C path (``_native.reduce``) reads the address at
    its copy and swaps only if the storage is still where it was read.
-2. ``_tokens_lock``: finding or making the token of a generation this process loads.
+2. ``_gens_lock``: finding or making the Gen of a generation this process loads.
 3. ``_releases_lock``: ``pool.settle`` (what died is let go of, one thread at a time).
 4. the broker client's lock (``broker.client``): its requests and posts, and the
    ``on_connect`` hooks it runs after a reconnection.
 5. ``Pool.lock``: a leaf (``pool``).
 
-A sending scope holds the token of each ref it pickles until its refs are counted
+A sending scope holds the Gen of each ref it pickles until its refs are counted
 sent (``_Outgoing``): its generation cannot end under a ref in flight.
 """
 
@@ -66,7 +66,7 @@ from shmreduce.cache import Place, cache
 from shmreduce.errors import OutOfSharedMemory, SharingError, stale_message
 from shmreduce.strategy import get_sharing_strategy
 
-HEADER = pool.HEADER
+HEADER = segments.HEADER
 
 log = logging.getLogger("shmreduce")
 
@@ -148,13 +148,13 @@ def _release_files(directory: str, names: list[str]) -> None:
         _quietly(client.release, names)
 
 
-def _drop_memfd(seg: pool.Segment) -> None:
+def _drop_memfd(seg: segments.Segment) -> None:
     client = broker.connected_client(_program_dir())
     if client is not None:
         _quietly(client.drop, [seg.key])
 
 
-def _make_file(size: int) -> pool.Segment:
+def _make_file(size: int) -> segments.Segment:
     """A new file_system segment: a file in the program directory, its broker live,
     its name held there before the file exists (a sender killed mid-pickle leaves
     nothing: issue 11, item 17).
@@ -183,12 +183,12 @@ def _fs_full() -> None:
     client.ping()  # barrier: the broker unlinked the files nobody holds
 
 
-def _new_file(size: int) -> pool.Segment:
+def _new_file(size: int) -> segments.Segment:
     prog = _live_program()
     name = _names.take(prog.directory, prog.root_pid)
     fd = segments.create_file(prog.directory, name, size)
     try:
-        return pool.Segment("fs", name, prog.directory, fd, size, fd)
+        return segments.Segment("fs", name, prog.directory, fd, size, fd)
     except OSError as exc:
         os.close(fd)
         raise segments.os_error(exc, f"mapping {prog.directory}/{name}") from exc
@@ -232,7 +232,7 @@ _local = threading.local()
 
 
 class _Outgoing:
-    """The message a ``sending()`` scope is pickling: the token of each of its refs,
+    """The message a ``sending()`` scope is pickling: the Gen of each of its refs,
     held once per ref until the scope closes and counts it sent (a storage made while
     pickling, which only the pickler's memo keeps, cannot die, and its generation end,
     before its ref is counted), and whether its broker was checked live."""
@@ -295,45 +295,45 @@ def share(storage: torch.UntypedStorage) -> tuple:
         place = _move_once(storage, key)
     else:
         _counters["storages_reused"] += 1
-    seg, gen, offset, nbytes = place
+    seg, number, offset, nbytes = place
     if seg.kind == "fs":
         tag_gen, tag = seg.tag
-        if tag_gen != gen:
-            tag = fs_tag(seg.directory, seg.key, gen)
-            seg.tag = (gen, tag)
-        template = ("fs", seg.directory, seg.key, gen, tag)
+        if tag_gen != number:
+            tag = fs_tag(seg.directory, seg.key, number)
+            seg.tag = (number, tag)
+        template = ("fs", seg.directory, seg.key, number, tag)
     else:
         if not out.program:
             out.program = _program_dir()
-        if not seg.deposited and not _deposit(seg, storage, gen):
+        if not seg.deposited and not _deposit(seg, storage, number):
             # A received memfd its broker let go of (its owner and every other sender
             # gone): what lies in it is shared anew, from this process's pool.
             seg.seal()
             return share(storage)
-        template = ("fd", out.program, seg.key, gen, 0)
+        template = ("fd", out.program, seg.key, number, 0)
     ticket = 0
-    if gen:
+    if number:
         try:
             ticket = _native.hdr_issue(seg.addr)
         except OSError:
             raise SharingError(_native.CUT_MESSAGE) from None  # nothing of this ref counted yet
-        token = seg.live_token(gen)
-        if token is not None:
-            token.acquire()  # alive: *storage* is one of its storages
-            seg.index(token, template)  # _native.reduce sends from it from now on
+        gen = seg.live_gen(number)
+        if gen is not None:
+            gen.acquire()  # alive: *storage* is one of its storages
+            seg.index(gen, template)  # _native.reduce sends from it from now on
         else:
             # A storage a forked child inherited (its generation retired at the fork,
-            # never reused): a token of its own only carries the hold and the mapping.
-            token = _native.Gen(seg, seg.addr, seg.size, gen, HEADER)
-            token.info = (None, -1)  # nobody's to settle
-        out.counted.append(token)
-    kind, directory, key, gen, tag = template
-    return (kind, directory, key, gen, offset, nbytes, tag, ticket)
+            # never reused): a Gen of its own only carries the hold and the mapping.
+            gen = _native.Gen(seg, seg.addr, seg.size, number, HEADER)
+            gen.info = (None, -1)  # nobody's to settle
+        out.counted.append(gen)
+    kind, directory, key, number, tag = template
+    return (kind, directory, key, number, offset, nbytes, tag, ticket)
 
 
-def _deposit(seg: pool.Segment, storage: torch.UntypedStorage, gen: int) -> bool:
+def _deposit(seg: segments.Segment, storage: torch.UntypedStorage, gen: int) -> bool:
     """This process's first ref to the memfd *seg*: its descriptor goes to the broker.
-    A received one is mapped without a descriptor (``pool.open_fd``): the broker's is
+    A received one is mapped without a descriptor (``segments.open_fd``): the broker's is
     fetched once more, for this deposit; False if the broker keeps it no longer. One
     no pool of this process keeps (its own, let go of by its pool: this process holds
     it as a receiver) is forwarded as a received one is: nothing here will drop it."""
@@ -386,9 +386,9 @@ def _move_once(storage: torch.UntypedStorage, key: int) -> Place:
             if _torch.swap_memory is None:
                 return _moved_by_torch(storage, key, nbytes)
             ptr = storage.data_ptr()
-            seg, gen, offset, shared, token = _current_pool().place(nbytes, storage)
+            seg, number, offset, shared, gen = _current_pool().place(nbytes, storage)
             if _native.move(storage, ptr, shared):
-                return _placed(storage, Place(seg, gen, offset, nbytes), token)
+                return _placed(storage, Place(seg, number, offset, nbytes), gen)
             # Moved meanwhile, by _native.reduce in another thread (which takes no
             # stripe): where it lies now is found on the next turn, under this lock.
             del shared
@@ -427,7 +427,7 @@ def _adopt(storage: torch.UntypedStorage, key: int, nbytes: int, moved: bool = F
     this process lives, as a pooled segment keeps its messages while their sender
     lives (``_drop_adopted``)."""
     try:
-        seg = pool.adopt(storage)
+        seg = segments.adopt(storage)
     except OSError as exc:  # its descriptor's dup, at this process's limit
         raise segments.os_error(exc, "keeping the descriptor of a storage torch shared") from exc
     if seg is None:
@@ -438,10 +438,10 @@ def _adopt(storage: torch.UntypedStorage, key: int, nbytes: int, moved: bool = F
     return place
 
 
-def _placed(storage: torch.UntypedStorage, place: Place, token: Any) -> Place:
+def _placed(storage: torch.UntypedStorage, place: Place, gen: Any) -> Place:
     """*storage* lies in *place* now (found there by its address from now on; and
     what a ref to it loads here, as torch gives a process its own storage back)."""
-    token.remember(place.offset, storage)
+    gen.remember(place.offset, storage)
     _counters["storages_shared"] += 1
     _counters["bytes_shared"] += place.nbytes
     if not _collector.started:
@@ -470,15 +470,15 @@ def new_shared(nbytes: int) -> torch.UntypedStorage:
     """
     if nbytes <= 0:
         return torch.UntypedStorage(0)
-    seg, gen, offset, storage, token = _current_pool().place(nbytes, None, zero=False)
-    _placed(storage, Place(seg, gen, offset, nbytes), token)
+    seg, number, offset, storage, gen = _current_pool().place(nbytes, None, zero=False)
+    _placed(storage, Place(seg, number, offset, nbytes), gen)
     return storage
 
 
 def let_go_slabs() -> None:
     """End this thread's current slabs: their generations end with their last storages."""
     for p in (_fd_pool, _fs_pool):
-        p.drop_slab()
+        p.drop_currents()
 
 
 def let_go() -> None:
@@ -488,9 +488,9 @@ def let_go() -> None:
     gc.collect()  # storages in reference cycles die now, not at some later collection
     let_go_slabs()
     collect()
-    _fd_pool.let_go()
-    _fs_pool.let_go()
-    pool.drop_kept()
+    _fd_pool.deactivate()
+    _fs_pool.deactivate()
+    segments.drop_kept()
 
 
 def _live_program() -> program.Program:
@@ -536,11 +536,11 @@ def collect() -> None:
     _drop_adopted(cache.take_dead_adopted())
     for p in (_fd_pool, _fs_pool):
         if p.waiting or p.leaving:
-            p.reap()
+            p.reap_waiting()
         p.trim()
 
 
-def _drop_adopted(segs: list[pool.Segment]) -> None:
+def _drop_adopted(segs: list[segments.Segment]) -> None:
     """The memfds of storages torch moved for shmreduce that died here: this process
     sends no more refs to them. No header counts their refs in flight: the broker
     keeps each ORPHAN_TTL for them (protocol.py, "Lifetimes"), the bound a torch
@@ -603,23 +603,23 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
     its storage exactly, the tensor itself, made by ``_native.rebuild`` once the
     generation is published here (its storage is the storage ``receive`` would
     return, and is cached as such). Counts the ref loaded."""
-    kind, directory, segkey, gen, offset, nbytes, tag, ticket = _checked(ref)
-    if not gen:
+    kind, directory, segkey, number, offset, nbytes, tag, ticket = _checked(ref)
+    if not number:
         own = _adopted_here(kind, directory, segkey, offset, nbytes)
         if own is not None:
             global _own_loads
             _own_loads += 1  # a load of a storage it had already, as Gen.load counts one
             return own
-    token = _held_token(kind, directory, segkey, gen)
-    if token is None:
-        _faults.pause("load.token")
-        with _tokens_lock:  # one token per (segment, generation) here: found again, or made
-            token = _held_token(kind, directory, segkey, gen)
-            if token is None:
+    gen = _held_gen(kind, directory, segkey, number)
+    if gen is None:
+        _faults.pause("load.gen")
+        with _gens_lock:  # one Gen per (segment, generation) here: found again, or made
+            gen = _held_gen(kind, directory, segkey, number)
+            if gen is None:
                 seg = _mapped_segment(kind, directory, segkey)
                 if seg is None:
-                    seg = _map(kind, directory, segkey, gen, tag)
-                token = _new_token(seg, kind, directory, segkey, gen, tag)
+                    seg = _map(kind, directory, segkey, number, tag)
+                gen = _new_gen(seg, kind, directory, segkey, number, tag)
     try:
         if meta is not None:
             # None where the storage was loaded here already (or the tensor is not
@@ -630,11 +630,11 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
                 return tensor
         # This process's storage at offset, else a new one (the range checked first),
         # counted loaded once it exists: one routine for both paths (Gen.load).
-        storage: torch.UntypedStorage = token.load(offset, nbytes, ticket)
-        if gen:
+        storage: torch.UntypedStorage = gen.load(offset, nbytes, ticket)
+        if number:
             _faults.point("load.counted")
     finally:
-        token.release()  # the load's hold: from now on its storages hold it
+        gen.release()  # the load's hold: from now on its storages hold it
     return storage
 
 
@@ -650,27 +650,27 @@ def _adopted_here(kind: str, directory: str, segkey: Any, offset: int, nbytes: i
     return own if own is not None and offset == 0 and own.nbytes() == nbytes else None
 
 
-# Finding or making the token of a generation here is one step per (segment,
+# Finding or making the Gen of a generation here is one step per (segment,
 # generation): two threads loading its first storage at once would otherwise map it
-# twice, hold it twice, and leave one token the segment does not know (a fork then
+# twice, hold it twice, and leave one Gen the segment does not know (a fork then
 # retires the other only, and the child's copy of the first is overwritten). Taken
 # before the broker client's lock (a first load fetches a memfd), never under it.
-_tokens_lock = threading.RLock()
+_gens_lock = threading.RLock()
 
 
-def _mapped_segment(kind: str, directory: str, segkey: Any) -> pool.Segment | None:
-    seg = pool.lookup(kind, segkey)
+def _mapped_segment(kind: str, directory: str, segkey: Any) -> segments.Segment | None:
+    seg = segments.lookup(kind, segkey)
     return None if seg is None or (kind == "fs" and seg.directory != directory) else seg
 
 
-def _held_token(kind: str, directory: str, segkey: Any, gen: int) -> Any | None:
-    """The live token of *gen* here, acquired for the caller, if there is one."""
+def _held_gen(kind: str, directory: str, segkey: Any, number: int) -> Any | None:
+    """The live Gen of *number* here, acquired for the caller, if there is one."""
     seg = _mapped_segment(kind, directory, segkey)
-    token = seg.live_token(gen) if seg is not None else None
-    return token if token is not None and token.acquire() else None
+    gen = seg.live_gen(number) if seg is not None else None
+    return gen if gen is not None and gen.acquire() else None
 
 
-def _map(kind: str, directory: str, segkey: Any, gen: int, tag: int) -> pool.Segment:
+def _map(kind: str, directory: str, segkey: Any, gen: int, tag: int) -> segments.Segment:
     """Map a segment this process does not map yet: a memfd fetched from the broker
     of *directory* (once per segment), or the file *segkey* there."""
     client = broker.client_for(directory)
@@ -690,11 +690,11 @@ def _map(kind: str, directory: str, segkey: Any, gen: int, tag: int) -> pool.Seg
             raise SharingError(f"refusing handle for {directory!r}: not a shmreduce program directory (forged message?)")
     if kind == "fs":
         _check_tag(directory, segkey, gen, tag)
-        return pool.open_file(directory, segkey)
+        return segments.open_file(directory, segkey)
     fd = client.fetch(segkey)
     if fd is None:
         raise stale_message(f"cannot receive segment {segkey}")
-    return pool.open_fd(fd, segkey)  # checks the identity; owns fd from now on
+    return segments.open_fd(fd, segkey)  # checks the identity; owns fd from now on
 
 
 def _check_tag(directory: str, segkey: str, gen: int, tag: int) -> None:
@@ -704,37 +704,37 @@ def _check_tag(directory: str, segkey: str, gen: int, tag: int) -> None:
         )
 
 
-def _new_token(seg: pool.Segment, kind: str, directory: str, segkey: Any, gen: int, tag: int) -> Any:
-    """A new token of *gen* in *seg*, held once for the caller to release. A pooled
+def _new_gen(seg: segments.Segment, kind: str, directory: str, segkey: Any, number: int, tag: int) -> Any:
+    """A new Gen of *number* in *seg*, held once for the caller to release. A pooled
     generation is held first (counted in the header, then checked to be the one
     there: its owner never reuses the segment under this load), then written in this
     process's ledger (read by the broker if it dies)."""
-    if not gen:
-        token = seg.new_token(0, None)
+    if not number:
+        gen = seg.new_gen(0, None)
     else:
         if kind == "fs":
-            _check_tag(directory, segkey, gen, tag)
+            _check_tag(directory, segkey, number, tag)
         # The ledger says "taking" before the header counts the hold, "held" after:
         # a process killed in between is retired, not guessed (protocol.py, "Lifetimes").
-        entry = broker.hold(directory, segkey, gen)
+        entry = broker.hold(directory, segkey, number)
         _faults.point("load.ledger")
         try:
-            held = _native.hdr_hold(seg.addr, gen)
+            held = _native.hdr_hold(seg.addr, number)
         except OSError:
             broker.let_go(entry)
             raise SharingError(_native.CUT_MESSAGE) from None
         if not held:
             broker.let_go(entry)
-            raise stale_message(f"segment {segkey!r} holds other data now (generation {gen:x} is over)")
+            raise stale_message(f"segment {segkey!r} holds other data now (generation {number:x} is over)")
         _faults.point("load.hold")
         broker.held(entry)
-        token = seg.new_token(gen, entry)
-        token.publish((kind, directory, segkey, gen, tag))  # _native.load / rebuild load through it from now on (the sender's template)
+        gen = seg.new_gen(number, entry)
+        gen.publish((kind, directory, segkey, number, tag))  # _native.load / rebuild load through it from now on (the sender's template)
     if seg.pool is None:
-        pool.keep(seg)
+        segments.keep(seg)
     if not _collector.started:
         _collector.ensure()  # what this process holds is let go of without further loads
-    return token
+    return gen
 
 
 def _checked(ref: Any) -> tuple:
@@ -792,7 +792,7 @@ def _loads() -> int:
 
 def stats() -> dict[str, int]:
     """This process's pools and mappings (see ``shmreduce.stats``)."""
-    result = pool.mapped_stats()
+    result = segments.mapped_stats()
     for p in (_fd_pool, _fs_pool):
         for name, value in p.stats().items():
             result[f"{p.kind}_{name}"] = value
@@ -802,14 +802,14 @@ def stats() -> dict[str, int]:
 def _before_fork() -> None:
     # The child keeps the storages alive now, sent or received, without holding
     # their generations: those are retired (broker/protocol.py, "Lifetimes").
-    pool.retire_in_use()
+    segments.retire_in_use()
 
 
 def _after_fork_in_child() -> None:
-    global _stripes, _releases_lock, _tokens_lock
+    global _stripes, _releases_lock, _gens_lock
     _stripes = [threading.Lock() for _ in range(_STRIPES)]  # a parent's thread may have held one
     _releases_lock = threading.Lock()
-    _tokens_lock = threading.RLock()
+    _gens_lock = threading.RLock()
     _names.names.clear()  # the parent's holds, not ours
     _collector.started = False  # its thread did not come along
     _fd_pool.reset_after_fork()
@@ -840,13 +840,13 @@ def _on_connect(client: broker.BrokerClient) -> None:
         _connected_before.add(directory)
         return
     if directory == _program_dir():
-        pool.forget_deposits()
+        segments.forget_deposits()
     try:
         present = set(os.listdir(directory))
     except OSError:
         present = set()
 
-    def file_gone(seg: pool.Segment) -> bool:
+    def file_gone(seg: segments.Segment) -> bool:
         return seg.kind == "fs" and seg.directory == directory and seg.key not in present
 
     # This process's files that outlived the broker (all of its processes were
@@ -858,12 +858,12 @@ def _on_connect(client: broker.BrokerClient) -> None:
     if kept:
         client.hold(kept)
     _fs_pool.retire_where(file_gone)
-    pool.seal_where(file_gone)
+    segments.seal_where(file_gone)
     if directory == _program_dir():
         _bring_back(client, file_gone)
 
 
-def _bring_back(client: broker.BrokerClient, file_gone: Callable[[pool.Segment], bool]) -> None:
+def _bring_back(client: broker.BrokerClient, file_gone: Callable[[segments.Segment], bool]) -> None:
     """A new broker: it gets every pooled segment this process keeps that another
     process may hold or load (its header says so: holders, or refs not all loaded):
     its memfds, and its files that went with the old broker's directory (by
@@ -873,7 +873,7 @@ def _bring_back(client: broker.BrokerClient, file_gone: Callable[[pool.Segment],
     from before for its owner's life). One round trip each, once per restart; a free
     segment goes to it with its next ref, as before."""
 
-    def reachable(seg: pool.Segment) -> bool:
+    def reachable(seg: segments.Segment) -> bool:
         try:
             _gen, sent, loaded, holders = _native.hdr_read(seg.addr)
         except OSError:
@@ -886,7 +886,7 @@ def _bring_back(client: broker.BrokerClient, file_gone: Callable[[pool.Segment],
             seg.deposited = True
     # Its own memfds its pool let go of, which it holds as a receiver: those it sent
     # refs in that wait to be loaded go back too, as any sender's (a forward).
-    for seg in pool.let_go_of_here():
+    for seg in segments.let_go_of_here():
         _gen, sent, loaded, _holders = _native.hdr_read(seg.addr)
         if not seg.deposited and sent > loaded:
             _quietly(client.segment, seg.fd, True, True)

@@ -47,12 +47,12 @@ def without_swap() -> Iterator[None]:
 
     swap = _torch.swap_memory
     _torch.swap_memory = None
-    _native.init(_torch.from_dlpack, SharingError, pool.dtypes, pool.live, None, _torch.dlpack_versioned())
+    _native.init(_torch.from_dlpack, SharingError, segments.dtypes, segments.live, None, _torch.dlpack_versioned())
     try:
         yield
     finally:
         _torch.swap_memory = swap
-        _native.init(_torch.from_dlpack, SharingError, pool.dtypes, pool.live, swap, _torch.dlpack_versioned())
+        _native.init(_torch.from_dlpack, SharingError, segments.dtypes, segments.live, swap, _torch.dlpack_versioned())
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> bool:
@@ -248,7 +248,7 @@ def forget_mappings() -> None:
     from shmreduce.cache import cache
 
     cache.clear()
-    pool.forget_mappings()
+    segments.forget_mappings()
 
 
 def let_go_now() -> None:

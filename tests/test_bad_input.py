@@ -99,7 +99,7 @@ def _load_twice(data: bytes) -> tuple[float, float, bool]:
 def _shared_ref(t):
     """A real handle for t's storage, counted sent as its own message."""
     with transfer.sending():
-        ref = transfer.SegmentRef(*transfer.share(t.untyped_storage()))
+        ref = SegmentRef(*transfer.share(t.untyped_storage()))
     return ref
 
 
@@ -478,7 +478,7 @@ def test_missing_file_is_gone_and_never_created():
         directory = program.current().directory
         name = "seg-" + "ab" * 12
         with pytest.raises(shmreduce.SharingError, match="gone"):
-            pool.open_file(directory, name)
+            segments.open_file(directory, name)
         assert not os.path.exists(os.path.join(directory, name))
 
 

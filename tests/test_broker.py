@@ -129,7 +129,7 @@ def test_generations_and_file_names_differ_between_a_process_and_its_forked_chil
     pid = os.fork()
     if pid == 0:
         try:
-            os.write(w, b"%d " % pool.new_gen() + segments.new_name().encode())
+            os.write(w, b"%d " % pool.new_gen_number() + segments.new_name().encode())
         finally:
             os._exit(0)
     os.close(w)
@@ -139,9 +139,9 @@ def test_generations_and_file_names_differ_between_a_process_and_its_forked_chil
         os.close(r)
         os.waitpid(pid, 0)
     child_gen, child_name = int(child.split(" ")[0]), child.split(" ")[1]
-    parent_gen, parent_name = pool.new_gen(), segments.new_name()
+    parent_gen, parent_name = pool.new_gen_number(), segments.new_name()
     assert child_gen >> 48 != parent_gen >> 48
-    assert pool.new_gen() > parent_gen
+    assert pool.new_gen_number() > parent_gen
     assert is_segment_name(child_name) and is_segment_name(parent_name)
     assert child_name[:16] != parent_name[:16]
     assert segments.new_name() != parent_name

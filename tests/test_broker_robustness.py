@@ -564,7 +564,7 @@ def test_a_pooled_memfd_cannot_be_shrunk_or_grown(registered_fd):
     import fcntl
 
     t = torch.arange(1000.0)
-    ref = transfer.SegmentRef(*transfer.share(t.untyped_storage()))
+    ref = SegmentRef(*transfer.share(t.untyped_storage()))
     fd = _client().fetch(ref.segment)
     assert fd is not None
     try:

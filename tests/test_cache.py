@@ -1,5 +1,5 @@
 """Where a storage lies (shmreduce/cache.py): found by its address inside a mapped
-segment, with no record per storage; a receiver's identity map per generation token,
+segment, with no record per storage; a receiver's identity map per generation gen,
 holding no strong reference; torch's own shared storages remembered apart."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from shmreduce.cache import Place, StorageCache, cache
 def test_a_shared_storage_is_found_by_its_address(strategy: str) -> None:
     t = torch.arange(1000.0)
     assert cache.place_of(t.untyped_storage()) is None, "private memory lies in no segment"
-    ref = transfer.SegmentRef(*transfer.share(t.untyped_storage()))
+    ref = SegmentRef(*transfer.share(t.untyped_storage()))
     place = cache.place_of(t.untyped_storage())
     assert place is not None
     assert (place.segment.key, place.gen, place.offset, place.nbytes) == (ref.segment, ref.gen, ref.offset, ref.nbytes)
@@ -29,7 +29,7 @@ def test_a_shared_storage_is_found_by_its_address(strategy: str) -> None:
     assert inner is not None and inner.segment is place.segment and inner.gen == place.gen
     assert (inner.offset, inner.nbytes) == (place.offset + 400, 400)
     # Sent again: the same ref, no second move.
-    again = transfer.SegmentRef(*transfer.share(t.untyped_storage()))
+    again = SegmentRef(*transfer.share(t.untyped_storage()))
     assert again[:7] == ref[:7] and again.ticket != ref.ticket  # a ref of its own (its ticket), to the same place
     # Loaded here, each gives this process its own storage back (and counts loaded:
     # nothing is left in flight).
@@ -44,7 +44,7 @@ def test_a_sealed_segment_is_not_a_place(strategy: str) -> None:
     assert shmreduce.loads(shmreduce.dumps(t)).untyped_storage()._cdata == t.untyped_storage()._cdata
     place = cache.place_of(t.untyped_storage())
     assert place is not None
-    pool.seal_where(lambda seg: seg is place.segment)
+    segments.seal_where(lambda seg: seg is place.segment)
     try:
         assert cache.place_of(t.untyped_storage()) is None
     finally:
@@ -62,12 +62,12 @@ def test_received_storages_are_one_per_place_and_held_weakly(strategy: str) -> N
     assert again[0].untyped_storage()._cdata == a.untyped_storage()._cdata
     place = cache.place_of(a.untyped_storage())
     assert place is not None
-    token = place.segment.live_token(place.gen)
-    assert token is not None and token.stored(place.offset) is not None
+    gen = place.segment.live_gen(place.gen)
+    assert gen is not None and gen.stored(place.offset) is not None
     assert a.untyped_storage()._cdata == t.untyped_storage()._cdata, "its own storage, loaded here"
     del a, b, s, again, t
     gc.collect()
-    assert token.stored(place.offset) is None, "the map keeps no storage alive"
+    assert gen.stored(place.offset) is None, "the map keeps no storage alive"
 
 
 def test_torch_shared_storages_are_remembered_weakly() -> None:

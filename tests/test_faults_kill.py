@@ -89,7 +89,7 @@ def _consumer(conn, results, go, stranger=False):
         from shmreduce.cache import cache
 
         cache.clear()
-        pool.forget_mappings()
+        segments.forget_mappings()
     held = []
     while True:
         try:

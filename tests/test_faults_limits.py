@@ -46,7 +46,7 @@ def _intact(item) -> bool:
 def _let_go() -> None:
     """Let go now of the storages dropped (the collector thread would, within a
     second): their segments are unmapped and their descriptors closed, but for the
-    few kept mapped for the next message (pool.KEPT_SEGMENTS)."""
+    few kept mapped for the next message (segments.KEPT_SEGMENTS)."""
     gc.collect()
     transfer.collect()
 

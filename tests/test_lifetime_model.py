@@ -26,30 +26,30 @@ owner (process 0; ``shmreduce/pool.py``, ``shmreduce/transfer.py``)
     pickled       ``transfer.sending.__exit__`` -> ``_native.count_sent``: sent + 1,
                   the message exists (deliverable) from now on.
     pickle_fails  ``sending.__exit__`` with an error: nothing counted sent.
-    drop_own      the owner's last storage of G dies (``_native`` token dead).
-    free_begin    ``pool.settle`` / ``Pool.reap`` -> ``hdr_end``: CAS holders 0 -> FREEING;
+    drop_own      the owner's last storage of G dies (``_native`` gen dead).
+    free_begin    ``transfer.settle_dead`` / ``Pool.reap_waiting`` -> ``hdr_end``: CAS holders 0 -> FREEING;
                   if held instead, a RETIRED generation closes the segment (never reused).
     free_end      the rest of ``hdr_end``: ends G (generation 0, counters, tickets and
                   flags zeroed) if G is there, not RETIRED and sent == loaded; holders = 0.
                   Ended: the segment is free (``Pool.give_back``) for the next generation.
-receiver (processes 1, 2; ``transfer.receive_tensor`` / ``_new_token``, ``pool.settle``)
+receiver (processes 1, 2; ``transfer.receive_tensor`` / ``_new_gen``, ``transfer.settle_dead``)
     take          ``broker.client.hold``: the ledger entry written TAKING.
     hold          ``hdr_hold``'s CAS: holders + 1, waiting while FREEING (or, after its
                   spins, giving up: nothing counted, the load fails stale).
     check         ``hdr_hold``'s generation check: stale, holders - 1 (and the load fails).
     stale         ``broker.client.let_go(entry, taken=False)``: entry FREE.
     mark_held     ``broker.client.held``: entry HELD.
-    make          ``token.storage`` / ``_native.rebuild``: the storage exists.
+    make          ``gen.storage`` / ``_native.rebuild``: the storage exists.
     ticket        ``hdr_loaded`` / ``rebuild``'s ``count_loaded``: the ticket's bit set,
                   loaded + 1 if it was clear (any count past the bitmap).
-    load_again    a load in a process holding G (``seg.live_token``): storage and
+    load_again    a load in a process holding G (``seg.live_gen``): storage and
                   ``count_loaded``, no hold.
     drop          a storage dies; the last one: ``settle`` -> ``broker.client.dropping``
                   (entry DROPPING), then ``unhold`` (``hdr_unhold``), then ``clear``
                   (``broker.client.let_go``: entry FREE). The death and DROPPING are one
                   step: killed between them, the entry says HELD, as killed before.
 any process
-    fork          ``transfer._before_fork`` -> ``pool.retire_in_use``: ``hdr_retire`` of
+    fork          ``transfer._before_fork`` -> ``segments.retire_in_use``: ``hdr_retire`` of
                   each generation with a live storage here; the child keeps the storages,
                   uncounted (``pool._after_fork_in_child``), and can only let go of them.
     kill          SIGKILL: storages gone, a message being pickled never exists, the
@@ -658,10 +658,10 @@ def test_a_broken_protocol_is_caught(variant: str) -> None:
 #
 # retired      past ``pool.IDLE_SEGMENTS`` waiting, it leaves its owner's pool, never
 #              reused: ``LEAVING`` (its descriptor and deposit kept) while refs sent in
-#              it wait to be loaded, then ``LEFT`` (``Pool.closed``: deposit dropped);
+#              it wait to be loaded, then ``LEFT`` (``Pool.leave``: deposit dropped);
 # let go       the broker closes the descriptor of a memfd nobody uses that processes
 #              only hold, every ref loaded (``FORWARDABLE``): a fetch of it fails;
-# indexed      a token ``_native.reduce`` sends from without asking whether its memfd
+# indexed      a Gen ``_native.reduce`` sends from without asking whether its memfd
 #              is deposited (``Gen.index``).
 #
 # Actors: the owner O, which may load its own messages (it then holds the generation as
@@ -684,7 +684,7 @@ NONE_, USER, FORWARD = "none", "user", "forward"  # O's deposit, and how the bro
 LOADED_, REFUSED = "loaded", "refused"
 
 DEPOSIT_BROKEN = (
-    "close_keeps_index",  # a pool that lets go of a segment leaves its token indexed
+    "close_keeps_index",  # a pool that lets go of a segment leaves its Gen indexed
     "left_deposits_as_user",  # a segment its pool let go of is deposited as the pool's
     "retire_closes_in_flight",  # the cap closes a segment with refs in flight at once
     "forward_outlives_hold",  # a forward deposit is trusted after O let go of its hold
@@ -729,7 +729,7 @@ def _holders(d: Dep) -> int:
 
 
 def _closed(d: Dep, cfg: DepConfig) -> Dep:
-    """``Pool.closed``: out of the pool; its deposit let go of (``Segment.undeposit``)."""
+    """``Pool.leave``: out of the pool; its deposit let go of (``Segment.undeposit``)."""
     rec = d.rec
     if d.deposited == USER and rec is not None and d.connected:
         rec = _with(rec, user=False)
@@ -748,7 +748,7 @@ def _over_here(d: Dep, cfg: DepConfig) -> Dep:
 def dep_drop_own(d: Dep, cfg: DepConfig) -> Dep | None:
     if d.pool != IN_USE:
         return None
-    return _over_here(_with(d, indexed=False), cfg)  # the owner's token dies: unindexed (``dead``)
+    return _over_here(_with(d, indexed=False), cfg)  # the owner's Gen dies: unindexed (``dead``)
 
 
 def dep_reap(d: Dep, cfg: DepConfig) -> Dep | None:
@@ -760,7 +760,7 @@ def dep_reap(d: Dep, cfg: DepConfig) -> Dep | None:
 
 
 def dep_cap(d: Dep, cfg: DepConfig) -> Dep | None:
-    """Another segment's wait pushes this one out of the pool (``Pool.wait``)."""
+    """Another segment's wait pushes this one out of the pool (``Pool.add_waiting``)."""
     if d.pool != WAIT:
         return None
     if d.sent > d.loaded and cfg.variant != "retire_closes_in_flight":
@@ -773,7 +773,7 @@ def dep_trim(d: Dep, cfg: DepConfig) -> Dep | None:
 
 
 def dep_send(d: Dep, cfg: DepConfig) -> Dep | None:
-    """O pickles a ref of a storage it has: from an indexed token, by ``_native.reduce``
+    """O pickles a ref of a storage it has: from an indexed gen, by ``_native.reduce``
     (nothing checked); else ``transfer.share``, which deposits it first if need be."""
     if not (d.pool == IN_USE or d.o_held) or not d.connected or len(d.msgs) >= cfg.messages:
         return None
@@ -804,8 +804,8 @@ def dep_load_own(d: Dep, j: int, cfg: DepConfig) -> Dep | None:
 
 
 def dep_drop_held(d: Dep, cfg: DepConfig) -> Dep | None:
-    """O's last storage of what it loaded dies: its token (indexed or not) with it; a
-    deposit no pool keeps (a forward) lasted while O held it (``pool.settle``)."""
+    """O's last storage of what it loaded dies: its Gen (indexed or not) with it; a
+    deposit no pool keeps (a forward) lasted while O held it (``transfer.settle_dead``)."""
     if not d.o_held:
         return None
     keep = d.deposited != FORWARD or cfg.variant == "forward_outlives_hold"
@@ -850,7 +850,7 @@ def dep_restart(d: Dep, cfg: DepConfig) -> Dep | None:
 
 def dep_connect(d: Dep, cfg: DepConfig) -> Dep | None:
     """O's next send (of anything) connects to the new broker: its deposits forgotten,
-    every token unindexed, and what another process may load brought back
+    every gen unindexed, and what another process may load brought back
     (``transfer._bring_back``): what its pool keeps, as its pool's; what it holds of its
     own past its pool, with refs in flight, as a forward."""
     if d.connected:

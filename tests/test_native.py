@@ -37,16 +37,16 @@ SIZE = LOW + (1 << 16)
 
 
 class _Owner:
-    """Stands in for a Segment: the token keeps it (and so the mapping)."""
+    """Stands in for a Segment: the Gen keeps it (and so the mapping)."""
 
 
-_MINE = (None, -1)  # a token's info: nothing kept, no process's (pool.settle skips it)
+_MINE = (None, -1)  # a Gen's info: nothing kept, no process's (transfer.settle_dead skips it)
 
 
 @pytest.fixture
 def memory() -> Iterator[tuple[mmap.mmap, int]]:
     """A mapping of the test's; the collector thread (which takes what dead() reports,
-    through pool.settle, under this lock) waits meanwhile."""
+    through transfer.settle_dead, under this lock) waits meanwhile."""
     m = mmap.mmap(-1, SIZE)
     addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
     with transfer._releases_lock:
@@ -56,13 +56,13 @@ def memory() -> Iterator[tuple[mmap.mmap, int]]:
 
 
 def _drain() -> list[Any]:
-    """What dead() reports of this test's tokens; the pool's own go back to settle."""
+    """What dead() reports of this test's gens; the pool's own go back to settle."""
     mine: list[Any] = []
     others: list[Any] = []
     for gen in _native.dead():
         (mine if isinstance(gen.info, tuple) and gen.info[:2] == _MINE else others).append(gen)
     if others:
-        pool.settle(others)
+        transfer.settle_dead(others)
     return mine
 
 
@@ -199,7 +199,7 @@ def test_storages_dying_on_other_threads_are_counted_exactly(memory, importer) -
     assert _drain() == [gen]
 
 
-def test_a_token_keeps_its_owner_while_a_storage_lives(memory) -> None:
+def test_a_gen_keeps_its_owner_while_a_storage_lives(memory) -> None:
     _, addr = memory
     gen = _gen(addr)
     owner = gen.owner
@@ -207,7 +207,7 @@ def test_a_token_keeps_its_owner_while_a_storage_lives(memory) -> None:
     gen.release()
     del gen
     gc.collect()
-    assert s.nbytes() == 64  # the token lives on, through its storage, with its owner
+    assert s.nbytes() == 64  # the Gen lives on, through its storage, with its owner
     del s
     (reported,) = _drain()
     assert reported.owner is owner
@@ -452,7 +452,7 @@ def test_rebuild_makes_only_checked_tensors_or_raises_sharing_error(
     finally:
         gen.release()
         _drain()
-    assert _TEMPLATE not in pool.live  # dead() took it out
+    assert _TEMPLATE not in segments.live  # dead() took it out
 
 
 # load()'s packed bytes, as pickler.c's PackedHead lays them out (native order):
@@ -513,7 +513,7 @@ def test_load_makes_only_checked_tensors_or_raises_sharing_error(
     finally:
         gen.release()
         _drain()
-    assert _TEMPLATE not in pool.live
+    assert _TEMPLATE not in segments.live
 
 
 def test_rebuild_counts_its_loads_in_the_header_and_the_process(memory, importer) -> None:
@@ -530,7 +530,7 @@ def test_rebuild_counts_its_loads_in_the_header_and_the_process(memory, importer
     del t
     gen.release()
     gc.collect()
-    assert _drain() == [gen] and _TEMPLATE not in pool.live
+    assert _drain() == [gen] and _TEMPLATE not in segments.live
 
 
 def test_the_identity_map_keeps_its_weak_references_out_of_the_collector(memory) -> None:
@@ -547,7 +547,7 @@ def test_the_identity_map_keeps_its_weak_references_out_of_the_collector(memory)
     del t
     gen.release()
     gc.collect()
-    assert weak() is None and _drain() == [gen] and _TEMPLATE not in pool.live
+    assert weak() is None and _drain() == [gen] and _TEMPLATE not in segments.live
 
 
 # -- fuzzed messages through the whole loader ------------------------------------------
@@ -556,7 +556,7 @@ def test_the_identity_map_keeps_its_weak_references_out_of_the_collector(memory)
 def _load_mutated(data: bytes) -> str:
     """A mutated message loaded in a fork child (which forgets its parent's mappings):
     whatever happens, an exception or a value, never a crash."""
-    pool.forget_mappings()
+    segments.forget_mappings()
     try:
         obj = pickle.loads(data)
     except Exception as exc:  # noqa: BLE001  any exception is a fine answer to garbage; a crash is not

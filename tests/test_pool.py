@@ -194,7 +194,7 @@ def test_free_within_about_a_second_without_further_sends(strategy: str) -> None
 def test_a_slab_comes_back_after_a_receiver_that_dropped_each_message(strategy: str) -> None:
     # Small tensors of several messages in one slab, each dropped by the receiver
     # before the next arrives (the next message's storages revive the receiver's
-    # token of the slab's generation, or make a new one). Once nothing more comes,
+    # gen of the slab's generation, or make a new one). Once nothing more comes,
     # the collector threads let go of it: the slab is free again within about a
     # second, with nothing else sent.
     _connected()
@@ -357,7 +357,7 @@ _SETTINGS_SCRIPT = textwrap.dedent(
     CAP = 4 << 20
     strategy = sys.argv[1]
     prefix = "fd_" if strategy == "file_descriptor" else "fs_"
-    report = {"settings": [pool.POOL_BYTES, pool.POOL_IDLE, pool.KEPT_SEGMENTS]}
+    report = {"settings": [pool.POOL_BYTES, pool.POOL_IDLE, segments.KEPT_SEGMENTS]}
     shmreduce.register(strategy=strategy)
 
 
@@ -497,7 +497,7 @@ def test_over_the_cap_a_pool_closes_its_oldest_free_segments_not_all(monkeypatch
             fds.take(size)
         assert fds.stats()["segments_reused"] == 3
     finally:
-        fds.let_go()
+        fds.deactivate()
 
 
 # -- sizes and bounds ---------------------------------------------------------------------
@@ -505,23 +505,23 @@ def test_over_the_cap_a_pool_closes_its_oldest_free_segments_not_all(monkeypatch
 
 def test_class_size() -> None:
     page = os.sysconf("SC_PAGE_SIZE")
-    sizes = [1, 63, 64, 4096 - pool.HEADER, 4096, 65536, 65537, 100_000, MIB - pool.HEADER, MIB, 3 * MIB + 1, 1 << 30, (1 << 34) + 12345]
+    sizes = [1, 63, 64, 4096 - segments.HEADER, 4096, 65536, 65537, 100_000, MIB - segments.HEADER, MIB, 3 * MIB + 1, 1 << 30, (1 << 34) + 12345]
     sizes += [int(1.07**k) for k in range(10, 400)]
     for n in sizes:
         size = pool.class_size(n)
-        need = n + pool.HEADER
+        need = n + segments.HEADER
         assert size >= need, n  # the header included
         assert size % page == 0, n
         if need >= 8 * page:
             assert size - need <= need // 8, f"{n}: {size} wastes more than 1/8"
         else:
             assert size - need < page, n
-        assert pool.class_size(size - pool.HEADER) == size, n  # a class is its own class
+        assert pool.class_size(size - segments.HEADER) == size, n  # a class is its own class
     assert pool.class_size(MIB) == MIB + MIB // 8
-    assert pool.class_size(pool.SLAB_SIZE - pool.HEADER) == pool.SLAB_SIZE
+    assert pool.class_size(pool.SLAB_SIZE - segments.HEADER) == pool.SLAB_SIZE
     # Eight classes per doubling, sizes never shrinking as storages grow.
     for k in (16, 20, 27):
-        classes = [pool.class_size(n - pool.HEADER) for n in range((1 << k) + 1, (1 << (k + 1)) + 1, 1 << (k - 6))]
+        classes = [pool.class_size(n - segments.HEADER) for n in range((1 << k) + 1, (1 << (k + 1)) + 1, 1 << (k - 6))]
         assert classes == sorted(classes)
         assert len(set(classes)) == 8, (k, sorted(set(classes)))
 
@@ -532,17 +532,17 @@ def test_a_segment_view_out_of_bounds_is_a_sharing_error(strategy: str) -> None:
     t.share_memory_()
     place = cache.place_of(t.untyped_storage())
     assert place is not None
-    seg, gen, offset, nbytes = place
-    assert gen and offset >= pool.HEADER and nbytes == 4000
-    token = seg.live_token(gen)
-    assert token is not None
-    view = token.storage(offset, nbytes)
+    seg, number, offset, nbytes = place
+    assert number and offset >= segments.HEADER and nbytes == 4000
+    gen = seg.live_gen(number)
+    assert gen is not None
+    view = gen.storage(offset, nbytes)
     assert torch.equal(torch.frombuffer(bytearray(bytes(view)), dtype=torch.int32), t)
     for bad_offset, bad_nbytes in [
         (seg.size - 8, 16),
         (seg.size, 1),
         (0, 8),  # the header is no storage's
-        (pool.HEADER - 1, 8),
+        (segments.HEADER - 1, 8),
         (offset, 0),
         (offset, -1),
         (-8, 16),
@@ -550,13 +550,13 @@ def test_a_segment_view_out_of_bounds_is_a_sharing_error(strategy: str) -> None:
         (1 << 62, 1 << 62),
     ]:
         with pytest.raises(shmreduce.SharingError, match="out of bounds"):
-            token.storage(bad_offset, bad_nbytes)
-    inner = token.storage(offset + 4, 8)  # any offset a storage can lie at (SPEC 2): the bounds are what counts
+            gen.storage(bad_offset, bad_nbytes)
+    inner = gen.storage(offset + 4, 8)  # any offset a storage can lie at (SPEC 2): the bounds are what counts
     assert bytes(inner) == t[1:3].numpy().tobytes()
     for bad in [(1 << 64, 8), (offset, 1 << 64), ("64", 8), (offset, 8.0)]:
         with pytest.raises(shmreduce.SharingError):
-            token.storage(*bad)
-    assert token.storage(seg.size - 64, 64).nbytes() == 64  # the last bytes are fine
+            gen.storage(*bad)
+    assert gen.storage(seg.size - 64, 64).nbytes() == 64  # the last bytes are fine
 
 
 def test_opening_a_missing_segment_file_is_a_sharing_error() -> None:
@@ -565,9 +565,9 @@ def test_opening_a_missing_segment_file_is_a_sharing_error() -> None:
         t.share_memory_()  # the program directory and its broker exist
         directory = program.current().directory
         with pytest.raises(shmreduce.SharingError, match="is gone"):
-            pool.open_file(directory, "seg-" + "0" * 24)
+            segments.open_file(directory, "seg-" + "0" * 24)
         with pytest.raises(shmreduce.SharingError, match="not a shmreduce segment"):
-            pool.open_file(directory, "../" + "seg-" + "0" * 24)
+            segments.open_file(directory, "../" + "seg-" + "0" * 24)
         del t
 
 
@@ -590,8 +590,8 @@ def test_a_memfd_is_known_by_its_device_and_inode() -> None:
         # The file's inode number under the memfd's device: what an inode-only check took for it.
         confusable = m.st_dev << 64 | f.st_ino
         with pytest.raises(shmreduce.SharingError, match="does not match its handle"):
-            pool.open_fd(os.dup(shm), confusable)
-        seg = pool.open_fd(os.dup(shm), P.identity(f))  # its own identity maps (no descriptor kept)
+            segments.open_fd(os.dup(shm), confusable)
+        seg = segments.open_fd(os.dup(shm), P.identity(f))  # its own identity maps (no descriptor kept)
         assert seg.key == P.identity(f) and seg.fd is None
         del seg
     finally:
@@ -689,4 +689,4 @@ def test_a_pool_keeps_at_most_its_cap_of_free_segments() -> None:
             assert fds.stats()["segments_free"] <= pool.IDLE_SEGMENTS
         assert [s for segs_ in fds.free.values() for s in segs_] == segs[pool.IDLE_SEGMENTS :], "not the newest kept"
     finally:
-        fds.let_go()
+        fds.deactivate()

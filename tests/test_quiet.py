@@ -138,7 +138,7 @@ _PROGRAMS = textwrap.dedent(
 
     def streaming():
         # A spawn consumer returns while its parent streams puts from a thread and
-        # forks short-lived children: the consumer exits holding tokens whose weakref
+        # forks short-lived children: the consumer exits holding gens whose weakref
         # callbacks run at interpreter shutdown.
         ctx = mp.get_context("spawn")
         q = ctx.Queue()

@@ -4,7 +4,7 @@ A pool keeps at most ``pool.IDLE_SEGMENTS`` segments waiting: past that the long
 waiting leave it (retired, never reused); the broker keeps the descriptors of the
 newest ``FORWARDABLE`` memfds that processes only hold. Each is a state of a segment
 that a broker restart's bring-back, the C sender's index (``_native.reduce``) and
-``pool.settle`` meet: messages in a retired segment survive a broker restart while
+``transfer.settle_dead`` meet: messages in a retired segment survive a broker restart while
 their sender lives; a process that sends on what it holds of its own segments,
 after its pool let go of them, neither sends refs the broker cannot serve nor
 leaves the broker keeping them for good. Real processes, a real broker.
@@ -195,7 +195,7 @@ def test_a_process_that_sends_on_its_own_segments_it_holds_after_its_pool_let_go
     gc.collect()
     transfer.collect()  # their generations are over here: they wait for their refs
     held = [back.recv() for _ in range(16)]  # this process holds them now, as a receiver
-    keys = {pool.segment_at(t.data_ptr(), t.nbytes).key for _i, t in held}  # type: ignore[union-attr]
+    keys = {segments.segment_at(t.data_ptr(), t.nbytes).key for _i, t in held}  # type: ignore[union-attr]
     assert len(keys) == 16
 
     if first_send == "while its pool keeps them":

@@ -1,6 +1,6 @@
 """A file_system mount too small for an arena carries a stream whose live data fits it.
 
-A receiver keeps its latest mappings after their storages die (``pool.keep``). A
+A receiver keeps its latest mappings after their storages die (``segments.keep``). A
 kept mapping of a file its sender let go of (the broker unlinked it) would pin the
 file's pages in the mount until the receiver maps other segments, which it never does
 while every new file is refused: the owner punches a free segment's pages out as it
@@ -124,7 +124,7 @@ KEPT = textwrap.dedent(
         assert all(bool(t.eq(i).all()) for i, t in enumerate(ts))
         del ts
         transfer.collect()  # its hold let go of: the arena stays mapped here, kept
-        assert len(pool._kept) == 1, pool._kept
+        assert len(segments._kept) == 1, segments._kept
         done.set()
         assert leave.wait(60)
 

@@ -82,7 +82,7 @@ def _one_slab(conn) -> None:
 @pytest.mark.swap_path
 def test_a_slabs_generation_is_held_once_and_let_go_of_with_its_last_storage(strategy):
     # A receiver that drops each message before the next: the next message's storage
-    # revives its token of the slab's generation (one hold, no new token), and once
+    # revives its Gen of the slab's generation (one hold, no new Gen), and once
     # its last storage here dies, the generation is let go of at the next settle:
     # the header's holders go back to 0, and its ledger entry is cleared.
     ctx = tmp.get_context("fork")
@@ -95,7 +95,7 @@ def test_a_slabs_generation_is_held_once_and_let_go_of_with_its_last_storage(str
         return real(*args)
 
     with running(ctx.Process(target=_one_slab, args=(there,)), TIMEOUT):
-        transfer.receive_tensor = counted  # the general path, taken once per new token
+        transfer.receive_tensor = counted  # the general path, taken once per new Gen
         try:
             for i in range(6):
                 assert here.poll(TIMEOUT)
@@ -109,7 +109,7 @@ def test_a_slabs_generation_is_held_once_and_let_go_of_with_its_last_storage(str
                 here.send("next")
         finally:
             transfer.receive_tensor = real
-        # Then _native.rebuild, through the revived token; a new one only where the
+        # Then _native.rebuild, through the revived Gen; a new one only where the
         # collector thread (every 0.5 s) settled it between two messages.
         assert len(loads) <= 3, loads
 

@@ -4,14 +4,14 @@ interleaving of their atomic steps.
 
 ``test_lifetime_model.py`` checks the cross-process protocol with single-threaded
 processes. Here the processes are few and the threads many. The owner of ONE segment:
-its two sender threads, its reaper (``Pool.reap``, run by a sender's ``Pool.take`` and by
+its two sender threads, its reaper (``Pool.reap_waiting``, run by a sender's ``Pool.take`` and by
 the collector) and its collector thread, over its pool's state (the free list,
-``waiting``, the segment's ``seg.gen``, that generation's token). The process that loads
+``waiting``, the segment's ``seg.gen``, that generation's Gen). The process that loads
 from it: two loader threads, its collector, and at most one forked child (loaders in
-the owner itself would load through its live token: the race on tokens is a
+the owner itself would load through its live Gen: the race on gens is a
 receiver's). The header they share (its generation, sent, loaded, holders, flags), and
 three locks: the owner's pool lock, its broker client's lock, and (fixed) the
-receiver's find-or-make lock of the segment's token. A lock is held by the thread whose
+receiver's find-or-make lock of the segment's gen. A lock is held by the thread whose
 place (pc) says so; a step that needs one held by another thread cannot run.
 
 Breadth-first search over every reachable state (deduplicated; in the larger world,
@@ -44,46 +44,46 @@ sender threads 0, 1 (``transfer.sending`` / ``share``, ``Pool.take``)
                   tensor made during pickling that only the pickler's memo kept.
     scope_exit    ``sending.__exit__``: the message exists (deliverable) from now on.
     scope_fails   ``sending.__exit__`` with an error: never delivered.
-    reap_copy     ``Pool.take`` -> ``Pool.reap``: ``waiting.copy()``.
-    reap_end      ``Pool.reap`` -> ``Pool.end`` of the entry copied.
+    reap_copy     ``Pool.take`` -> ``Pool.reap_waiting``: ``waiting.copy()``.
+    reap_end      ``Pool.reap_waiting`` -> ``Pool.end_generation`` of the entry copied.
     reconnect     a share that reconnects to its broker (``BrokerClient.connect``):
                   the client's lock taken ...
     hook          ... and under it the ``on_connect`` hook (``transfer._on_connect``:
                   ``Pool.owned`` / ``retire_where``) takes the pool's lock.
-    post          a segment closed (``Pool.closed``: ``client.release``/``drop``)
+    post          a segment closed (``Pool.leave``: ``client.release``/``drop``)
                   posts to the broker under the client's lock.
 the owner's collector thread (``transfer.collect``, every PURGE_EVERY)
-    settle        ``pool.settle``: the owner's token dead (``_native.dead()``) ->
-                  ``Pool.end``: given back (``hdr_free`` ended it), closed (retired),
+    settle        ``transfer.settle_dead``: the owner's Gen dead (``_native.dead()``) ->
+                  ``Pool.end_generation``: given back (``hdr_free`` ended it), closed (retired),
                   or into ``waiting``.
-    reap_copy, reap_end    ``Pool.reap``, as a sender's.
+    reap_copy, reap_end    ``Pool.reap_waiting``, as a sender's.
     trim          ``Pool.trim``: a segment free too long closed (``_trim_locked``).
     post          as a sender's; after ``trim``, under the pool lock where it posts there.
-loader threads 0, 1 of the receiver (``transfer.receive_tensor``, ``_new_token``)
-    lookup        a message taken from its queue; ``seg.live_token(gen)`` and
-                  ``token.acquire()``: found, the storage loaded through it
+loader threads 0, 1 of the receiver (``transfer.receive_tensor``, ``_new_gen``)
+    lookup        a message taken from its queue; ``seg.live_gen(gen)`` and
+                  ``gen.acquire()``: found, the storage loaded through it
                   (``Gen.load``: count_loaded) in the same step; else on to ``make``.
-    make          ``_new_token``: ``hdr_hold`` (holders + 1 if the header holds the
-                  generation: else the load fails, stale), ``seg.new_token`` (the
+    make          ``_new_gen``: ``hdr_hold`` (holders + 1 if the header holds the
+                  generation: else the load fails, stale), ``seg.new_gen`` (the
                   segment remembers it), then the storage loaded through it.
-    drop          the loader's storage dies (its token's count - 1).
-    fork          ``transfer._before_fork`` -> ``pool.retire_in_use``: ``hdr_retire``
-                  of the remembered token's generation if that token is live here;
+    drop          the loader's storage dies (its Gen's count - 1).
+    fork          ``transfer._before_fork`` -> ``segments.retire_in_use``: ``hdr_retire``
+                  of the remembered Gen's generation if that Gen is live here;
                   the child keeps every storage the loaders hold, uncounted, for good.
-the receiver's collector (``pool.settle`` in a receiver)
-    settle        a dead token (count 0, ``_native.dead()``): ended, ``hdr_unhold``.
+the receiver's collector (``transfer.settle_dead`` in a receiver)
+    settle        a dead Gen (count 0, ``_native.dead()``): ended, ``hdr_unhold``.
 
 What this model leaves to ``test_lifetime_model.py``: the ledger and the broker,
 SIGKILL, messages lost, a message loaded twice (the ticket bitmap), the owner's forks,
 and ``hdr_free``'s FREEING window (``hdr_hold`` waits it out); ``hdr_free`` and
-``hdr_hold`` are one step each here. Slabs (a thread's token held across messages)
+``hdr_hold`` are one step each here. Slabs (a thread's gen held across messages)
 are a sender holding its storage. A message is taken by one loader (a queue).
 
 Each fix the code makes for a race between these actors has a flag in ``VARIANTS``
 that takes it out again; the explorer must find a violation in each (the model has
 teeth), and none with every fix in:
 
-stale_reaper         ``Pool.reap`` copies ``waiting`` (segments) and ``Pool.end(seg)``
+stale_reaper         ``Pool.reap_waiting`` copies ``waiting`` (segments) and ``Pool.end_generation(seg)``
                      reads ``seg.gen`` only when it runs: another thread ended that
                      generation meanwhile, gave the segment back and began the next in it,
                      whose header the stale ``hdr_free`` ends under its live storage.
@@ -102,12 +102,12 @@ count_sent_at_exit   ``count_sent`` when the sending scope closes: a storage mad
                      generation's header while the message names one gone. Fixed: sent
                      is counted with the ticket (the pickler holds the storage), a scope
                      that fails marks its tickets loaded (cancels them), and the scope
-                     keeps its tokens alive until it closes.
-racy_token           two loaders find no live token of a generation at once and both
+                     keeps its Gens alive until it closes.
+racy_gen           two loaders find no live Gen of a generation at once and both
                      make one (holders 2); the segment remembers the second; a fork
-                     retires only what the remembered token holds, so a storage of the
+                     retires only what the remembered Gen holds, so a storage of the
                      first goes to the child unretired and is reused under it. Fixed:
-                     find-or-make of a token is one critical section per segment.
+                     find-or-make of a Gen is one critical section per segment.
 post_under_pool_lock the collector posts a close to the broker (client lock) while it
                      holds the pool lock; a reconnection hook runs under the client lock
                      and takes the pool lock: deadlock. Fixed: what to close is collected
@@ -127,9 +127,9 @@ import pytest
 STALE_REAPER = "stale_reaper"
 CLOSE_UNCLAIMED = "close_unclaimed"
 COUNT_AT_EXIT = "count_sent_at_exit"
-RACY_TOKEN = "racy_token"
+RACY_GEN = "racy_gen"
 POST_UNDER_LOCK = "post_under_pool_lock"
-VARIANTS = (STALE_REAPER, CLOSE_UNCLAIMED, COUNT_AT_EXIT, RACY_TOKEN, POST_UNDER_LOCK)
+VARIANTS = (STALE_REAPER, CLOSE_UNCLAIMED, COUNT_AT_EXIT, RACY_GEN, POST_UNDER_LOCK)
 
 # Where the segment is in its owner's pool (State.where).
 NEW = "new"  # not made yet: the first take makes it
@@ -147,10 +147,10 @@ REAP_END = "reap_end"  # waiting copied; next: end() of the copy's entry
 POST = "post"  # a segment closed; next: its release posted (client lock)
 POST_LOCKED = "post_locked"  # the same, the pool lock still held (post_under_pool_lock)
 HOOK = "hook"  # the client lock held by a reconnection; next: its hook (pool lock)
-MAKE = "make"  # a loader found no live token; next: _new_token (holding the token lock, fixed)
+MAKE = "make"  # a loader found no live Gen; next: _new_gen (holding the Gen lock, fixed)
 
 # Locks.
-POOL_LOCK, CLIENT_LOCK, TOKEN_LOCK = "the pool lock", "the client lock", "the token lock"
+POOL_LOCK, CLIENT_LOCK, GEN_LOCK = "the pool lock", "the client lock", "the Gen lock"
 
 SEG = -2  # a reap's copy of waiting under stale_reaper: the segment, no generation
 
@@ -202,7 +202,7 @@ class Collector(NamedTuple):
 class Loader(NamedTuple):
     pc: str = IDLE
     msg: int = -1  # the message it loads
-    tok: int = -1  # the token its storage (or load) counts on, an index in State.toks
+    tok: int = -1  # the Gen its storage (or load) counts on, an index in State.toks
     gen: int = 0  # of that storage
 
 
@@ -212,14 +212,14 @@ class State(NamedTuple):
     loaders: tuple[Loader, ...]
     collector: Collector = Collector()
     where: str = NEW
-    seg_gen: int = 0  # the owner's seg.gen: its generation's token's
-    own_ended: bool = True  # that token ended (settled), or none yet
+    seg_gen: int = 0  # the owner's seg.gen: its generation's Gen's
+    own_ended: bool = True  # that Gen ended (settled), or none yet
     waiting: int = 0  # the generation of Pool.waiting's entry for the segment; 0: none
     closes: int = 0
     gens: int = 0  # generations begun
     msgs: tuple[Msg, ...] = ()
-    toks: tuple[int, ...] = ()  # the receiver's tokens not ended, by their generation
-    rtok: int = -1  # the one the segment remembers (seg.token), an index in toks
+    toks: tuple[int, ...] = ()  # the receiver's Gens not ended, by their generation
+    rtok: int = -1  # the one the segment remembers (seg.gen_ref), an index in toks
     child: frozenset[int] = frozenset()  # the generations of the storages a forked child keeps
     forks: int = 0
     reconnects: int = 0
@@ -254,12 +254,12 @@ def _msg(s: State, j: int, state: str) -> State:
     return _with(s, msgs=s.msgs[:j] + (_with(s.msgs[j], state=state),) + s.msgs[j + 1 :])
 
 
-# -- derived facts: token counts, lock holders ----------------------------------
+# -- derived facts: gen counts, lock holders ----------------------------------
 
 
 def owner_count(s: State, cfg: Config) -> int:
-    """The count of the owner's token of ``seg.gen``: its senders' storages of it, and
-    (fixed count_sent_at_exit) each sending scope's hold on its message's token."""
+    """The count of the owner's Gen of ``seg.gen``: its senders' storages of it, and
+    (fixed count_sent_at_exit) each sending scope's hold on its message's gen."""
     n = 0
     for p in s.senders:
         if p.gen and p.gen == s.seg_gen:
@@ -267,13 +267,13 @@ def owner_count(s: State, cfg: Config) -> int:
     return n
 
 
-def token_count(s: State, k: int) -> int:
-    """The count of the receiver's token *k*: its loaders' storages (or loads) of it."""
+def gen_count(s: State, k: int) -> int:
+    """The count of the receiver's Gen *k*: its loaders' storages (or loads) of it."""
     return sum(1 for p in s.loaders if p.tok == k)
 
 
-def live_token(s: State, gen: int) -> int:
-    """``Segment.live_token(gen)`` in the receiver: the remembered token if it is of
+def live_gen(s: State, gen: int) -> int:
+    """``Segment.live_gen(gen)`` in the receiver: the remembered Gen if it is of
     *gen* and not ended (a dead one not yet settled is revived by ``acquire``), else -1."""
     return s.rtok if s.rtok >= 0 and s.toks[s.rtok] == gen else -1
 
@@ -288,7 +288,7 @@ def holder(s: State, lock: str, cfg: Config) -> Me | None:
                 return (SENDER, i)
         return None
     for i, q in enumerate(s.loaders):
-        if q.pc == MAKE and cfg.variant != RACY_TOKEN:
+        if q.pc == MAKE and cfg.variant != RACY_GEN:
             return (LOADER, i)
     return None
 
@@ -304,7 +304,7 @@ def _free(s: State, lock: str, cfg: Config, me: Me) -> bool:
 
 def hdr_free(h: Header, gen: int) -> tuple[Header, bool]:
     """``hdr_free(addr, gen)`` as it was before ``hdr_end`` (which the buggy variants'
-    ``Pool.end`` calls with ``seg.gen``; ``hdr_end`` does this part under FREEING): end
+    ``Pool.end_generation`` calls with ``seg.gen``; ``hdr_end`` does this part under FREEING): end
     *gen* if nobody holds it, it is not retired and every ref sent in it was loaded
     (every field zeroed: the next ``begin`` writes only the generation)."""
     if h.gen == gen and not h.holders and not h.retired and h.sent == h.loaded:
@@ -316,7 +316,7 @@ GONE, FREED, CLOSE, WAIT = "gone", "freed", "close", "wait"
 
 
 def hdr_end(h: Header, gen: int, claim: bool = True) -> tuple[Header, str]:
-    """The fixed ``Pool.end``'s one transition for generation *gen*, the one its caller
+    """The fixed ``Pool.end_generation``'s one transition for generation *gen*, the one its caller
     saw: GONE if the header holds another (ended by another thread) or its close is
     claimed already; CLOSE, claimed once (*claim*: close_unclaimed, every time), if
     retired; FREED as ``hdr_free``; else WAIT."""
@@ -332,7 +332,7 @@ def hdr_end(h: Header, gen: int, claim: bool = True) -> tuple[Header, str]:
 
 
 def _close(s: State, me: Me, locked: bool = False) -> State:
-    """The segment leaves the pool (``Pool.closed``); *me* posts its release next."""
+    """The segment leaves the pool (``Pool.leave``); *me* posts its release next."""
     s = _with(s, where=CLOSED, closes=s.closes + 1)
     pc = POST_LOCKED if locked else POST
     return _with(s, collector=_with(s.collector, pc=pc)) if me[0] == COLLECTOR else _sender(s, me[1], pc=pc)
@@ -343,7 +343,7 @@ def _done(s: State, me: Me) -> State:
 
 
 def end(s: State, me: Me, snap: int, waited: bool, cfg: Config) -> State | None:
-    """``Pool.end``, by *me* (settle, or a reap: *waited*, with the copy *snap*)."""
+    """``Pool.end_generation``, by *me* (settle, or a reap: *waited*, with the copy *snap*)."""
     if not _free(s, POOL_LOCK, cfg, me):
         return None  # give_back, the waiting dict: under the pool lock
     if cfg.variant == STALE_REAPER:
@@ -400,7 +400,7 @@ def share(s: State, i: int, cfg: Config) -> State | None:
 
 def drop(s: State, i: int, cfg: Config) -> State | None:
     """The sender's storage dies (the user's tensor, or a pickled temporary whose only
-    reference was the pickler's memo); the token's count - 1 (``_native`` deleter)."""
+    reference was the pickler's memo); the Gen's count - 1 (``_native`` deleter)."""
     if not s.senders[i].holds:
         return None
     return _sender(s, i, holds=False)
@@ -425,7 +425,7 @@ def scope_fails(s: State, i: int, cfg: Config) -> State | None:
 
 
 def reap_copy(s: State, me: Me, cfg: Config) -> State | None:
-    """``Pool.reap``: ``waiting.copy()`` (from ``Pool.take``, or the collector's
+    """``Pool.reap_waiting``: ``waiting.copy()`` (from ``Pool.take``, or the collector's
     ``collect``): a segment (stale_reaper) or a (segment, generation)."""
     if not s.waiting:
         return None
@@ -438,14 +438,14 @@ def reap_copy(s: State, me: Me, cfg: Config) -> State | None:
 
 
 def reap_end(s: State, me: Me, cfg: Config) -> State | None:
-    """``Pool.reap`` -> ``Pool.end`` of the entry it copied (stale_reaper: ``end(seg)``)."""
+    """``Pool.reap_waiting`` -> ``Pool.end_generation`` of the entry it copied (stale_reaper: ``end(seg)``)."""
     snap = s.collector.snap if me[0] == COLLECTOR else s.senders[me[1]].snap
     return end(s, me, snap, True, cfg)
 
 
 def settle(s: State, cfg: Config) -> State | None:
-    """``pool.settle`` in the owner: its token of ``seg.gen`` dead (``_native.dead()``)
-    -> ``Pool.end``: given back, closed, or ``waiting[seg.key] = (seg, gen)``."""
+    """``transfer.settle_dead`` in the owner: its Gen of ``seg.gen`` dead (``_native.dead()``)
+    -> ``Pool.end_generation``: given back, closed, or ``waiting[seg.key] = (seg, gen)``."""
     if s.where != USED or s.own_ended or owner_count(s, cfg):
         return None
     return end(_with(s, own_ended=True), (COLLECTOR, 0), s.seg_gen, False, cfg)
@@ -460,7 +460,7 @@ def trim(s: State, cfg: Config) -> State | None:
 
 
 def post(s: State, me: Me, cfg: Config) -> State | None:
-    """``Pool.closed`` -> ``client.release`` / ``drop``: a record posted under the
+    """``Pool.leave`` -> ``client.release`` / ``drop``: a record posted under the
     client's lock (then the pool lock let go of, where it was held)."""
     if not _free(s, CLIENT_LOCK, cfg, me):
         return None
@@ -487,14 +487,14 @@ def hook(s: State, i: int, cfg: Config) -> State | None:
 
 
 def lookup(s: State, i: int, j: int, cfg: Config) -> State | None:
-    """``receive_tensor``: message *j* taken from the queue; ``seg.live_token(gen)`` and
-    ``acquire()`` (fixed racy_token: under the segment's token lock): found, the storage
+    """``receive_tensor``: message *j* taken from the queue; ``seg.live_gen(gen)`` and
+    ``acquire()`` (fixed racy_gen: under the segment's gen lock): found, the storage
     loaded through it (``Gen.load``, ``count_loaded``); else on to ``make``, the lock
     kept."""
     m = s.msgs[j]
-    if m.state != SENT or not _free(s, TOKEN_LOCK, cfg, (LOADER, i)):
+    if m.state != SENT or not _free(s, GEN_LOCK, cfg, (LOADER, i)):
         return None
-    k = live_token(s, m.gen)
+    k = live_gen(s, m.gen)
     if k < 0:
         return _loader(_msg(s, j, TAKEN), i, pc=MAKE, msg=j, gen=m.gen)
     return _load(s, i, j, k)
@@ -508,9 +508,9 @@ def _load(s: State, i: int, j: int, k: int) -> State:
 
 
 def make(s: State, i: int, cfg: Config) -> State | None:
-    """``_new_token``: ``hdr_hold`` (the load fails, stale, if the header holds another
-    generation), ``seg.new_token`` (the segment remembers it), then the storage loaded
-    through it; the token lock let go of."""
+    """``_new_gen``: ``hdr_hold`` (the load fails, stale, if the header holds another
+    generation), ``seg.new_gen`` (the segment remembers it), then the storage loaded
+    through it; the Gen lock let go of."""
     p, h = s.loaders[i], s.header
     if h.gen != p.gen:
         return _loader(_msg(s, p.msg, STALE), i, pc=IDLE, msg=-1, gen=0)
@@ -519,33 +519,33 @@ def make(s: State, i: int, cfg: Config) -> State | None:
 
 
 def unload(s: State, i: int, cfg: Config) -> State | None:
-    """The loader's storage dies: its token's count - 1 (dead at zero, until settled)."""
+    """The loader's storage dies: its Gen's count - 1 (dead at zero, until settled)."""
     if s.loaders[i].tok < 0:
         return None
     return _loader(s, i, tok=-1, gen=0)
 
 
 def fork(s: State, i: int, cfg: Config) -> State | None:
-    """``transfer._before_fork`` -> ``pool.retire_in_use``: the remembered token's
-    generation retired if that token is live here; the child keeps every storage."""
+    """``transfer._before_fork`` -> ``segments.retire_in_use``: the remembered Gen's
+    generation retired if that Gen is live here; the child keeps every storage."""
     kept = frozenset(p.gen for p in s.loaders if p.tok >= 0)
     if s.forks >= cfg.forks or not kept:
         return None
     h = s.header
-    if s.rtok >= 0 and token_count(s, s.rtok) and h.gen == s.toks[s.rtok]:
+    if s.rtok >= 0 and gen_count(s, s.rtok) and h.gen == s.toks[s.rtok]:
         h = _with(h, retired=True)
     return _with(s, header=h, child=s.child | kept, forks=s.forks + 1)
 
 
 def rsettle(s: State, k: int, cfg: Config) -> State | None:
-    """``pool.settle`` in the receiver: token *k* dead (``_native.dead()``): ended, and
+    """``transfer.settle_dead`` in the receiver: gen *k* dead (``_native.dead()``): ended, and
     ``hdr_unhold`` of its generation (the ledger's part: ``test_lifetime_model.py``)."""
-    if token_count(s, k):
+    if gen_count(s, k):
         return None
     h, gen = s.header, s.toks[k]
     if h.gen == gen and h.holders:
         h = _with(h, holders=h.holders - 1)
-    # An ended token is gone from the model: nothing counts on it, live_token skips it.
+    # An ended gen is gone from the model: nothing counts on it, live_gen skips it.
     rtok = -1 if s.rtok == k else s.rtok - (s.rtok > k)
     loaders = tuple(_with(p, tok=p.tok - (p.tok > k)) for p in s.loaders)
     return _with(s, header=h, toks=s.toks[:k] + s.toks[k + 1 :], rtok=rtok, loaders=loaders)
@@ -809,7 +809,7 @@ BROKEN_WORLDS = {
     STALE_REAPER: (Config(senders=1, loaders=1, messages=2, forks=0, reconnects=0), "sender 0 keeps a storage of generation 2"),
     CLOSE_UNCLAIMED: (Config(loaders=1, generations=1, messages=1, reconnects=0), "closed 2 times"),
     COUNT_AT_EXIT: (Config(senders=1, loaders=0, generations=1, messages=1, forks=0, reconnects=0), "waits for its first load"),
-    RACY_TOKEN: (Config(senders=1, generations=1, messages=2, reconnects=0), "the forked child keeps a storage"),
+    RACY_GEN: (Config(senders=1, generations=1, messages=2, reconnects=0), "the forked child keeps a storage"),
     POST_UNDER_LOCK: (Config(loaders=0, generations=1, messages=1, forks=0), "deadlock"),
 }
 

@@ -10,7 +10,7 @@ other act, and checks that nothing it holds, and nothing in flight, lost its dat
   until its ref is counted sent, even if the collector settles in between;
 - a copy into shared memory reads its source where the source lies at that moment
   (never memory another thread's move freed);
-- two threads loading the first storage of one generation make one token, one hold;
+- two threads loading the first storage of one generation make one Gen, one hold;
 - a pool never posts to the broker while it holds its lock (a reconnection hook takes
   that lock under the broker client's);
 - the small items of issue 36, point 4.
@@ -77,9 +77,9 @@ def quiet_collector(monkeypatch):
     yield
 
 
-def _seg_of(t: torch.Tensor) -> pool.Segment:
+def _seg_of(t: torch.Tensor) -> segments.Segment:
     s = t.untyped_storage()
-    seg = pool.segment_at(s.data_ptr(), s.nbytes())
+    seg = segments.segment_at(s.data_ptr(), s.nbytes())
     assert seg is not None
     return seg
 
@@ -109,10 +109,10 @@ def test_a_stale_reaper_ends_nothing_of_the_next_generation(strategy, quiet_coll
 
     reaper: threading.Thread | None = None
     with _Window("reap.end", who=lambda: reaper) as window:
-        reaper = threading.Thread(target=p.reap)
+        reaper = threading.Thread(target=p.reap_waiting)
         reaper.start()
-        assert window.reached.wait(PAUSE), "Pool.reap has no reap.end point"
-        p.reap()  # this thread ends the generation and gives the segment back
+        assert window.reached.wait(PAUSE), "Pool.reap_waiting has no reap.end point"
+        p.reap_waiting()  # this thread ends the generation and gives the segment back
         t2 = torch.full((NUMEL,), 2.0)
         transfer.share_in_place(t2.untyped_storage())
         assert _seg_of(t2) is seg, "the free segment was not reused"
@@ -269,7 +269,7 @@ def _retired_after_fork() -> bool:
 
 
 @pytest.mark.swap_path
-def test_two_threads_loading_one_generation_make_one_token(strategy, quiet_collector):
+def test_two_threads_loading_one_generation_make_one_gen(strategy, quiet_collector):
     ctx = mp.get_context("fork")
     here, there = ctx.Pipe()
     sender = ctx.Process(target=_send_twice, args=(there,))
@@ -278,11 +278,11 @@ def test_two_threads_loading_one_generation_make_one_token(strategy, quiet_colle
         blobs = [here.recv_bytes(), here.recv_bytes()]
         got: dict[str, torch.Tensor] = {}
         first: threading.Thread | None = None
-        with _Window("load.token", who=lambda: first) as window:
+        with _Window("load.gen", who=lambda: first) as window:
             first = threading.Thread(target=lambda: got.__setitem__("a", shmreduce.loads(blobs[0])))
             second = threading.Thread(target=lambda: got.__setitem__("b", shmreduce.loads(blobs[1])))
             first.start()
-            assert window.reached.wait(PAUSE), "receive_tensor has no load.token point"
+            assert window.reached.wait(PAUSE), "receive_tensor has no load.gen point"
             second.start()
             second.join(PAUSE)
             window.go()
@@ -374,9 +374,9 @@ def test_a_gen_never_starts_inside_its_header():
     for low in (8, 64, _native.HEADER_BYTES - 8):
         with pytest.raises(ValueError):
             _native.Gen(None, addr, len(buf), 1, low)
-    token = _native.Gen(None, addr, len(buf), 1, _native.HEADER_BYTES)
-    token.info = (None, -1)  # nobody's to settle
-    token.release()
+    gen = _native.Gen(None, addr, len(buf), 1, _native.HEADER_BYTES)
+    gen.info = (None, -1)  # nobody's to settle
+    gen.release()
 
 
 _FOREIGN_SIGBUS = textwrap.dedent(

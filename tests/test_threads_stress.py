@@ -123,7 +123,7 @@ def _placed(t: torch.Tensor) -> str:
     """Where a received tensor's storage lies: its address and the mapping there."""
     storage = t.untyped_storage()
     ptr = storage.data_ptr()
-    seg = pool.segment_at(ptr, storage.nbytes())
+    seg = segments.segment_at(ptr, storage.nbytes())
     if seg is None:
         return f"{ptr:#x} (in no segment)"
     return f"{ptr:#x} ({seg.kind} segment {seg.key} mapped at {seg.addr:#x} as {id(seg):#x}, generation {seg.gen:x})"

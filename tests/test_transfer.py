@@ -57,9 +57,9 @@ def _delta(before: dict[str, int], *names: str) -> dict[str, int]:
     return {name: now[name] - before[name] for name in names}
 
 
-def _counts(ref: transfer.SegmentRef) -> tuple[int, int]:
+def _counts(ref: SegmentRef) -> tuple[int, int]:
     """(sent, loaded) in the header of the segment *ref* lies in, this process's mapping."""
-    seg = pool.lookup(ref.kind, ref.segment)
+    seg = segments.lookup(ref.kind, ref.segment)
     assert seg is not None
     gen, sent, loaded, _holders = _native.hdr_read(seg.addr)
     assert gen == ref.gen & (1 << 64) - 1
@@ -100,11 +100,11 @@ def test_one_scope_is_one_message_small_storages_share_a_slab(strategy: str, fre
     large = _storage(LARGE_SIZE, 9)
     before = transfer.counters()
     with transfer.sending():
-        mid_refs = [transfer.SegmentRef(*transfer.share(s)) for s in mids]
-        refs = [transfer.SegmentRef(*transfer.share(s)) for s in [*smalls, large]]
+        mid_refs = [SegmentRef(*transfer.share(s)) for s in mids]
+        refs = [SegmentRef(*transfer.share(s)) for s in [*smalls, large]]
         assert _delta(before, "storages_reused") == {"storages_reused": 0}
         with transfer.sending():  # a nested scope joins the outer message
-            again = transfer.SegmentRef(*transfer.share(smalls[1]))
+            again = SegmentRef(*transfer.share(smalls[1]))
             assert again[:7] == refs[1][:7], "a storage sent twice in one message has the same ref, but its ticket"
             assert again.ticket != refs[1].ticket
         assert _delta(before, "messages_sent") == {"messages_sent": 0}, "sent before the scope closed"
@@ -123,19 +123,19 @@ def test_one_scope_is_one_message_small_storages_share_a_slab(strategy: str, fre
     *small_refs, large_ref = refs
     assert len({(r.segment, r.gen) for r in small_refs}) == 1, f"small storages not in one slab: {small_refs}"
     offsets = [r.offset for r in small_refs]
-    assert offsets[0] == pool.HEADER, "a fresh slab starts right after its header"
+    assert offsets[0] == segments.HEADER, "a fresh slab starts right after its header"
     for prev, ref in zip(small_refs, small_refs[1:], strict=False):
-        assert ref.offset % pool.ALIGN == 0, offsets
+        assert ref.offset % segments.ALIGN == 0, offsets
         assert ref.offset >= prev.offset + prev.nbytes, f"overlapping offsets {offsets}"
     assert large_ref.segment != small_refs[0].segment
     assert large_ref.gen not in (0, small_refs[0].gen)
     # Mid-size storages share the thread's arena, as small ones its slab.
     assert len({(r.segment, r.gen) for r in mid_refs}) == 1, f"mid-size storages not in one arena: {mid_refs}"
     assert mid_refs[0].segment not in (large_ref.segment, small_refs[0].segment)
-    assert [r.offset for r in mid_refs][0] == pool.HEADER
+    assert [r.offset for r in mid_refs][0] == segments.HEADER
     for prev, ref in zip(mid_refs, mid_refs[1:], strict=False):
-        assert ref.offset % pool.ALIGN == 0 and ref.offset >= prev.offset + prev.nbytes, mid_refs
-    assert large_ref.offset == pool.HEADER
+        assert ref.offset % segments.ALIGN == 0 and ref.offset >= prev.offset + prev.nbytes, mid_refs
+    assert large_ref.offset == segments.HEADER
     for r in refs:
         assert r.tag == (transfer.fs_tag(r.program, str(r.segment), r.gen) if kind == "fs" else 0)
     # Every ref counted sent once, the one shared twice twice: 4 in the slab, 1 in the large segment.
@@ -167,14 +167,14 @@ def test_a_scope_that_raises_delivers_nothing(strategy: str) -> None:
     assert _delta(before, "messages_sent") == {"messages_sent": 0}
     with pytest.raises(RuntimeError, match="mid-pickle"):
         with transfer.sending():
-            dropped = transfer.SegmentRef(*transfer.share(s))
+            dropped = SegmentRef(*transfer.share(s))
             raise RuntimeError("mid-pickle")
     assert _delta(before, "messages_sent", "storages_shared") == {"messages_sent": 0, "storages_shared": 1}
     sent, loaded = _counts(dropped)
 
     # The next message works, and carries the storage from where it now lies.
     with transfer.sending():
-        ref = transfer.SegmentRef(*transfer.share(s))
+        ref = SegmentRef(*transfer.share(s))
     assert _delta(before, "messages_sent", "storages_shared", "storages_reused") == {
         "messages_sent": 1,
         "storages_shared": 1,
@@ -200,13 +200,13 @@ def test_receiving_a_ref_of_this_process_gives_the_very_storage(strategy: str) -
         received = transfer.counters()["messages_received"]
         with transfer.receiving():
             got = transfer.receive(ref)
-            again = transfer.receive(transfer.SegmentRef(*ref))  # a SegmentRef is its tuple
+            again = transfer.receive(SegmentRef(*ref))  # a SegmentRef is its tuple
         assert transfer.counters()["messages_received"] == received + 1
         assert got.data_ptr() == again.data_ptr() == s.data_ptr()
         assert got.nbytes() == nbytes
         assert bool((_bytes_of(got) == 3).all())
-        if transfer.SegmentRef(*ref).gen:  # a pooled generation; torch's memfd (the adopt path) has no header
-            sent, loaded = _counts(transfer.SegmentRef(*ref))
+        if SegmentRef(*ref).gen:  # a pooled generation; torch's memfd (the adopt path) has no header
+            sent, loaded = _counts(SegmentRef(*ref))
             assert loaded == sent, "a ref loaded twice counts once: its ticket"
 
 
@@ -426,13 +426,13 @@ def test_new_shared_in_reused_memory_is_not_zero_filled_and_is_this_programs(str
     transfer.let_go()  # from an empty pool: the segment reused below is this one
     s = transfer.new_shared(nbytes)
     _bytes_of(s).fill_(0xAB)
-    first = pool.segment_at(s.data_ptr(), nbytes)
+    first = segments.segment_at(s.data_ptr(), nbytes)
     transfer.let_go_slabs()  # a small one's slab ends with its storage
     del s
     before = _free_after_let_go(strategy, 1)
     s = transfer.new_shared(nbytes)
     assert _pool_stats(strategy)["segments_reused"] == before["segments_reused"] + 1, "the test needs reuse"
-    seg = pool.segment_at(s.data_ptr(), nbytes)
+    seg = segments.segment_at(s.data_ptr(), nbytes)
     assert seg is not None and seg is first and seg.pool is transfer._current_pool(), (
         "new_shared() handed out memory this process did not make"
     )
@@ -518,7 +518,7 @@ def test_a_partly_kept_arena_pins_its_size_and_no_more(strategy: str) -> None:
     child.start()
     try:
         tensors = [torch.full(((128 << 10) // 4,), float(i)) for i in range(64)]
-        arena = {pool.segment_at(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors}
+        arena = {segments.segment_at(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors}
         assert len(arena) == 1, "64 storages of 128 KiB not in one arena"
         ours.send_bytes(shmreduce.dumps(tensors))
         del tensors

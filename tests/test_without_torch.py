@@ -81,13 +81,13 @@ def header() -> tuple[mmap.mmap, int]:
 
 def _count_sent(addr: int, refs: int = 1, sent: bool = True) -> None:
     """What a sending scope does for *refs* refs it pickled from the generation at
-    *addr*: each held (a token of its own here) until counted sent, or not (*sent*)."""
-    token = _native.Gen(None, addr, _native.HEADER_BYTES, 1, _native.HEADER_BYTES)
-    token.info = (None, -1)  # nobody's to settle
+    *addr*: each held (a Gen of its own here) until counted sent, or not (*sent*)."""
+    gen = _native.Gen(None, addr, _native.HEADER_BYTES, 1, _native.HEADER_BYTES)
+    gen.info = (None, -1)  # nobody's to settle
     for _ in range(refs):
-        token.acquire()
-    _native.count_sent([token] * refs, sent)
-    token.release()  # its maker's hold
+        gen.acquire()
+    _native.count_sent([gen] * refs, sent)
+    gen.release()  # its maker's hold
 
 
 def test_header_counts_holds_and_frees_one_generation(header) -> None:
@@ -177,7 +177,7 @@ def _gen(addr: int) -> _native.Gen:
 
 def _gen_of(addr: int, size: int, number: int = 0, low: int = 0) -> _native.Gen:
     gen = _native.Gen(object(), addr, size, number, low)
-    gen.info = (None, -1)  # a test's token, as pool's are (ledger entry, owner pid): pool.settle skips it
+    gen.info = (None, -1)  # a test's gen, as pool's are (ledger entry, owner pid): transfer.settle_dead skips it
     return gen
 
 

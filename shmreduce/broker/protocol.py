@@ -43,7 +43,7 @@ Segments and generations (``shmreduce/pool.py``, ``shmreduce/transfer.py``)
                 on holders == 0 and ends the generation if sent == loaded and it is
                 not RETIRED (generation 0, counters, tickets, flags cleared); a
                 RETIRED one leaves the pool (closed); else it waits and is looked at
-                again (``Pool.reap``).
+                again (``Pool.reap_waiting``).
     fork        before any fork (``os.register_at_fork``), every generation with a
                 storage or a hold alive in the forking process, owner or receiver, is
                 retired: the child keeps what it inherits without holding it, and
