@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 TORCH ?= 2.13.0
 CONSTRAINTS ?= constraints-dev.txt
 
-.PHONY: install test lint format typecheck pythons suite-python suite-torch gpu-check bench bench-chart bench-ddp asan tsan debug stress clean
+.PHONY: install test lint format typecheck pythons suite-python suite-torch install-check gpu-check bench bench-chart bench-ddp asan tsan debug stress clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,11 @@ suite-torch:
 	test -x .venv-torch-$(TORCH)/bin/python || $(PYTHON) -m venv .venv-torch-$(TORCH)
 	grep -v '^torch==' constraints-dev.txt > .venv-torch-$(TORCH)/constraints.txt
 	$(MAKE) test VENV=.venv-torch-$(TORCH) TORCH=$(TORCH) CONSTRAINTS=.venv-torch-$(TORCH)/constraints.txt
+
+# `pip install .` beside that venv's torch changes no installed package (needs a package
+# index for pip's isolated build; not part of `make test`). The venv is left as it is.
+install-check:
+	.ci/install_keeps_torch.sh .venv-torch-$(TORCH)
 
 # The GPU check, on a GPU machine as it comes (often cut off from package indexes): its own
 # python3 with torch, pytest, hypothesis and cloudpickle, the extension built in place, no

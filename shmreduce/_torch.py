@@ -70,6 +70,16 @@ def share_fd(storage: torch.UntypedStorage) -> None:
     storage._share_fd_cpu_()
 
 
+def prime_share_fd() -> None:
+    """Meet, once, what torch initializes at a process's first ``share_fd`` (its
+    process-wide shared-memory handle, ``at::NewProcessWideShmHandle``, a function-local
+    static): in the caller's thread, so that a queue's feeder thread never holds that
+    guard while another thread forks (the child would wait on it for ever)."""
+    storage = UntypedStorage(1)
+    share_fd(storage)
+    storage_fd(storage)
+
+
 def path() -> str:
     """How a sender's storage moves into shared memory on this torch: "swap" (into
     shmreduce's pool, with ``swap_memory``) or "adopt" (by torch, ``share_fd``)."""

@@ -8,9 +8,10 @@ twice is moved once, and a received storage (or a slice of one) sent on goes out
 from where it is. The one exception, a storage torch shared by descriptor itself
 (a segment shmreduce maps elsewhere, generation 0), is remembered by its
 StorageImpl (``remember_adopted``) with a weak reference; when that storage dies,
-its entry and segment go to ``take_dead_adopted`` (``transfer.collect`` drops the
-memfd at the broker: a stream of fresh tensors on a torch without the swap,
-``_torch.path()``, would otherwise keep every one until the sender exits).
+its entry goes, and the segment of one torch moved for shmreduce (*moved*: on a
+torch without the swap, ``_torch.path()``) goes to ``take_dead_adopted``
+(``transfer.collect`` lets go of its memfd at the broker: a stream of fresh tensors
+would otherwise keep every one until the sender exits).
 
 Which storage lies at a place is not kept here: it is the identity map of each Gen
 (a generation in this process, ``Gen.stored`` / ``Gen.remember``, in C), so that
@@ -52,19 +53,21 @@ class Place(NamedTuple):
 
 
 class _Adopted(weakref.ref):
-    """A weak reference to an adopted storage, with its key and place: its callback
-    (run where the storage dies, any thread, perhaps mid-call of this cache) only
-    queues it."""
+    """A weak reference to an adopted storage, with its key and place, and whether
+    torch moved it for shmreduce: its callback (run where the storage dies, any
+    thread, perhaps mid-call of this cache) only queues it."""
 
-    __slots__ = ("key", "place")
+    __slots__ = ("key", "place", "moved")
 
     key: int
     place: Place
+    moved: bool
 
 
 class StorageCache:
     def __init__(self) -> None:
         self._adopted: dict[int, _Adopted] = {}  # storage key -> its entry
+        self._in_segment: dict[int, _Adopted] = {}  # id() of its segment (its place keeps it) -> its entry
         self._dead: deque[_Adopted] = deque()  # entries whose storage died, not yet taken
         self._after_fork()
 
@@ -85,31 +88,44 @@ class StorageCache:
                 return entry.place
         return None
 
-    def remember_adopted(self, storage: torch.UntypedStorage, place: Place, key: int) -> None:
+    def remember_adopted(self, storage: torch.UntypedStorage, place: Place, key: int, moved: bool = False) -> None:
         """A storage torch shared by descriptor lies in *place* (a segment mapped
-        elsewhere in this process), until it dies. Constant time: a dead storage's
+        elsewhere in this process), until it dies; *moved*: torch moved it there for
+        shmreduce (``transfer._moved_by_torch``). Constant time: a dead storage's
         entry is queued by its weak reference's callback, not looked for."""
         entry = _Adopted(storage, self._dead.append)
-        entry.key, entry.place = key, place
+        entry.key, entry.place, entry.moved = key, place, moved
         with self._lock:
             self._adopted[key] = entry
+            self._in_segment[id(place.segment)] = entry
+
+    def adopted_in(self, segment: Any) -> torch.UntypedStorage | None:
+        """The live adopted storage that lies in *segment*, if any: what a ref to it
+        loads in this process (as torch gives a process its own shared storage back)."""
+        entry = self._in_segment.get(id(segment))
+        return None if entry is None else entry()
 
     def take_dead_adopted(self) -> list[Any]:
-        """The segments of adopted storages that died since the last call, their
-        entries forgotten (an entry a new storage of the same key replaced stays)."""
+        """The segments of the storages torch moved for shmreduce that died since the
+        last call; the entries of every adopted storage that died are forgotten (an
+        entry a new storage of the same key replaced stays)."""
         segs = []
         with self._lock:
             while self._dead:
                 entry = self._dead.popleft()
                 if self._adopted.get(entry.key) is entry:
                     del self._adopted[entry.key]
-                segs.append(entry.place.segment)
+                if self._in_segment.get(id(entry.place.segment)) is entry:
+                    del self._in_segment[id(entry.place.segment)]
+                if entry.moved:
+                    segs.append(entry.place.segment)
         return segs
 
     def clear(self) -> None:
         """Forget everything (a test acting as a process that never saw these storages)."""
         with self._lock:
             self._adopted.clear()
+            self._in_segment.clear()
             self._dead.clear()
 
 

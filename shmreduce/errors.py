@@ -45,9 +45,18 @@ def too_many_files(detail: str) -> SharingError:
         f"out of file descriptors ({detail}): the 'file_descriptor' strategy keeps "
         "one descriptor open per shared-memory segment a process maps (a slab of small "
         "tensors, or one large tensor). Drop tensors you no longer "
-        "need, raise the limit (ulimit -n / resource.RLIMIT_NOFILE), or call "
-        "shmreduce.set_sharing_strategy('file_system')"
+        f"need, {_or_file_system('raise the limit (ulimit -n / resource.RLIMIT_NOFILE)')}"
     )
+
+
+def _or_file_system(advice: str) -> str:
+    """*advice*, and switching to 'file_system' where that spares descriptors: not on a
+    torch without the swap (``shmreduce._torch.path()``), where torch moves a sender's
+    storages into memfds under either strategy."""
+    torch_api = sys.modules.get("shmreduce._torch")
+    if torch_api is not None and getattr(torch_api, "swap_memory", True) is None:
+        return advice
+    return f"{advice}, or call shmreduce.set_sharing_strategy('file_system')"
 
 
 def _strategy() -> str | None:
@@ -62,9 +71,16 @@ def deposit_lost() -> SharingError:
         "the shmreduce broker could not keep the shared memory of this message: it is at "
         "its limit of open file descriptors (it keeps one per segment a process sends "
         "from). Nothing was sent and the tensors keep their data: send again once "
-        "processes have let go of segments, start the program with a higher limit "
-        "(ulimit -n / resource.RLIMIT_NOFILE; the broker inherits it from the process "
-        "that shares first), or call shmreduce.set_sharing_strategy('file_system')"
+        "processes have let go of segments, "
+        + (
+            "or start the program with a higher limit (ulimit -n / resource.RLIMIT_NOFILE; the broker inherits it "
+            "from the process that shares first)"
+            if _strategy() == "file_system"
+            else _or_file_system(
+                "start the program with a higher limit (ulimit -n / resource.RLIMIT_NOFILE; the broker inherits it "
+                "from the process that shares first)"
+            )
+        )
     )
 
 

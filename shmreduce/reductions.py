@@ -167,6 +167,8 @@ def prepare() -> None:
         _DLPACK.update((dtype, (*code, dtype.itemsize)) for dtype, code in _torch.dlpack_dtypes(_native.dltype).items())
         try:
             _torch.quantized_engine()  # what a quantized tensor's rebuild would settle
+            if _torch.swap_memory is None:
+                _torch.prime_share_fd()  # every storage sent takes torch's share_fd on this torch
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # torch calls nested tensors a prototype
                 for example in _examples():
@@ -232,12 +234,26 @@ def rebuild_tensor(ref: tuple | torch.UntypedStorage | None, meta: Meta) -> torc
         empty = _EMPTY.get(dtype)
         if empty is None:
             empty = _EMPTY[dtype] = torch.empty((0,), dtype=dtype)
+        if storage.resizable() and not _fits(storage.nbytes(), empty.element_size(), size, stride, offset):
+            # set_ would grow it: a storage torch shared (loaded in its own process,
+            # transfer._adopted_here) is its mapping, which torch then reallocates
+            # (SIGSEGV). One over shmreduce's mapping cannot grow: set_ refuses.
+            raise ValueError("past the end of its storage")
         # new(): an empty tensor of empty's dtype and device, in half the time of
         # new_empty((0,)), on the per-tensor hot path.
         t = empty.new().set_(storage, offset, size, stride)
         return t if extra is None else _finish(t, extra)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise SharingError(f"tensor metadata that does not fit its storage ({exc}): forged or corrupted message") from None
+
+
+def _fits(nbytes: int, itemsize: int, size: tuple, stride: tuple, offset: int) -> bool:
+    """Whether a view (*size*, *stride*, *offset*, in elements) lies within *nbytes*."""
+    if offset < 0 or len(size) != len(stride) or min(stride, default=0) < 0:
+        return False
+    if 0 in size:
+        return True
+    return (offset + sum((n - 1) * step for n, step in zip(size, stride, strict=True)) + 1) * itemsize <= nbytes
 
 
 def rebuild_packed(template: Any, packed: Any) -> torch.Tensor:

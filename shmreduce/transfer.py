@@ -397,12 +397,13 @@ def _moved_by_torch(storage: torch.UntypedStorage, key: int, nbytes: int) -> Pla
     """*storage*'s place once torch moved it into a memfd of its own, in place, and
     shmreduce adopted it: the way in on a torch that cannot swap a storage's memory
     (``_torch.path()``), under either strategy. Its memfd is let go of at the broker
-    once the storage dies (``cache.take_dead_adopted``)."""
+    once the storage dies (``cache.take_dead_adopted``): it exists for shmreduce's
+    messages alone, and a stream of fresh tensors must not keep one each."""
     try:
         _torch.share_fd(storage)
     except RuntimeError as exc:
         raise SharingError(f"torch could not move a storage of {nbytes} bytes into shared memory: {exc}") from exc
-    place = _adopt(storage, key, nbytes)
+    place = _adopt(storage, key, nbytes, moved=True)
     if place is None:
         raise SharingError("torch moved a storage into shared memory that has no descriptor to send")
     _counters["storages_shared"] += 1
@@ -416,17 +417,23 @@ def _current_pool() -> pool.Pool:
     return _fs_pool if get_sharing_strategy() == "file_system" else _fd_pool
 
 
-def _adopt(storage: torch.UntypedStorage, key: int, nbytes: int) -> Place | None:
+def _adopt(storage: torch.UntypedStorage, key: int, nbytes: int, moved: bool = False) -> Place | None:
     """The place of a storage torch shared by descriptor: where it is (a segment
     shmreduce does not pool). None for one torch shared otherwise: it moves into the
     pool like any other, unless it is mapped from a file shmreduce did not make
-    (refused)."""
-    seg = segments.adopt(storage)
+    (refused). *moved*: torch moved it for shmreduce (``_moved_by_torch``); one torch
+    shared for the user or for its own reductions keeps its memfd at the broker while
+    this process lives, as a pooled segment keeps its messages while their sender
+    lives (``_drop_adopted``)."""
+    try:
+        seg = segments.adopt(storage)
+    except OSError as exc:  # its descriptor's dup, at this process's limit
+        raise segments.os_error(exc, "keeping the descriptor of a storage torch shared") from exc
     if seg is None:
         segments.refuse_foreign_file(storage)
         return None
     place = Place(seg, 0, 0, nbytes)
-    cache.remember_adopted(storage, place, key)
+    cache.remember_adopted(storage, place, key, moved)
     return place
 
 
@@ -567,8 +574,10 @@ def collect() -> None:
 
 
 def _drop_adopted(segs: list[segments.Segment]) -> None:
-    """The memfds of adopted storages that died here: this process sends no more refs
-    to them (the broker keeps each ORPHAN_TTL for the refs in flight)."""
+    """The memfds of storages torch moved for shmreduce that died here: this process
+    sends no more refs to them. No header counts their refs in flight: the broker
+    keeps each ORPHAN_TTL for them (protocol.py, "Lifetimes"), the bound a torch
+    without the swap puts on a message whose storage died in its sender."""
     keys = []
     for seg in segs:
         if seg.deposited:
@@ -669,6 +678,12 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
     generation is published here (its storage is the storage ``receive`` would
     return, and is cached as such). Counts the ref loaded."""
     kind, directory, segkey, number, offset, nbytes, tag, ticket = _checked(ref)
+    if not number:
+        own = _adopted_here(kind, directory, segkey, offset, nbytes)
+        if own is not None:
+            global _own_loads
+            _own_loads += 1  # a load of a storage it had already, as Gen.load counts one
+            return own
     gen = _held_gen(kind, directory, segkey, number)
     if gen is None:
         _faults.pause("load.gen")
@@ -695,6 +710,18 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
     finally:
         gen.release()  # the load's hold: from now on its storages hold it
     return storage
+
+
+_own_loads = 0  # refs loaded as a storage this process adopted (_adopted_here): counted in no Gen
+
+
+def _adopted_here(kind: str, directory: str, segkey: Any, offset: int, nbytes: int) -> torch.UntypedStorage | None:
+    """The storage a ref of generation 0 names, where it is one this process adopted
+    (torch shared it here, or moved it: a torch without the swap): the very storage,
+    as a pooled one loads as its sender's own (``_placed``), not a second mapping."""
+    seg = _mapped_segment(kind, directory, segkey)
+    own = cache.adopted_in(seg) if seg is not None else None
+    return own if own is not None and offset == 0 and own.nbytes() == nbytes else None
 
 
 # Finding or making the Gen of a generation here is one step per (segment,
@@ -834,7 +861,7 @@ def _loads() -> int:
     """Refs loaded in this process (``Gen.load`` and ``_native.rebuild``), a storage it
     had already included."""
     storages, _nbytes, again = _native.loaded()
-    return storages + again
+    return storages + again + _own_loads
 
 
 def stats() -> dict[str, int]:

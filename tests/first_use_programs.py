@@ -39,9 +39,11 @@ import torch
 import torch.multiprocessing as mp
 
 import shmreduce
-from shmreduce import _faults, program, registry  # noqa: F401  imported: registering in a program costs no import
+from shmreduce import _faults, _torch, program, registry  # noqa: F401  imported: registering in a program costs no import
 
-KINDS = {"first_share": ("broker.launch", "pool.new_current"), "register": ("prepare.torch", "registry.locked")}
+# The first slab is the swap path's: without the swap torch moves the storage, into no slab.
+FIRST_SHARE = ("broker.launch", "pool.new_current") if _torch.path() == "swap" else ("broker.launch",)
+KINDS = {"first_share": FIRST_SHARE, "register": ("prepare.torch", "registry.locked")}
 CHILD_TIMEOUT = 10.0
 RUN_TIMEOUT = 40.0
 PAUSE_TIMEOUT = 5.0  # a paused thread goes on after this, fork or not

@@ -198,6 +198,7 @@ def _memfd_inode_nobody_sent() -> int:
         os.close(fd)
 
 
+@pytest.mark.swap_path
 def test_forged_segment_inode_is_stale(registered_fd):
     ref = _shared_ref(torch.ones(16))
     other = torch.full((LARGE,), 7.0)
@@ -235,6 +236,7 @@ def test_inode_out_of_range_is_refused_and_the_connection_kept(registered_fd, in
     _next_message_works()
 
 
+@pytest.mark.swap_path
 def test_forged_file_system_handles_are_refused():
     with shmreduce.registered(strategy="file_system"):
         ref = _shared_ref(torch.ones(16))
@@ -348,6 +350,7 @@ def test_stale_handle_program_gone(strat):
     _next_message_works()
 
 
+@pytest.mark.swap_path
 def test_second_load_works_while_the_generation_lives(strat):
     want = 2.0 * LARGE
     with _receiver() as recv:
@@ -377,6 +380,7 @@ def test_second_load_works_while_the_generation_lives(strat):
     _next_message_works()
 
 
+@pytest.mark.swap_path
 def test_stale_once_the_owner_reuses_the_segment(strat):
     transfer.let_go()  # no free segment kept from earlier tests: the next one freed is the one reused
     with _receiver() as recv:

@@ -6,6 +6,7 @@ import os
 import stat
 import time
 
+import pytest
 import torch
 
 import shmreduce
@@ -54,6 +55,7 @@ def test_broker_is_a_private_stdlib_only_process(registered_fd):
     assert stat.S_IMODE(os.stat(os.path.join(directory, "broker.sock")).st_mode) == 0o600
 
 
+@pytest.mark.swap_path
 def test_file_system_segments_are_0600_and_unlinked_when_released():
     with shmreduce.registered(strategy="file_system"):
         t = torch.arange(100.0)
@@ -84,6 +86,7 @@ def test_broker_exits_when_clients_leave_and_restarts_on_demand(registered_fd):
     assert out.sum().item() == 2 and _client().broker_pid != first
 
 
+@pytest.mark.swap_path
 def test_refs_in_flight_keep_a_draining_segment_and_the_broker_while_the_root_lives(registered_fd):
     t = torch.arange(5.0)
     data = shmreduce.dumps(t)  # counted sent; nobody loaded it yet
@@ -194,6 +197,7 @@ def _memfds() -> int:
     return sum(1 for fd in open_fds() if "memfd:shmreduce (" in fd)  # segments, not the ledger
 
 
+@pytest.mark.swap_path
 def test_a_receiver_fetches_once_per_slab_and_holds_one_descriptor_per_slab(registered_fd):
     # A sender fills its slab across messages: the receiver fetches the slab's
     # descriptor with the first message, and receives the others with no round trip
@@ -233,6 +237,7 @@ def _load_values(datas, conn):
     conn.send([_load(d)[0].item() for d in datas])
 
 
+@pytest.mark.swap_path
 def test_a_process_that_does_not_map_the_slab_fetches_it(registered_fd):
     import multiprocessing as mp
 
@@ -268,6 +273,7 @@ def test_a_process_that_does_not_map_the_slab_fetches_it(registered_fd):
         proc.join(10)
 
 
+@pytest.mark.swap_path
 def test_a_message_in_a_mapped_slab_loads_after_its_broker_died(registered_fd):
     import signal
 
@@ -290,6 +296,7 @@ def _send_and_exit(conn, numel):
     os._exit(0)  # at once: its S records may still be queued on its post connection
 
 
+@pytest.mark.swap_path
 def test_a_memfd_whose_sender_exited_right_after_pickling_is_still_fetched(registered_fd):
     # The sender's connections close with its refs in flight: the broker reads what it
     # posted before the close (its memfds), and keeps them, draining, for the receiver.

@@ -157,6 +157,7 @@ def _cut_and_wait(receiver: _Receiver, how: str) -> None:
     assert wait_for(lambda: client.ping()["connections"] == before - cut, TIMEOUT)
 
 
+@pytest.mark.swap_path
 @pytest.mark.parametrize("how", ["malformed", "shutdown"])
 def test_a_live_receiver_whose_connections_the_broker_dropped_keeps_its_bytes(strategy, how):
     """Before the fix: counted out at the drop (holders 1 -> 0), the owner's next
@@ -180,6 +181,7 @@ def test_a_live_receiver_whose_connections_the_broker_dropped_keeps_its_bytes(st
     assert _client().ping(full=True)["generations_held"] == 0
 
 
+@pytest.mark.swap_path
 def test_a_receiver_killed_after_its_connections_were_dropped_is_counted_out_once(strategy):
     """A receiver that lost its connections, reconnected (same identity) and was then
     killed is counted out exactly once: its ledger is known to one client there, not
@@ -216,6 +218,7 @@ def _one_more_message_then_kill(receiver: _Receiver) -> None:
     receiver.proc.join(TIMEOUT)
 
 
+@pytest.mark.swap_path
 def test_a_receiver_whose_keep_record_was_lost_is_counted_out_once(strategy):
     """issue 29, item 6: ``close(keep=True)`` swallowed the timeout of a K that could
     not be posted (the broker stopped, the post buffer full). The broker kept that
@@ -250,6 +253,7 @@ def _exit_holding(conn) -> None:
     os._exit(0)  # no atexit: its connections close with the process
 
 
+@pytest.mark.swap_path
 @pytest.mark.parametrize("atexit", [True, False], ids=["atexit", "os_exit"])
 def test_a_receiver_that_exits_holding_is_counted_out_promptly(strategy, atexit):
     ours, theirs = CTX.Pipe()

@@ -148,6 +148,7 @@ def _hold_until_killed(conn) -> None:
     conn.recv()  # killed here, holding *kept*
 
 
+@pytest.mark.swap_path
 @pytest.mark.parametrize("queued", [False, True], ids=["read", "queued"])
 def test_a_receiver_killed_holding_a_generation_is_counted_out_and_the_owner_reuses_the_segment(strategy, queued):
     # queued: the broker is stopped from before the receiver's load until after its
@@ -213,6 +214,7 @@ def _hold_then(conn, unregister: bool) -> None:
             conn.send(float(kept.sum()))
 
 
+@pytest.mark.swap_path
 def test_a_receiver_whose_connections_close_while_it_holds_is_counted_out_once(strategy):
     # A receiver that unregisters (its connections close: the broker counts it out of
     # the header) and then lets go of its storage (which counts it out again, itself)
@@ -345,6 +347,7 @@ def test_a_receiver_gone_before_its_owners_hold_is_read_is_still_counted_out(bro
 # -- what keeps a broker after its last client ----------------------------------------------
 
 
+@pytest.mark.swap_path
 def test_a_broker_left_with_refs_in_flight_logs_them_and_goes_once_they_are_loaded(registered_fd, broker_log):
     t = torch.arange(6.0)
     data = shmreduce.dumps(t)  # counted sent, not loaded

@@ -124,6 +124,7 @@ def _sum_as_a_stranger(data):
     return float(shmreduce.loads(data).sum())
 
 
+@pytest.mark.swap_path
 def test_a_segment_whose_file_went_with_the_broker_is_never_reused():
     # A file_system segment waiting for a ref in flight to be loaded when the broker
     # is killed: its file goes with the broker's directory. Once the ref is loaded (by
@@ -299,6 +300,7 @@ def test_connect_replaces_a_broker_that_was_killed():
 NUMEL = ARENA_ITEM_MAX // 4 + 16  # a float32 tensor this long gets a segment of its own
 
 
+@pytest.mark.swap_path
 def test_a_receiver_killed_after_a_restart_is_counted_out_of_what_it_held_before(registered_fd):
     # A receiver's ledger goes to every broker it connects to. It holds a segment's
     # generation; the broker is killed; the next hold (a new segment) connects it to

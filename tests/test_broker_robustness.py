@@ -457,6 +457,7 @@ def _load_each_as_a_stranger(datas):
     return [shmreduce.loads(data).tolist() for data in datas]
 
 
+@pytest.mark.swap_path
 def test_a_backlog_of_messages_in_one_slab_holds_one_descriptor_at_the_broker(registered_fd):
     # A sender far ahead of its receiver: a thousand messages, none received yet, every
     # one in the same slab. The broker holds that slab's memfd once, not once per
@@ -546,6 +547,7 @@ _ORPHAN_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.swap_path
 def test_draining_segments_of_an_exited_sender_expire(tmp_path):
     script = tmp_path / "orphan.py"
     script.write_text(_ORPHAN_SCRIPT)
@@ -558,6 +560,7 @@ def test_draining_segments_of_an_exited_sender_expire(tmp_path):
     assert "not loaded within 1 s (SHMREDUCE_ORPHAN_TTL)" in out.stderr, out.stderr
 
 
+@pytest.mark.swap_path
 def test_a_pooled_memfd_cannot_be_shrunk_or_grown(registered_fd):
     # A same-user process that gets a pooled memfd (a receiver's fetch, or
     # /proc/<broker>/fd) and truncates it would kill every process mapping it with
@@ -609,6 +612,7 @@ def _share_truncate_and_die(out) -> None:
     os._exit(0)  # touching the mapping again would be this process's SIGBUS, not the broker's
 
 
+@pytest.mark.swap_path
 def test_a_truncated_segment_file_costs_the_broker_nothing():
     # issue 29, item 1: the broker read a truncated file's header and died of SIGBUS,
     # removing the program directory under every client. It logs, and goes on.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 
 import shmreduce
@@ -15,6 +16,7 @@ from shmreduce.cache import Place, StorageCache, cache
 from helpers import SegmentRef
 
 
+@pytest.mark.swap_path
 def test_a_shared_storage_is_found_by_its_address(strategy: str) -> None:
     t = torch.arange(1000.0)
     assert cache.place_of(t.untyped_storage()) is None, "private memory lies in no segment"
@@ -37,6 +39,7 @@ def test_a_shared_storage_is_found_by_its_address(strategy: str) -> None:
         assert transfer.receive(ref)._cdata == transfer.receive(again)._cdata == t.untyped_storage()._cdata
 
 
+@pytest.mark.swap_path
 def test_a_sealed_segment_is_not_a_place(strategy: str) -> None:
     # Its file went with a broker that died: a storage in it is shared anew.
     t = torch.ones(100)
@@ -51,6 +54,7 @@ def test_a_sealed_segment_is_not_a_place(strategy: str) -> None:
     assert cache.place_of(t.untyped_storage()) == place
 
 
+@pytest.mark.swap_path
 def test_received_storages_are_one_per_place_and_held_weakly(strategy: str) -> None:
     t = torch.arange(64.0)
     data = shmreduce.dumps([t, t[8:], t.untyped_storage()])
@@ -70,17 +74,19 @@ def test_received_storages_are_one_per_place_and_held_weakly(strategy: str) -> N
 
 def test_torch_shared_storages_are_remembered_weakly() -> None:
     local = StorageCache()
-    t = torch.ones(4)
-    segment = object()
+    t, users = torch.ones(4), torch.ones(4)
+    segment, users_segment = object(), object()
     key = t.untyped_storage()._cdata
-    local.remember_adopted(t.untyped_storage(), Place(segment, 0, 0, 16), key)
+    local.remember_adopted(t.untyped_storage(), Place(segment, 0, 0, 16), key, moved=True)
+    local.remember_adopted(users.untyped_storage(), Place(users_segment, 0, 0, 16), users.untyped_storage()._cdata)
     assert local.place_of(t.untyped_storage()) == Place(segment, 0, 0, 16)
-    del t
+    del t, users
     gc.collect()
     other = torch.ones(4)
     local.remember_adopted(other.untyped_storage(), Place(segment, 0, 0, 16), other.untyped_storage()._cdata)
-    # The dead one's segment is handed over once (its memfd let go of), its entry gone;
-    # a live one stays, even under the dead one's key (a StorageImpl address reused).
+    # The dead ones' entries go; the segment of the one torch moved for shmreduce is
+    # handed over once (its memfd let go of), never that of one torch shared for the
+    # user. A live one stays, even under a dead one's key (a StorageImpl address reused).
     assert local.take_dead_adopted() == [segment] and local.take_dead_adopted() == []
     assert len(local._adopted) == 1 and local.place_of(other.untyped_storage()) is not None
 
@@ -89,7 +95,7 @@ def test_an_entry_replaced_under_its_key_stays_when_the_dead_one_is_taken() -> N
     local = StorageCache()
     a, b = torch.ones(4), torch.ones(4)
     first, second = object(), object()
-    local.remember_adopted(a.untyped_storage(), Place(first, 0, 0, 16), 7)
+    local.remember_adopted(a.untyped_storage(), Place(first, 0, 0, 16), 7, moved=True)
     del a
     gc.collect()
     # A new StorageImpl at the dead one's address, remembered before the dead one is taken.

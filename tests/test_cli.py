@@ -193,6 +193,7 @@ sys.stdin.readline()
 """
 
 
+@pytest.mark.swap_path
 @needs_torch
 def test_doctor_json_lists_running_programs_and_their_files():
     import json
@@ -221,6 +222,7 @@ def test_doctor_json_lists_running_programs_and_their_files():
     assert wait_for(lambda: not broker_pids(), 15)
 
 
+@pytest.mark.swap_path
 @needs_torch
 def test_report_gives_this_process_pools_and_its_broker_state(capsys):
     import torch

@@ -14,6 +14,7 @@ import random
 import threading
 import time
 
+import pytest
 import torch
 
 import shmreduce
@@ -263,6 +264,7 @@ def test_a_64_kib_storage_pickled_by_two_threads_at_once_keeps_its_bytes(strateg
             assert got.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
 
 
+@pytest.mark.swap_path
 def test_a_send_from_a_finalizer_inside_another_send_gets_a_place_of_its_own(strategy):
     # The C fast path moved its slab's cursor only after torch's importer had run, and
     # a collection there can run finalizers that send: the nested send took the same

@@ -190,6 +190,7 @@ def _run(strategy: str, tmp_path) -> dict:
     return result
 
 
+@pytest.mark.swap_path
 def test_a_file_system_program_lives_on_when_another_process_truncates_its_segment_files(tmp_path):
     result = _run("file_system", tmp_path)
     # Its ledgers' memfds (one per process that holds what it received) cannot be shrunk.
@@ -201,6 +202,7 @@ def test_a_file_system_program_lives_on_when_another_process_truncates_its_segme
     assert result["load_in_flight"] == "SharingError" and result["load_waiting"] == "SharingError", result
 
 
+@pytest.mark.swap_path
 def test_a_file_descriptor_program_lives_on_when_another_process_punches_its_memfds(tmp_path):
     result = _run("file_descriptor", tmp_path)
     # Every shrink was refused (the seals; growing a pooled one too:
@@ -230,6 +232,7 @@ _HOLDER = textwrap.dedent(
 )
 
 
+@pytest.mark.swap_path
 def test_a_tensor_held_in_a_cut_file_faults_as_with_torch(tmp_path):
     # The guard takes only the faults of shmreduce's own accesses: the user's read of a
     # tensor whose file was cut goes to the handler it replaced (here the default: the

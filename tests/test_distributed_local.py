@@ -168,6 +168,7 @@ def test_ranks_of_one_host_share_one_copy_and_outlive_the_source(strategy, job_b
         assert after["marks"] == [-2, -3], after
 
 
+@pytest.mark.swap_path
 def test_two_hosts_each_get_one_copy_and_errors_reach_every_rank(job_base):
     small = os.path.join(job_base, "small")
     os.mkdir(small)

@@ -45,6 +45,7 @@ def _kill(pids) -> None:
     assert wait_for(lambda: all(gone(p) for p in pids), 10)
 
 
+@pytest.mark.swap_path
 def test_a_program_killed_whole_is_stale_at_once():
     prog = subprocess.Popen([sys.executable, "-c", PROGRAM], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV)
     try:

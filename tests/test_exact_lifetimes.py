@@ -628,6 +628,7 @@ def _owner_fault(
     say((_freed_within(), _waiting()))
 
 
+@pytest.mark.swap_path
 @pytest.mark.parametrize("point", FAULT_POINTS)
 def test_a_receiver_killed_at_each_step_of_a_load_pins_nothing_and_costs_no_holder(strategy: str, point: str) -> None:
     """L is SIGKILLed at *point* (``SHMREDUCE_FAULT_AT``, set in its environment before
@@ -693,6 +694,7 @@ def _owner_after_retire(say: Callable[[Any], None], stop: Any, to_w: Any, to_l: 
     _wait(stop, stop)
 
 
+@pytest.mark.swap_path
 @pytest.mark.parametrize("point", ["letgo.ledger", "letgo.unhold"])
 def test_a_message_loaded_before_a_death_mid_let_go_loads_again_exactly_or_is_refused(strategy: str, point: str) -> None:
     """L, killed while letting go of a message it loaded, retires the generation; its
@@ -768,6 +770,7 @@ def _replay_consumer(say: Callable[[Any], None], stop: Any, q: Any, recheck: Any
     say(sum(not bool((t == i).all()) for i, t in enumerate(kept)))
 
 
+@pytest.mark.swap_path
 @pytest.mark.parametrize("replay", sorted(REPLAYS))
 def test_a_replay_buffer_holds_few_descriptors_in_every_process(strategy: str, replay: str) -> None:
     """A consumer (descriptor limit 256) keeps every tensor it receives (3,000 of 100
@@ -827,6 +830,7 @@ def _forward_receiver(say: Callable[[Any], None], stop: Any, out: Any, blobs: An
 FORWARD_KEPT = 40  # 300 KiB tensors kept: past what the producer's pool and the broker keep descriptors for
 
 
+@pytest.mark.swap_path
 def test_a_kept_storage_the_broker_let_go_of_is_forwarded_as_a_copy(registered_fd: None) -> None:
     """Under file_descriptor, a consumer keeps 40 storages of 300 KiB (a memfd each): the
     producer's pool retires the longest waiting, and the broker closes the descriptors of
@@ -893,6 +897,7 @@ def _orphaned_program(strategy: str) -> dict[str, Any]:
     return {"directory": program.current().directory, "waiting": _waiting(), "killed": r.exitcode == -signal.SIGKILL}
 
 
+@pytest.mark.swap_path
 def test_messages_whose_receiver_died_unread_stay_pinned_for_the_senders_life(strategy: str) -> None:
     """Current behaviour, kept by exact lifetimes too (this test passes on both): refs
     pickled for a receiver killed before it read them are never counted loaded, so

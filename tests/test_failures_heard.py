@@ -186,6 +186,7 @@ def tiny_mount(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
+@pytest.mark.swap_path
 def test_a_full_shm_mount_in_the_feeder_thread(tiny_mount):
     # file_system only: file_descriptor's memfds are not in that mount.
     result, stderr = _run("file_system", "shm_full", {"SHMREDUCE_SHM_DIR": tiny_mount})

@@ -230,6 +230,7 @@ _SMALL_MOUNT_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.swap_path
 @pytest.mark.timeout(120)
 def test_small_shm_mount(tmp_path):
     if os.geteuid() != 0 or not shutil.which("unshare"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 
+import pytest
 import torch
 
 import shmreduce
@@ -31,6 +32,7 @@ def _files(directory):
     return [n for n in os.listdir(directory) if n.startswith("seg-")]
 
 
+@pytest.mark.swap_path
 def test_files_are_reusable_within_a_second_of_the_last_user_without_further_shares():
     with shmreduce.registered(strategy="file_system"):
         ours, theirs = CTX.Pipe()

@@ -142,6 +142,27 @@ def test_a_storage_torch_shared_stays_orphan_ttl_once_its_depositor_lets_go(keep
     assert ino not in keeper.memfds
 
 
+@pytest.mark.parametrize("maker", ["gone", "let go of it"])
+def test_a_storage_torch_shared_that_a_process_forwards_stays_orphan_ttl_from_the_forward_not_its_life(keeper, memfd, maker):
+    """A relay that received such a memfd and sends it on is no user of it (nothing
+    there will let go of it): kept ORPHAN_TTL from the forward, as from a let-go,
+    whether its maker is gone (its record forgotten) or let go of it a moment ago."""
+    fd, mine, ino = memfd()
+    relay = Account()
+    if maker == "let go of it":
+        depositor = Account()
+        keeper.deposit(depositor, fd, header=False)
+        keeper.drop(depositor, [ino], died=False)
+        fd = os.dup(mine)
+    keeper.deposit(relay, fd, header=False, forward=True)
+    seg = keeper.memfds[ino]
+    assert seg.users == 0 and seg in keeper.draining and seg.until > 0 and relay in seg.senders
+    keeper.drain(seg.until - 1.0)
+    assert ino in keeper.memfds, "refs the relay sent may be in flight"
+    keeper.drain(seg.until)
+    assert ino not in keeper.memfds, "kept for the relay's life"
+
+
 def test_a_held_generation_keeps_its_memfd_until_its_dead_holders_ledger_counts_it_out(keeper, memfd):
     fd, mine, ino = memfd(gen=7, sent=1, loaded=1, holders=1)
     maker, holder = Account(), Account()

@@ -662,6 +662,7 @@ def _reduce_while_a_collection_unindexes() -> int:
     return inside
 
 
+@pytest.mark.swap_path
 def test_reduce_survives_a_collection_that_unindexes_its_generation(strategy) -> None:
     # reduce() read gen->ref after place() had run torch code, which could clear it:
     # a NULL dereference (issue 28, item 3). The collection must have struck inside

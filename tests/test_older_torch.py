@@ -19,7 +19,7 @@ import shmreduce
 from shmreduce import _torch, program
 from shmreduce.broker import client as broker_client
 
-from helpers import broker_pids, let_go_now, pipe_echo, running, wait_for, without_swap
+from helpers import broker_pids, let_go_now, pipe_echo, run_in_child, running, wait_for, without_swap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -97,9 +97,50 @@ def test_without_the_swap_a_storage_sent_moves_through_torch_in_place_and_receiv
         del got, got_big, got_tiny
 
 
+@pytest.mark.parametrize("how", ["torch moved it for shmreduce", "torch shared it for the user"])
+def test_a_storage_torch_shared_loads_in_its_own_process_as_the_very_storage(strategy, how):
+    # As a pooled one does, and as torch gives a process its own shared storage back.
+    with without_swap():
+        t = torch.arange(16.0)
+        if how == "torch shared it for the user":
+            t.untyped_storage()._share_fd_cpu_()
+        out = shmreduce.loads(shmreduce.dumps(t[4:]))
+        assert out.untyped_storage()._cdata == t.untyped_storage()._cdata and out.data_ptr() == t[4:].data_ptr()
+        out[0] = -1.0
+        assert t[4].item() == -1.0
+
+
+def _rebuild_past_the_end(meta) -> str:
+    from shmreduce import reductions, transfer
+
+    with without_swap():
+        t = torch.ones(4)
+        with transfer.sending():
+            ref = transfer.share(t.untyped_storage())
+        try:
+            reductions.rebuild_tensor(ref, meta)
+        except shmreduce.SharingError as exc:
+            return str(exc)
+        return "rebuilt"
+
+
+@pytest.mark.parametrize("meta", [(torch.float32, (1 << 40,), (1,), 0, None), (torch.float32, (2, 3), (3, 1), 1, None)])
+def test_metadata_past_the_end_of_a_storage_loaded_in_its_own_process_is_refused(strategy, meta):
+    # The very storage comes back (torch's, which set_ would grow over its mapping:
+    # SIGSEGV), so the view is checked against it first. In a child: a crash is a result.
+    status, said = run_in_child(_rebuild_past_the_end, meta)
+    assert status == "ok" and "forged or corrupted" in said, (status, said)
+
+
 def _sum_each(conn) -> None:
     while (t := conn.recv()) is not None:
         conn.send(float(t.sum()))
+
+
+def _segments_at_the_broker() -> dict:
+    client = broker_client.connected_client(program.current().directory)
+    assert client is not None
+    return client.ping()
 
 
 def test_a_storage_torch_moved_is_let_go_of_at_the_broker_once_it_died():
@@ -108,19 +149,37 @@ def test_a_storage_torch_moved_is_let_go_of_at_the_broker_once_it_died():
     # flight, which nothing counts: here 0.5 s).
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    with shmreduce.registered(strategy="file_descriptor"):
+    with without_swap(), shmreduce.registered(strategy="file_descriptor"):
         proc = ctx.Process(target=_sum_each, args=(child,))
         with running(proc):
             child.close()
             for i in range(6):
                 t = torch.full((1000,), float(i))
-                t.untyped_storage()._share_fd_cpu_()  # torch shares it itself: shmreduce adopts it
-                parent.send(t)
+                parent.send(t)  # torch moves it, shmreduce adopts it
                 assert parent.poll(60) and parent.recv() == 1000.0 * i
-                del t
+                del t  # after its load: a ref that waits past ORPHAN_TTL (0.5 s here) is stale
             let_go_now()
-            client = broker_client.connected_client(program.current().directory)
-            assert client is not None
-            assert wait_for(lambda: client.ping()["segments"] == 0, 15), client.ping()
+            assert wait_for(lambda: _segments_at_the_broker()["segments"] == 0, 15), _segments_at_the_broker()
+            parent.send(None)
+    parent.close()
+
+
+def test_a_storage_torch_shared_for_the_user_keeps_its_memfd_at_the_broker_while_its_sender_lives():
+    # shmreduce did not make it: nothing bounds its refs in flight but its sender's life,
+    # as for a pooled segment's messages; only what torch moved for shmreduce is let go of.
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    with shmreduce.registered(strategy="file_descriptor"):
+        proc = ctx.Process(target=_sum_each, args=(child,))
+        with running(proc):
+            child.close()
+            t = torch.full((1000,), 2.0)
+            t.untyped_storage()._share_fd_cpu_()  # torch shares it itself: shmreduce adopts it
+            parent.send(t)
+            assert parent.poll(60) and parent.recv() == 2000.0
+            del t
+            let_go_now()  # a barrier: a drop posted before it is read
+            counters = _segments_at_the_broker()
+            assert counters["segments"] == 1 and counters["draining"] == 0, counters
             parent.send(None)
     parent.close()

@@ -15,6 +15,8 @@ import os
 import signal
 import time
 
+import pytest
+
 import shmreduce
 from shmreduce import program
 from shmreduce.broker import client as broker_client
@@ -193,6 +195,7 @@ import sys; sys.stdin.read()
 """
 
 
+@pytest.mark.swap_path
 def test_the_next_register_removes_what_a_program_killed_with_its_broker_left():
     # issue 29, item 4: SIGKILL of a program's processes, its broker and janitor
     # included, left its directory (with a 1.1 MB seg- file) until another program

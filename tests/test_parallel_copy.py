@@ -210,6 +210,7 @@ def _digests(q, out) -> None:
         out.put(found)
 
 
+@pytest.mark.swap_path
 @pytest.mark.timeout(180)
 def test_parallel_and_plain_copies_give_equal_bytes_around_every_threshold(strategy):
     """Each size sent twice, on one thread and on two: the first into a new

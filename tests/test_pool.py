@@ -136,6 +136,7 @@ def _message(i: int, smalls: int = 0) -> tuple[int, list[torch.Tensor]]:
 # -- reuse -----------------------------------------------------------------------------
 
 
+@pytest.mark.swap_path
 def test_a_steady_sender_reuses_its_segments(strategy: str) -> None:
     _connected()
     before = _pool_stats(strategy)
@@ -151,6 +152,7 @@ def test_a_steady_sender_reuses_its_segments(strategy: str) -> None:
     assert reused >= 20, f"{reused} reuses for 30 messages: {after}"
 
 
+@pytest.mark.swap_path
 def test_memory_a_receiver_holds_is_never_reused(strategy: str) -> None:
     _connected()
     # Two 60 KiB tensors a message fill a 1 MiB slab every 8 messages: slabs and
@@ -169,6 +171,7 @@ def test_memory_a_receiver_holds_is_never_reused(strategy: str) -> None:
     assert reused >= 10, f"too little reuse for the test to prove anything: {reused}"
 
 
+@pytest.mark.swap_path
 def test_free_within_about_a_second_without_further_sends(strategy: str) -> None:
     _connected()
     transfer.let_go()  # from an empty pool: what turns up free below is this test's
@@ -188,6 +191,7 @@ def test_free_within_about_a_second_without_further_sends(strategy: str) -> None
     assert stats["segments_free"] == 3, stats
 
 
+@pytest.mark.swap_path
 def test_a_slab_comes_back_after_a_receiver_that_dropped_each_message(strategy: str) -> None:
     # Small tensors of several messages in one slab, each dropped by the receiver
     # before the next arrives (the next message's storages revive the receiver's
@@ -259,6 +263,7 @@ def _load_again(data: bytes) -> str:
     return f"loaded, values {t[:4].tolist()}"
 
 
+@pytest.mark.swap_path
 def test_a_stale_handle_is_refused_not_read(strategy: str) -> None:
     _connected()
     t = torch.full((BIG,), 3.0)
@@ -301,6 +306,7 @@ def _use_after_fork(conn: Connection, big: torch.Tensor, small: torch.Tensor) ->
     conn.send((bool((big == 7.0).all()), bool((small == -7.0).all())))
 
 
+@pytest.mark.swap_path
 def test_segments_alive_at_a_fork_are_never_reused(strategy: str) -> None:
     _connected()
     big = torch.full((BIG,), 7.0)
@@ -329,6 +335,7 @@ def _all_equal(t: torch.Tensor, value: float) -> bool:
     return bool((t == value).all())
 
 
+@pytest.mark.swap_path
 def test_a_retired_file_goes_once_free() -> None:
     # A segment alive at a fork is never reused: once free it is closed, and under
     # file_system its file goes (pool.py: "retired: never reused: closed once free").
@@ -351,6 +358,7 @@ def test_a_retired_file_goes_once_free() -> None:
 # -- a receiver killed -------------------------------------------------------------------
 
 
+@pytest.mark.swap_path
 def test_a_killed_receivers_holds_go_with_it(strategy: str) -> None:
     _connected()
     transfer.let_go()
@@ -461,6 +469,7 @@ _SETTINGS_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.swap_path
 def test_pool_cap_idle_trim_and_kept_mappings_follow_their_settings(strategy: str) -> None:
     base = tempfile.mkdtemp(prefix="pool-settings-", dir=os.environ["SHMREDUCE_SHM_DIR"])
     env = dict(
@@ -551,6 +560,7 @@ def test_class_size() -> None:
         assert len(set(classes)) == 8, (k, sorted(set(classes)))
 
 
+@pytest.mark.swap_path
 def test_a_segment_view_out_of_bounds_is_a_sharing_error(strategy: str) -> None:
     t = torch.arange(1000, dtype=torch.int32)
     t.share_memory_()
@@ -632,6 +642,7 @@ def quiet_collector() -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("quiet_collector")
+@pytest.mark.swap_path
 def test_a_take_looks_at_a_bounded_number_of_waiting_segments(strategy: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A replay buffer: every segment a receiver keeps waits in its owner's pool. A
     take() of a new one looks at REAP_PER_TAKE of them, not at all of them (which
@@ -669,6 +680,7 @@ def test_a_take_looks_at_a_bounded_number_of_waiting_segments(strategy: str, mon
     assert wait_for(lambda: not p.waiting, 10)
 
 
+@pytest.mark.swap_path
 def test_past_its_cap_the_longest_waiting_segments_are_retired_and_still_load(strategy: str) -> None:
     """40 segments wait for refs in flight (blobs never loaded yet): the pool keeps
     IDLE_SEGMENTS of them waiting; the longest waiting are retired (never reused), each

@@ -40,7 +40,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from shmreduce import _native, program, transfer
+from shmreduce import _native, _torch, program, transfer
 from shmreduce.broker import client as broker_client
 from shmreduce.cache import cache
 
@@ -125,6 +125,7 @@ def _run_program(script: str, *args: str, env: dict[str, str] | None = None) -> 
 # -- item 6: a broker restart forgets nothing a live process holds ------------------------
 
 
+@pytest.mark.swap_path
 @pytest.mark.parametrize("how", ["exit", "sigkill"])
 def test_a_receiver_holding_across_a_broker_restart_is_counted_out_at_its_death(strategy: str, how: str) -> None:
     """R keeps a 1 MiB tensor; the broker is SIGKILLed and a new one starts; R loads one
@@ -205,6 +206,7 @@ _RETIRED_SLAB = textwrap.dedent(
 )
 
 
+@pytest.mark.swap_path
 @pytest.mark.parametrize("strategy_name", ["file_descriptor", "file_system"])
 def test_messages_queued_in_a_retired_generation_wait_while_their_sender_lives(strategy_name: str) -> None:
     out = _run_program(_RETIRED_SLAB, strategy_name, env={"SHMREDUCE_ORPHAN_TTL": "1", "SHMREDUCE_BROKER_GRACE": "0.3"})
@@ -297,7 +299,10 @@ def test_a_relay_of_exited_producers_leaves_nothing_at_the_broker(strategy: str)
             assert reports.poll(TIMEOUT), "the relay did not forward"
             assert reports.recv() == float(i) * MiB_FLOATS
         client = _client()
-        assert wait_for(lambda: client.ping()["segments"] == 0, 5.0), (
+        # Without the swap each message is a memfd of torch's, kept ORPHAN_TTL from the
+        # relay's forward and from its producer's death (nothing counts its refs).
+        ttl = float(os.environ.get("SHMREDUCE_ORPHAN_TTL", "60")) if _torch.path() == "adopt" else 0.0
+        assert wait_for(lambda: client.ping()["segments"] == 0, 5.0 + ttl), (
             f"memfds kept at the broker after every message was loaded and dropped and their producers exited: {client.ping()}"
         )
     finally:
@@ -393,6 +398,7 @@ _UNREGISTER_IN_FLIGHT = textwrap.dedent(
 )
 
 
+@pytest.mark.swap_path
 @pytest.mark.parametrize("strategy_name", ["file_descriptor", "file_system"])
 def test_messages_in_flight_outlive_their_senders_unregister(strategy_name: str) -> None:
     """A sender unregisters (and lives) while 20 messages are queued: loaded seconds
@@ -419,6 +425,7 @@ def _hold_unregister_and(conn: Any, how: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+@pytest.mark.swap_path
 @pytest.mark.parametrize("how", ["exit", "sigkill"])
 def test_a_receiver_that_unregistered_is_counted_out_at_its_death(strategy: str, how: str) -> None:
     """R loads and keeps a tensor, unregisters, then exits or is SIGKILLed still

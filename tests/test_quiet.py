@@ -180,8 +180,10 @@ SHAPES = ["dataloader", "dropped_queue", "kept", "streaming"]
 def _run(script, shape: str, strategy: str) -> tuple[str, int, str, str]:
     """Run *shape* as a fresh program; (what it is, its exit status, stdout, stderr)."""
     env = dict(os.environ, PYTHONPATH=ROOT)
-    for name in ("SHMREDUCE_BROKER_LOG", "SHMREDUCE_LOG_LEVEL"):
-        env.pop(name, None)  # the broker logs to our stderr, at its default level
+    # The broker logs to our stderr, at its default level, and keeps what a sender let
+    # go of its default ORPHAN_TTL (a spawn consumer may start seconds after the puts).
+    for name in ("SHMREDUCE_BROKER_LOG", "SHMREDUCE_LOG_LEVEL", "SHMREDUCE_ORPHAN_TTL"):
+        env.pop(name, None)
     # stderr reaches its end only once every process holding it has exited, the
     # broker included: a broker left behind is a timeout here.
     proc = subprocess.run([sys.executable, str(script), shape, strategy], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
@@ -244,6 +246,7 @@ def _put_many(q, n):
         q.put(torch.full((1000,), float(i)))
 
 
+@pytest.mark.swap_path
 def test_what_a_receiver_keeps_is_loaded_in_the_segments_books(strategy, tmp_path, monkeypatch):
     """README's quickstart shape, this process the receiver and the program's root
     (which lives on, so refs in flight would keep the broker for

@@ -116,6 +116,7 @@ def _consume(q: Any, go: Any, n: int, conn: Any) -> None:
     conn.send((right, refused, wrong))
 
 
+@pytest.mark.swap_path
 @pytest.mark.parametrize("killed", ["server", "server and janitor"])
 def test_messages_in_segments_the_pool_retired_survive_a_broker_restart_while_their_sender_lives(registered_fd: None, killed: str) -> None:
     """A producer puts 40 messages of 1 MiB on an unbounded queue and drops its tensors:
@@ -168,6 +169,7 @@ def test_messages_in_segments_the_pool_retired_survive_a_broker_restart_while_th
 # -- a process sends on its own segments, held as a receiver -----------------------
 
 
+@pytest.mark.swap_path
 @pytest.mark.parametrize("first_send", ["while its pool keeps them", "once its pool let go of them"])
 def test_a_process_that_sends_on_its_own_segments_it_holds_after_its_pool_let_go_of_them_loses_nothing_and_pins_nothing(
     registered_fd: None, first_send: str

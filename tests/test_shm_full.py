@@ -54,6 +54,7 @@ def tiny_mount(tmp_path):
         yield mnt
 
 
+@pytest.mark.swap_path
 @pytest.mark.parametrize("allocate", ["populate", "fallocate"])
 def test_a_full_file_system_mount_recovers_once_tensors_are_dropped(tiny_mount, allocate):
     # Slabs' and arenas' pages are allocated and mapped in one call
@@ -88,6 +89,7 @@ def _fail_header_writes(monkeypatch, times: int) -> list[int]:
 BIG = (1 << 16) + 16  # floats: a storage beyond an arena's, in a segment of its own
 
 
+@pytest.mark.swap_path
 def test_a_full_mount_at_a_header_write_is_out_of_shared_memory(monkeypatch):
     with shmreduce.registered(strategy="file_system"):
         _fail_header_writes(monkeypatch, 1 << 30)
@@ -97,6 +99,7 @@ def test_a_full_mount_at_a_header_write_is_out_of_shared_memory(monkeypatch):
         assert shmreduce.loads(shmreduce.dumps(torch.full((BIG,), 2.0))).eq(2.0).all()  # the next message works
 
 
+@pytest.mark.swap_path
 def test_a_header_write_that_finds_the_mount_full_is_tried_again_after_letting_go(monkeypatch):
     with shmreduce.registered(strategy="file_system"):
         left = _fail_header_writes(monkeypatch, 1)  # room comes back once dead segments are let go of
@@ -105,6 +108,7 @@ def test_a_header_write_that_finds_the_mount_full_is_tried_again_after_letting_g
         assert left == [0]  # the first header write did fail: this was the retry
 
 
+@pytest.mark.swap_path
 def test_a_segment_whose_header_cannot_be_written_is_not_left_behind(monkeypatch):
     with shmreduce.registered(strategy="file_system"):
         shmreduce.loads(shmreduce.dumps(torch.ones(2)))  # the program directory and its broker
@@ -121,6 +125,7 @@ def test_a_segment_whose_header_cannot_be_written_is_not_left_behind(monkeypatch
         assert wait_for(lambda: len(seg_files(directory)) <= before, 5.0), (before, seg_files(directory))
 
 
+@pytest.mark.swap_path
 def test_no_memory_at_a_header_write_under_file_descriptor_is_a_sharing_error(monkeypatch):
     with shmreduce.registered(strategy="file_descriptor"):
         _fail_header_writes(monkeypatch, 1 << 30)

@@ -37,6 +37,7 @@ def tiny_mount(tmp_path):
         yield mnt
 
 
+@pytest.mark.swap_path
 def test_a_full_mount_is_one_out_of_shared_memory_with_its_cause_once(tiny_mount):
     env = dict(os.environ, SHMREDUCE_SHM_DIR=tiny_mount)
     done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120)

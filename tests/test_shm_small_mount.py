@@ -147,6 +147,7 @@ KEPT = textwrap.dedent(
 )
 
 
+@pytest.mark.swap_path
 def test_a_receiver_that_keeps_a_let_go_file_mapped_pins_none_of_its_data(tmp_path):
     with small_mount(tmp_path / "shm", MOUNT) as mnt:
         assert _run(mnt, KEPT) == f"0 {os.sysconf('SC_PAGESIZE')} True"  # one header page: the kept mapping's

@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 
+import pytest
 import torch
 
 import shmreduce
@@ -37,6 +38,7 @@ def _segment_memfds() -> int:
     return found
 
 
+@pytest.mark.swap_path
 def test_descriptors_are_shmreduces_and_fds_held_are_every_one(registered_fd):
     ctx = mp.get_context("fork")
     q, ack = ctx.Queue(), ctx.Queue()

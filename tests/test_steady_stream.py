@@ -10,6 +10,7 @@ the books balance: every ref sent was loaded, nothing is left in flight.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.multiprocessing as tmp
 
@@ -36,6 +37,7 @@ def _records(counters: dict) -> int:
     return sum(n for op, n in counters["records"].items() if op != "P")
 
 
+@pytest.mark.swap_path
 def test_a_steady_stream_costs_no_broker_record_per_message(strategy):
     client = broker_client.client_for(program.current().directory, program.current().root_pid)
     ctx = tmp.get_context("fork")
@@ -77,6 +79,7 @@ def _one_slab(conn) -> None:
     conn.close()
 
 
+@pytest.mark.swap_path
 def test_a_slabs_generation_is_held_once_and_let_go_of_with_its_last_storage(strategy):
     # A receiver that drops each message before the next: the next message's storage
     # revives its Gen of the slab's generation (one hold, no new Gen), and once

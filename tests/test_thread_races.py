@@ -89,6 +89,7 @@ def _load_and_sum(blob: bytes) -> float:
     return float(shmreduce.loads(blob).sum())
 
 
+@pytest.mark.swap_path
 def test_a_stale_reaper_ends_nothing_of_the_next_generation(strategy, quiet_collector):
     p = transfer._current_pool()
     t = torch.full((NUMEL,), 1.0)
@@ -148,6 +149,7 @@ def _settle_everything() -> None:
     transfer.collect()
 
 
+@pytest.mark.swap_path
 def test_a_tensor_made_while_pickling_keeps_its_generation_until_counted(strategy, quiet_collector):
     _settled.clear()
     _faults.pauses["send.counted"] = _settle_everything
@@ -241,6 +243,7 @@ _COPY_RACE = textwrap.dedent(
 )
 
 
+@pytest.mark.swap_path
 def test_a_copy_reads_its_source_where_it_lies_now(strategy):
     # A child of its own: a fault there is a failure here, and the fence stays its own.
     run = subprocess.run([sys.executable, "-c", _COPY_RACE, strategy], capture_output=True, text=True, timeout=60)
@@ -263,6 +266,7 @@ def _retired_after_fork() -> bool:
     return True
 
 
+@pytest.mark.swap_path
 def test_two_threads_loading_one_generation_make_one_gen(strategy, quiet_collector):
     ctx = mp.get_context("fork")
     here, there = ctx.Pipe()
@@ -341,6 +345,7 @@ def broker_pids_of_this_program() -> int:
     return broker.client_for(program.current().directory).broker_pid
 
 
+@pytest.mark.swap_path
 def test_a_pool_trims_while_its_broker_is_replaced():
     status, value = run_in_child(_trim_while_reconnecting, timeout=30)
     assert (status, value) == ("ok", True)

@@ -172,7 +172,11 @@ def test_header_refuses_bad_addresses_and_arguments(header) -> None:
 
 
 def _gen(addr: int) -> _native.Gen:
-    gen = _native.Gen(object(), addr, SIZE, 7, LOW)
+    return _gen_of(addr, SIZE, 7, LOW)
+
+
+def _gen_of(addr: int, size: int, number: int = 0, low: int = 0) -> _native.Gen:
+    gen = _native.Gen(object(), addr, size, number, low)
     gen.info = (None, -1)  # a test's Gen, as pool's are (ledger entry, owner pid): transfer.settle_dead skips it
     return gen
 
@@ -199,7 +203,8 @@ def test_handles_are_checked_before_any_tensor_is_formed() -> None:
     for size, low in [(0, 0), (SIZE, -1), (SIZE, SIZE + 1), (SIZE, 64), (SIZE, LOW - 8)]:
         with pytest.raises(ValueError, match="segment from byte"):
             _native.Gen(object(), 4096, size, 7, low)
-    _native.Gen(object(), 4096, 4, 0, 0).release()  # not pooled (a storage torch shared): as small as its storage
+    small = _gen_of(4096, 4)  # not pooled (a storage torch shared): as small as its storage
+    small.release()
     with pytest.raises(ValueError, match="null"):
         _native.Gen(object(), 0, SIZE, 7, LOW)
 

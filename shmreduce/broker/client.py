@@ -460,7 +460,7 @@ class BrokerClient:
         receiver finds it stale."""
         with self.lock:
             self._post_socket(start=True)  # this identity's ledger at the broker first, as for any record
-            kind = (P.SEG_FORWARDED if forward else P.SEG_MADE) if header else P.SEG_TORCH
+            kind = (P.SEG_FORWARDED if forward else P.SEG_MADE) if header else (P.SEG_TORCH_FORWARDED if forward else P.SEG_TORCH)
             _op, body, fds = self._round_trip(P.SEGMENT, kind, P.DEPOSITED, start=True, fds=[fd])
             for extra in fds:
                 os.close(extra)

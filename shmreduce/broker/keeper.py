@@ -10,7 +10,9 @@ follows are written once, in ``protocol.py`` ("Lifetimes").
 A segment is kept while a client uses it (``use``: a memfd's depositor, a file's
 holder), then *drains* while anything can still reach it (``reach``): a process
 holds its generation, refs sent in it wait to be loaded, or ORPHAN_TTL after their
-last sender died. What it keeps:
+last sender died. A memfd without a header (a storage torch shared) has nothing
+that counts its refs: it drains ORPHAN_TTL from its last user's let-go or death. What
+it keeps:
 
 - ``memfds``: deposited memfds, by inode, each with its descriptor (fetched by
   receivers) and its header, mapped;
@@ -131,9 +133,11 @@ class Keeper:
 
     def deposit(self, client: Account, fd: int, header: bool, forward: bool = False) -> None:
         """*client* sends refs to the memfd *fd* (taken over here): kept by inode.
-        *forward*: a pooled segment it received and sends on (it did not make it):
-        it is one of the segment's senders, not a user (as a user, a relay's deposit
-        would keep every memfd it forwarded for the relay's life)."""
+        *forward*: a segment it received and sends on (it did not make it): it is
+        one of the segment's senders, not a user (as a user, a relay's deposit would
+        keep every memfd it forwarded for the relay's life). One without a header
+        (nothing counts its refs) is kept at least ORPHAN_TTL from this deposit, as
+        from its depositor's let-go."""
         try:
             ino = P.identity(os.fstat(fd))
         except OSError:
@@ -153,6 +157,8 @@ class Keeper:
             # sent: its descriptor is never let go of while it is kept.
             seg.forwarded = True
             self.forwardable.pop(ino, None)
+            if not header and not seg.users:
+                seg.until = max(seg.until, time.monotonic() + ORPHAN_TTL)
         self._sends(client, seg)
         if not forward and ino not in client.segs:
             client.segs.add(ino)
@@ -202,11 +208,14 @@ class Keeper:
 
     def _unuse(self, seg: Segment, died: bool) -> None:
         """One user less; with none left, *seg* goes once nothing reaches it
-        (``reach``). A segment without a header (a storage torch shared) is kept for
-        ORPHAN_TTL once its depositor died with it or let go of it (its storage died
-        there: *died* makes no difference): no header counts its refs in flight, and a
-        receiver may still load what was sent in it. A file never made (a name held for
-        later) goes."""
+        (``reach``). A memfd without a header (a storage torch shared) is kept
+        ORPHAN_TTL from then, whether its depositor died or let go of it (*died*
+        makes no difference): no header counts its refs in flight, so the broker
+        cannot tell when the last was loaded, and treats them as refs whose senders
+        are gone (ORPHANED). A depositor lets go of one only where torch moved the
+        storage for shmreduce (``transfer._drop_adopted``: a torch without the swap),
+        once that storage died there; one torch shared for the user stays while its
+        depositor lives. A file never made (a name held for later) goes."""
         seg.users -= 1
         if seg.users > 0:
             return
@@ -448,7 +457,7 @@ class Keeper:
             if seg.header:
                 if now >= seg.look:
                     self.settle(seg, now)
-            elif now >= seg.until:  # a storage torch shared, its depositor dead
+            elif now >= seg.until:  # a storage torch shared, its depositor gone or done with it
                 self._close(seg)
 
     def holdings(self, limit: int = 20) -> str:

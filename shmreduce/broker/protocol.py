@@ -124,8 +124,9 @@ Records after the handshake: ``op (1 byte) + key (16 bytes, unused: zeros) + bod
 at most MAX_RECORD bytes. None has a reply but S, F and P.
     S  segment   one memfd descriptor attached; body ``h`` (a pooled segment this
                  process made: it has a header), ``f`` (a pooled segment it received
-                 and sends on: it forwards what another process made) or ``-`` (a
-                 storage torch shared itself). This client sends refs to it: the broker
+                 and sends on: it forwards what another process made), ``-`` (a
+                 storage torch shared itself) or ``g`` (one of those it received and
+                 sends on: kept ORPHAN_TTL from then, see Lifetimes). This client sends refs to it: the broker
                  keeps one descriptor per memfd (by inode), used by every client that
                  deposited it; a forwarder's deposit is no use of it (see Lifetimes:
                  the segment is kept while anything reaches it). Body ``n`` and a file
@@ -208,9 +209,17 @@ Lifetimes
     an exited sender put, and a program whose workers come and go does not keep
     their unread messages for its whole life. Else it is closed or unlinked at once:
     a relay's deposits of what exited producers made go once loaded and dropped
-    as any other. A memfd without a header whose depositor died, or dropped it, is kept
-    ORPHAN_TTL (nothing counts its refs in flight). A
-    hold that is never counted out (its process died while no broker ran) keeps its
+    as any other. A memfd without a header (a storage torch shared) is the one
+    exception to that rule: nothing counts its refs in flight, so once its depositor
+    let go of it (X) or died it is kept ORPHAN_TTL, as refs whose senders are all
+    gone are; a ref to it that waits longer is stale. Its depositor lets go of it
+    only where torch moved the storage for shmreduce (a torch without
+    ``_swap_data_ptr_``), once that storage died: a stream of fresh tensors costs
+    ORPHAN_TTL of memory, not the sender's life; one torch shared for the user stays
+    while its depositor lives, as a pooled segment's messages wait for their sender.
+    A process that received one and sends it on (``g``) is no user of it: each such
+    deposit keeps it at least ORPHAN_TTL from then, not for the forwarder's life.
+    A hold that is never counted out (its process died while no broker ran) keeps its
     segment at the broker until the program's root exits. The broker exits once it
     has had no client for GRACE seconds and either keeps nothing draining or the
     program's root process is gone; on exit it closes every descriptor and removes
@@ -274,6 +283,7 @@ SEGMENT = b"S"
 SEG_MADE = b"h"  # a segment record's body: a pooled segment this process made
 SEG_TORCH = b"-"  # a storage torch shared itself (no header)
 SEG_FORWARDED = b"f"  # a pooled segment this process received and sends on
+SEG_TORCH_FORWARDED = b"g"  # a storage torch shared that this process received and sends on (no header)
 SEG_FILE = b"n"  # then a file's name: a file of this process's pool gone with a dead broker
 DEPOSITED = b"s"
 DROP = b"X"

@@ -538,7 +538,7 @@ class Broker:
             self._log_full(conn.pid)
         if lost:
             return P.DEPOSITED, bytes([P.STATUS_LOST]), []  # its sender fails, before any ref to it is sent
-        if len(fds) != 1 or not (body in (P.SEG_MADE, P.SEG_TORCH, P.SEG_FORWARDED) or body.startswith(P.SEG_FILE)):
+        if len(fds) != 1 or not (body in (P.SEG_MADE, P.SEG_TORCH, P.SEG_FORWARDED, P.SEG_TORCH_FORWARDED) or body.startswith(P.SEG_FILE)):
             raise P.ProtocolError("a segment record carries one descriptor and its kind")
         if body.startswith(P.SEG_FILE):
             names = P.decode_names(body[len(P.SEG_FILE) :])
@@ -546,7 +546,8 @@ class Broker:
                 raise P.ProtocolError("a file's segment record names one file")
             self.keeper.hold(conn.client, names, fds.pop())
         else:
-            self.keeper.deposit(conn.client, fds.pop(), body != P.SEG_TORCH, forward=body == P.SEG_FORWARDED)
+            header, forward = body in (P.SEG_MADE, P.SEG_FORWARDED), body in (P.SEG_FORWARDED, P.SEG_TORCH_FORWARDED)
+            self.keeper.deposit(conn.client, fds.pop(), header, forward=forward)
         return P.DEPOSITED, bytes([P.STATUS_OK]), []
 
     def _on_drop(self, conn: _Conn, body: bytes, fds: list[int], lost: bool) -> None:
