@@ -15,7 +15,7 @@ os.environ["SHMREDUCE_SHM_DIR"] = _base
 os.environ.setdefault("SHMREDUCE_BROKER_GRACE", "0.3")
 # Every broker of the session logs at DEBUG to one file, outside the shm base: a
 # broker the leak check finds still running is explained by its last "no client
-# left" line, which lists each message it stays for (issue 19, item 2).
+# left" line, which lists each message it stays for.
 _log_fd, _broker_log = tempfile.mkstemp(prefix="shmrt-broker-", suffix=".log")
 os.close(_log_fd)
 os.environ.setdefault("SHMREDUCE_BROKER_LOG", _broker_log)

@@ -1,6 +1,5 @@
 """Bad input on the receiving side: stale handles, forged segments, tags and
-generations, wrong sizes, names outside the program directory, truncated pickles
-(SPEC 8).
+generations, wrong sizes, names outside the program directory, truncated pickles.
 
 Each raises SharingError with a message that says what happened, within seconds, and
 damages nothing: the intact message still loads, the next message works and no
@@ -275,7 +274,7 @@ def test_wrong_size_refused(strat):
 @pytest.mark.parametrize("corrupt", ["nbytes", "offset"])
 def test_refused_handle_does_not_count_as_loaded(strat, corrupt):
     # A corrupted copy of a handle is refused; the intact message is still in flight,
-    # and stays deliverable after its sender dropped the storage (SPEC 7): the owner
+    # and stays deliverable after its sender dropped the storage: the owner
     # must not take the refused load for the message's, and free the segment under it.
     with _receiver() as recv:
         t = torch.full((LARGE,), 3.0)

@@ -321,7 +321,7 @@ def test_a_memfd_whose_sender_exited_right_after_pickling_is_still_fetched(regis
         headers = _headers([big, small])
         assert len(headers) == 2 and all(h[1] == h[2] == 1 for h in headers.values()), headers
         # Every ref loaded: the broker keeps both while this process holds them (it may
-        # forward them: issue 36, item 9), and lets go of both once it drops them.
+        # forward them), and lets go of both once it drops them.
         assert _client().ping()["draining"] == 2
         assert bool((big == 7.0).all())
         del big, small

@@ -1,5 +1,4 @@
-"""A process is counted out when it dies, never because a connection of it closed
-(issue 27, "exact lifetimes", finding A).
+"""A process is counted out when it dies, never because a connection of it closed.
 
 The broker drops a connection for one bad record or one I/O error, and a client's
 process may lose a connection while it lives. Before the fix the broker counted a
@@ -220,11 +219,11 @@ def _one_more_message_then_kill(receiver: _Receiver) -> None:
 
 @pytest.mark.swap_path
 def test_a_receiver_whose_keep_record_was_lost_is_counted_out_once(strategy):
-    """issue 29, item 6: ``close(keep=True)`` swallowed the timeout of a K that could
-    not be posted (the broker stopped, the post buffer full). The broker kept that
+    """``close(keep=True)`` must not swallow the timeout of a K that could not be
+    posted (the broker stopped, the post buffer full): the broker would keep that
     identity, alive and away, with the process's ledger; the process's next client, a
-    new identity, posted the same ledger: the receiver's holds were known twice, and
-    its death counted them out twice, taking another receiver's hold with it."""
+    new identity, would post the same ledger: the receiver's holds known twice, and
+    its death counting them out twice, taking another receiver's hold with it."""
     receiver, other = _Receiver(), _Receiver()
     try:
         seg = _hold(receiver, other)

@@ -1,4 +1,4 @@
-"""A broker killed five times during a stream (issue 27, finding C): never a hang, at
+"""A broker killed five times during a stream: never a hang, at
 most the messages in flight at each kill lost, and a new broker that converges.
 
 *In flight at a kill*: pickled before every process killed was gone, and not yet
@@ -10,7 +10,7 @@ the kill reaches the new broker (the sender deposits again, with its next ref, e
 memfd it keeps) and must arrive. How many are in flight is the backlog at that
 moment, which load decides: the bound is on *which* messages, not on how many.
 
-What hung before (issue 27, finding C): nothing in shmreduce. The queue's feeder runs
+What looked like a hang: nothing in shmreduce. The queue's feeder runs
 up to a pipe's worth of messages (~200) ahead of the consumer; under load it had
 pickled the whole stream before the last kills, so no process needed a broker after
 them and none was started. The earlier form of this test (test_broker_restart.py)

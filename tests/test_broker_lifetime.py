@@ -45,7 +45,7 @@ def broker_log(monkeypatch, tmp_path):
     assert wait_for(lambda: not broker_pids(), TIMEOUT)
     path = tmp_path / "broker.log"
     monkeypatch.setenv("SHMREDUCE_BROKER_LOG", str(path))
-    monkeypatch.setenv("SHMREDUCE_LOG_LEVEL", "DEBUG")  # "no client left" is a DEBUG line (SPEC 13)
+    monkeypatch.setenv("SHMREDUCE_LOG_LEVEL", "DEBUG")  # "no client left" is a DEBUG line: normal operation is quiet
     yield path
     broker_client.close_all()
     assert wait_for(lambda: not broker_pids(), TIMEOUT), f"broker still running: {_log_text(path)}"
@@ -98,7 +98,7 @@ def _ledger(client: broker_client.BrokerClient) -> broker_client.Ledger:
 def _receivers(count: int) -> list[broker_client.BrokerClient]:
     """*count* receiver identities, both connections open, each opened by a process
     that exited since: closing them here is its process's end (the broker counts out a
-    live process only once it dies, issue 27)."""
+    live process only once it dies)."""
     directory = program.current().directory
     clients = [broker_client.BrokerClient(directory, None, broker_client.Ledger()) for _ in range(count)]
     for c in clients:
@@ -367,7 +367,7 @@ def test_a_client_retired_by_close_all_never_connects_again(registered_fd, broke
     # A thread may hold this process's client of a directory across close_all() (as
     # unregister() calls it): a load connecting to post its ledger, a release.
     # Reconnected, that client held a connection nothing closed, and the
-    # broker never exited (the symptom of issue 19, item 2).
+    # broker would never exit.
     t = torch.full((4,), 2.0)
     data = shmreduce.dumps(t)
     seg = _segment_of(t)

@@ -1,6 +1,6 @@
-"""SPEC 8 after a broker restart: a tensor shared before its broker died (killed, or
+"""Errors, never hangs, after a broker restart: a tensor shared before its broker died (killed, or
 exited idle between unregister() and register()) is sent again on its next send, to
-receivers that never had it (issue 11, item 5): a file_system file that went with
+receivers that never had it: a file_system file that went with
 the dead broker's directory is shared anew, a memfd is deposited with the new broker."""
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def test_file_system_messages_sent_before_a_broker_kill_are_lost_to_a_stranger_o
         assert outcomes == [lost] * 5 + ["ok"] * 5, outcomes
 
 
-# A broker killed again and again during a stream (issue 19, item 4): tests/test_broker_kills.py,
+# A broker killed again and again during a stream: tests/test_broker_kills.py,
 # which counts what was in flight at each kill rather than timing it.
 
 
@@ -254,10 +254,10 @@ def _launch_while_a_janitor_lets_go(directory: str) -> bool:
 
 
 def test_a_launcher_never_serves_a_directory_whose_lock_it_took_on_a_removed_file():
-    """Deterministic form of the split the issue saw under file_descriptor (1 program of
-    8: receivers found no socket while the sender deposited with a second broker):
-    before the fix the launcher's flock succeeded on the removed lock file and it bound
-    a second broker beside the directory's rightful one."""
+    """Deterministic form of a split under file_descriptor (receivers find no socket
+    while the sender deposits with a second broker): a launcher's flock can succeed on
+    a removed lock file, and it must not then bind a second broker beside the
+    directory's rightful one."""
     directory = os.path.join(program.shm_base(), f"shmreduce-{os.urandom(8).hex()}")
     try:
         status, value = run_in_child(_launch_while_a_janitor_lets_go, directory)
@@ -287,8 +287,8 @@ def _connect_after_a_kill() -> tuple[int, int]:
 
 def test_connect_replaces_a_broker_that_was_killed():
     """connect() asks the post connection for its hang-up, not for something to read:
-    a peek that took buffered data for a sign of life once let a sender pack the next
-    message into files the dead broker's janitor was removing (issue 19, item 4)."""
+    a peek that took buffered data for a sign of life would let a sender pack the next
+    message into files the dead broker's janitor is removing."""
     status, value = run_in_child(_connect_after_a_kill)
     assert status == "ok", value
     before, after = value

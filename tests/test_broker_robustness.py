@@ -1,6 +1,6 @@
 """The broker and its client against big messages, bad peers and exhausted limits.
 
-Issue 11, items 6, 10, 11, 12, 14 and 17, for a broker off the per-message path: a
+A broker off the per-message path, under load and misuse: a
 message of thousands of storages, or of hundreds of segments, arrives whole; a fetch
 finds a memfd whose S record is still queued on its sender's post connection; a
 bad record or a silent connection costs only its own client; failures leave a log
@@ -60,7 +60,7 @@ def _log_text(path) -> str:
     return path.read_text() if path.exists() else ""
 
 
-# -- item 6: a file_system message of 3,000 new storages ---------------------------------
+# -- a file_system message of 3,000 new storages -----------------------------------------
 
 
 def _check_list(q, results):
@@ -93,7 +93,7 @@ def test_file_system_message_of_3000_storages_arrives_and_leaves_nothing():
         assert wait_for(lambda: not seg_files(directory), 10), len(seg_files(directory))
 
 
-# -- item 12: a message of more than MAX_FDS segments, under load ------------------------------
+# -- a message of more than MAX_FDS segments, under load ---------------------------------------
 
 
 def _check_rounds(conn, rounds):
@@ -149,7 +149,7 @@ def test_message_of_300_segments_is_delivered_whole_under_load(registered_fd):
 def test_a_deposit_returns_once_the_broker_keeps_the_memfd(broker_log):
     # A deposit was a fire-and-forget record: the broker had to read every post
     # connection before it answered a fetch (the deposit might be queued there), and a
-    # deposit it could not keep was lost silently (issue 29, item 2). Now segment()
+    # deposit it could not keep would be lost silently. So segment()
     # returns once the broker keeps the memfd: no ref to it exists before, so no fetch
     # can come first.
     prog = program.current()
@@ -197,7 +197,7 @@ def test_a_ref_to_a_memfd_the_broker_does_not_keep_is_stale(registered_fd):
     assert _client().ping()["pid"] == _client().broker_pid  # a refusal, not a dropped connection
 
 
-# -- item 14 / 10: bad records, silent connections -------------------------------------------
+# -- bad records, silent connections ---------------------------------------------------------
 
 
 def _raw(role=P.ROLE_POST):
@@ -320,7 +320,7 @@ def test_connections_that_never_handshake_do_not_stall_the_broker(registered_fd,
     assert shmreduce.loads(data).tolist() == [0.0, 1.0, 2.0, 3.0]  # counted loaded here too
 
 
-# -- item 10: no unclosed sockets at exit; a broker restart is a warning ------------------------
+# -- no unclosed sockets at exit; a broker restart is a warning ---------------------------------
 
 
 def test_a_process_that_shared_exits_without_resource_warnings():
@@ -362,7 +362,7 @@ def test_a_broker_restart_is_a_warning(registered_fd, caplog):
     assert any("restarted" in r.getMessage() and r.name.startswith("shmreduce") for r in caplog.records), caplog.text
 
 
-# -- item 11 / 15: receivers never start a broker ------------------------------------------------
+# -- receivers never start a broker --------------------------------------------------------------
 
 
 def _brokers_of(directory):
@@ -393,7 +393,7 @@ def test_a_receiver_never_starts_a_broker(registered_fd, tmp_path):
             os.rmdir(directory)
 
 
-# -- item 17: limits and lifetimes -----------------------------------------------------------------
+# -- limits and lifetimes --------------------------------------------------------------------------
 
 
 def _connect_then_load(conn):
@@ -410,9 +410,9 @@ def _connect_then_load(conn):
 
 
 def test_a_deposit_the_broker_cannot_keep_fails_at_the_sender(registered_fd, broker_log):
-    # issue 29, item 2: at its descriptor limit the broker got the deposits of new
-    # segments without their memfds (MSG_CTRUNC) and the sender never knew: the
-    # message went out, and its receiver's fetch was refused as stale. Now the sender
+    # At its descriptor limit the broker gets the deposits of new segments without
+    # their memfds (MSG_CTRUNC): unless the sender hears of it, the message goes out
+    # and its receiver's fetch is refused as stale. So the sender
     # gets a SharingError that says what to do, nothing is sent, the broker and the
     # sender's connections go on, and the same tensors are sent and received whole
     # once the limit is lifted.
@@ -556,7 +556,7 @@ def test_draining_segments_of_an_exited_sender_expire(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, env=env, cwd=ROOT)
     assert out.returncode == 0 and "RESULT 1 0 SharingError" in out.stdout, out.stdout + out.stderr
     # The broker logs to the stderr of the process that started it, at DEBUG: an
-    # exited sender's refs nobody loaded expiring is the normal life of a program (SPEC 13).
+    # exited sender's refs nobody loaded expiring is the normal life of a program, not a warning.
     assert "not loaded within 1 s (SHMREDUCE_ORPHAN_TTL)" in out.stderr, out.stderr
 
 
@@ -564,7 +564,7 @@ def test_draining_segments_of_an_exited_sender_expire(tmp_path):
 def test_a_pooled_memfd_cannot_be_shrunk_or_grown(registered_fd):
     # A same-user process that gets a pooled memfd (a receiver's fetch, or
     # /proc/<broker>/fd) and truncates it would kill every process mapping it with
-    # SIGBUS, the broker first (issue 29, item 1): its size is sealed.
+    # SIGBUS, the broker first: its size is sealed.
     import fcntl
 
     t = torch.arange(1000.0)
@@ -614,8 +614,8 @@ def _share_truncate_and_die(out) -> None:
 
 @pytest.mark.swap_path
 def test_a_truncated_segment_file_costs_the_broker_nothing():
-    # issue 29, item 1: the broker read a truncated file's header and died of SIGBUS,
-    # removing the program directory under every client. It logs, and goes on.
+    # A truncated file's header must not kill the broker (SIGBUS), which would remove
+    # the program directory under every client: it logs, and goes on.
     with shmreduce.registered(strategy="file_system"):
         assert torch.equal(shmreduce.loads(shmreduce.dumps(torch.ones(4))), torch.ones(4))  # the broker runs
         pid = _client().ping()["pid"]
@@ -650,9 +650,9 @@ _ROOT_THAT_EXITS = textwrap.dedent(
 
 
 def test_an_unauthenticated_connector_keeps_no_dead_programs_broker():
-    # issue 29, item 3: a process of the user that connects every few seconds and never
-    # answers the handshake kept the broker (and its directory) of a program whose root
-    # had exited. Only authenticated clients keep a broker once the root is gone.
+    # A process of the user that connects every few seconds and never answers the
+    # handshake must not keep the broker (and its directory) of a program whose root
+    # has exited. Only authenticated clients keep a broker once the root is gone.
     root = subprocess.Popen([sys.executable, "-c", _ROOT_THAT_EXITS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     socks: list[socket.socket] = []
     try:
@@ -721,8 +721,8 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def test_a_broker_at_its_descriptor_limit_sheds_load_and_stays_quiet():
-    # issue 29, item 2: at EMFILE the level-triggered listener kept the broker at 100%
-    # CPU writing ~28,000 WARNING lines a second, and a new client timed out.
+    # At EMFILE a level-triggered listener would keep the broker at 100% CPU writing
+    # thousands of WARNING lines a second, and a new client would time out.
     log_path = os.environ["SHMREDUCE_BROKER_LOG"]
     logged_before = open(log_path).read().count("out of file descriptors")
     root = subprocess.Popen([sys.executable, "-c", _LIMITED_ROOT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -762,7 +762,7 @@ def _close_all(socks: list[socket.socket], root: subprocess.Popen) -> None:
         root.wait()
 
 
-# -- issue 29, item 6: a ping's cost -----------------------------------------------------------------
+# -- a ping's cost -----------------------------------------------------------------------------------
 
 
 def test_a_ping_reads_no_ledger_whatever_their_size(registered_fd):
@@ -805,10 +805,10 @@ def _join_with_token(path: str, token: bytes) -> str:
 
 
 def test_a_connection_with_another_processs_token_is_refused(registered_fd, broker_log):
-    # issue 29, item 6: connections with the same token were merged without checking
-    # their pid. A token is one process's identity: another process presenting it (a
-    # forked child reusing its parent's, or a forger with the authkey) would join its
-    # ledger and holds, and its close or K would count that process out, or keep it.
+    # Connections with the same token are merged only when their pid matches. A token
+    # is one process's identity: another process presenting it (a forked child
+    # reusing its parent's, or a forger with the authkey) would join its ledger and
+    # holds, and its close or K would count that process out, or keep it.
     assert shmreduce.loads(shmreduce.dumps(torch.ones(2))).sum().item() == 2  # the broker runs
     client = _client()
     before = client.ping()

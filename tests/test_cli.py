@@ -148,7 +148,7 @@ def test_cleanup_leaves_a_program_directory_that_may_be_starting():
     # Younger than STALE_MIN_AGE, its lock free: a launcher between making it and
     # taking the lock, alive (its command line names the directory, as a launcher's
     # does). Both the sweep and cleanup --yes keep it. (Without a live launcher, the
-    # lock free and nothing using it, cleanup removes it at once: issue 38, item 7,
+    # lock free and nothing using it, cleanup removes it at once:
     # tests/test_doctor_stale.py.)
     young = _program_dir("shmreduce-00112233445566ff", 0)
     launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "shmreduce.broker.server", young, "1"])

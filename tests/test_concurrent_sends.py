@@ -1,5 +1,5 @@
-"""SPEC 10: one tensor pickled by several threads at once moves into shared memory
-exactly once; every receiver gets its bytes and aliases it (issue 11, items 1 and 13).
+"""One tensor pickled by several threads at once moves into shared memory
+exactly once; every receiver gets its bytes and aliases it.
 
 `for q in queues: q.put(t)` makes each queue's feeder thread pickle `t` at the same
 time: the move into shared memory must be synchronised per storage, as torch does
@@ -233,10 +233,10 @@ def test_stress_threads_and_queues_with_overlapping_tensors(strategy):
 
 
 def test_a_64_kib_storage_pickled_by_two_threads_at_once_keeps_its_bytes(strategy):
-    # A storage of exactly SLAB_ITEM_MAX bytes: the Python path copied it with the GIL
-    # released while reduce() in C, in the other thread, could swap the same storage
-    # into its slab and free the memory under the copy (issue 28, item 4; make asan
-    # reads the freed memory).
+    # A storage of exactly SLAB_ITEM_MAX bytes: the Python path copies it with the GIL
+    # released, while reduce() in C, in the other thread, could swap the same storage
+    # into its slab and free the memory under the copy (make asan would read the freed
+    # memory).
     from multiprocessing.reduction import ForkingPickler
 
     from shmreduce.pool import SLAB_ITEM_MAX
@@ -269,8 +269,7 @@ def test_a_send_from_a_finalizer_inside_another_send_gets_a_place_of_its_own(str
     # The C fast path moved its slab's cursor only after torch's importer had run, and
     # a collection there can run finalizers that send: the nested send took the same
     # place, its bytes overwrote the outer storage's, and both were sent from one
-    # offset (issue 28, "a re-entrant send from a finalizer can place two storages at
-    # one offset"). A send nested at every collection of an outer send, in turn: each
+    # offset. A send nested at every collection of an outer send, in turn: each
     # storage keeps its own bytes and place.
     import gc
     from multiprocessing.reduction import ForkingPickler

@@ -1,4 +1,4 @@
-"""DataLoader with pin_memory=True and persistent_workers=True over many epochs (issue 13).
+"""DataLoader with pin_memory=True and persistent_workers=True over many epochs.
 
 Persistent workers live across epochs and keep sending batches through shmreduce, so
 whatever a batch costs must be given back by the time the next epoch ends. Measured

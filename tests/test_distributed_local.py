@@ -1,4 +1,4 @@
-"""Ranks of one host share one copy (issue 39, SPEC 17): ``shmreduce.distributed.broadcast_local``.
+"""Ranks of one host share one copy: ``shmreduce.distributed.broadcast_local``.
 
 Real jobs: one process a rank, started as torchrun starts them (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT; gloo on a free port), each running ``tests/dist_rank.py``, which

@@ -1,5 +1,5 @@
-"""The documentation says only what the program does (issue 38, items 10-13), and its links
-resolve (issue 31).
+"""The documentation says only what the program does, and its links
+resolve.
 
 Links: every relative link and ``#anchor`` in README.md and docs/*.md resolves.
 

@@ -1,4 +1,4 @@
-"""``shmreduce doctor`` and ``cleanup`` after a program dies whole (issue 38, items 7-8).
+"""``shmreduce doctor`` and ``cleanup`` after a program dies whole.
 
 A program whose every process was SIGKILLed, broker and janitor included, leaves its
 directory: its lock is free and nothing uses it, so it is stale at once (it used to be

@@ -1,6 +1,6 @@
-"""Exact lifetimes across processes: fork, repeated loads, SIGKILL mid-load (issue 27).
+"""Exact lifetimes across processes: fork, repeated loads, SIGKILL mid-load.
 
-SPEC 7, 12 and 14 in real processes. A tensor a process holds keeps its bytes
+Lifetimes, bounded resources and fork in real processes. A tensor a process holds keeps its bytes
 whatever others do: a forked child keeps what it inherited, from a receiver or from
 the owner, after its parent dropped it or was SIGKILLed, while the owner reuses its
 memory (the child must count as a holder). One ``shmreduce.dumps()`` blob loaded N
@@ -272,7 +272,7 @@ def _fork_keeper(name: str, report: Any, stop: Any, check: Any, kept: list[torch
     return proc
 
 
-# -- 1. a forked child keeps what it inherited (SPEC 14) -----------------------------
+# -- 1. a forked child keeps what it inherited ----------------------------------------
 
 
 def _owner_one(say: Callable[[Any], None], stop: Any, to_r: Any, to_sink: Any, go: Any, nbytes: int, count: int, expect_free: bool) -> None:
@@ -450,7 +450,7 @@ def test_a_forked_child_keeps_what_its_owner_inherited(strategy: str, size: str)
         assert wrong == 0, f"K's inherited tensor lost {wrong} bytes ({reused} segments reused by its owner)"
 
 
-# -- 2. one dumps() blob loaded many times (SPEC 7) ---------------------------------
+# -- 2. one dumps() blob loaded many times -----------------------------------------
 
 
 def _loader(say: Callable[[Any], None], stop: Any, conn: Any, loads: int, drop: Any) -> None:
@@ -723,7 +723,7 @@ def test_a_message_loaded_before_a_death_mid_let_go_loads_again_exactly_or_is_re
         assert c.get("W") == "dropped"
 
 
-# -- 4. a replay buffer: bounded descriptors (SPEC 12) ------------------------------
+# -- 4. a replay buffer: bounded descriptors ----------------------------------------
 
 REPLAY_FDS = 64
 # (storages kept, elements of int32 each): 100 KiB ones share arenas; 300 KiB ones
@@ -775,7 +775,7 @@ def _replay_consumer(say: Callable[[Any], None], stop: Any, q: Any, recheck: Any
 def test_a_replay_buffer_holds_few_descriptors_in_every_process(strategy: str, replay: str) -> None:
     """A consumer (descriptor limit 256) keeps every tensor it receives (3,000 of 100
     KiB; 500 of 300 KiB, a segment each): the consumer, the producer and the broker
-    each hold at most 64 descriptors (SPEC 12), and every tensor keeps its bytes."""
+    each hold at most 64 descriptors, and every tensor keeps its bytes."""
     n, numel = REPLAYS[replay]
     q = FORK.Queue(maxsize=64)
     kept_all, recheck = Flag(), Flag()

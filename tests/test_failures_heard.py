@@ -1,4 +1,4 @@
-"""SPEC 16: a failure reaches the user where they wait (issue 38, item 1).
+"""A failure reaches the user where they wait.
 
 A message put on an ``mp.Queue`` is pickled later, by the queue's feeder thread: a
 sharing failure there was printed by multiprocessing (a traceback per message) or, as
@@ -101,7 +101,7 @@ def _check(result: dict, stderr: str, total: int, cause: str, most_wait: float =
 def test_descriptors_run_out_in_the_feeder_thread(strategy):
     result, stderr = _run(strategy, "descriptors")
     _check(result, stderr, 200, "descriptor")
-    # Advice that fits the strategy in use (issue 38, item 4): not "switch to the one you are on".
+    # Advice that fits the strategy in use: not "switch to the one you are on".
     other = "file_system" if strategy == "file_descriptor" else "file_descriptor"
     assert f"set_sharing_strategy('{strategy}')" not in result["errors"][0], result["errors"][0]
     assert f"the '{other}' strategy keeps" not in result["errors"][0], result["errors"][0]

@@ -3,7 +3,7 @@
 Each (strategy, start method) runs as its own *program*: a driver subprocess
 (``python tests/test_faults_kill.py ...``) that is the program's root. That matters:
 the broker keeps a segment whose sender died while refs sent in it are in flight
-(pickled, not all loaded) while the root lives (SPEC 7), and a message pickled by a
+(pickled, not all loaded) while the root lives, and a message pickled by a
 producer killed before it reached the pipe can never be loaded, so only the root's
 exit (or SHMREDUCE_ORPHAN_TTL) lets the broker go. The driver plays the survivor: it
 checks, after every kill, that survivors get their data or a SharingError within
@@ -12,7 +12,7 @@ that never saw the segments (after a broker kill too), that a killed receiver's 
 are counted out of the segment headers (the sender reuses the memory), that no orphan
 broker remains, that the program directory holds no file nobody maps and that the
 broker keeps nothing in flight (but those orphans). The pytest process then checks
-from outside that the driver's program left nothing behind (SPEC 6 "Both").
+from outside that the driver's program left nothing behind, under both strategies.
 
 Phases are chosen by a seeded RNG (SHMREDUCE_FAULT_SEED, default fixed) and repeated;
 SHMREDUCE_SOAK=1 runs many more rounds.
@@ -370,7 +370,7 @@ class Driver:
         _purge()
         if pending is not None:
             # The dead consumer never loaded it: in flight, so the driver keeps the
-            # segment as it is, and another receiver gets the message (SPEC 7).
+            # segment as it is, and another receiver gets the message.
             _p, wconn, wresults, _go = self.witness
             wconn.send_bytes(pending)
             status, info = self.get(wresults, "consumer killed before fetch: redelivery")
@@ -452,7 +452,7 @@ class Driver:
             i, t, r = a.recv()
             received.append(i)
         self.kill(p)
-        while True:  # drain what the dead producer had sent: all intact (SPEC 7)
+        while True:  # drain what the dead producer had sent: all intact
             try:
                 if not a.poll(1.0):
                     break

@@ -1,8 +1,8 @@
 """Resource limits: descriptor limit in the receiver, a small shm mount, many producers.
 
-SPEC 6 (fd strategy is not limited by /dev/shm; file_system reserves space up front),
-SPEC 8 (limits are a SharingError naming the way out, never a hang, never a
-half-received message; the next message works). Load: 8 producers to 1 consumer,
+The fd strategy is not limited by /dev/shm; file_system reserves space up front;
+limits are a SharingError naming the way out, never a hang, never a
+half-received message; the next message works. Load: 8 producers to 1 consumer,
 nothing lost or duplicated. SHMREDUCE_SOAK=1 runs the long load and records memory
 and shm usage over time.
 
@@ -148,8 +148,8 @@ def _open_fds() -> int:
 
 def test_a_receiver_keeps_more_segments_than_its_descriptor_limit(registered_fd):
     # 240 segments kept (each storage above ARENA_ITEM_MAX has one) under a limit of
-    # 128 descriptors: a mapping needs no descriptor once it exists (issue 27, item 4;
-    # torch's file_descriptor strategy keeps one per storage, and fails here).
+    # 128 descriptors: a mapping needs no descriptor once it exists
+    # (torch's file_descriptor strategy keeps one per storage, and fails here).
     outcomes, exitcode = _send_to_limited_receiver([_forty_storages() for _ in range(6)])
     assert exitcode == 0
     assert [o[:3] for o in outcomes] == [("ok", 40, True)] * 6, outcomes
@@ -253,7 +253,7 @@ def test_small_shm_mount(tmp_path):
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = json.loads(lines[-1][7:])
-    # file_descriptor: memfd does not use the mount (SPEC 6)
+    # file_descriptor: memfd does not use the mount
     assert out["fd"] == ["ok", [64 << 20, float((64 << 20) // 4096), 5.0]], out["fd"]
     # file_system: the reservation fails up front with a clear error, no SIGBUS
     assert out["fs"][0] == "SharingError", out["fs"]

@@ -1,5 +1,4 @@
-"""A sender SIGKILLed in the middle of pickling a message leaves nothing behind
-(issue 11, item 17; SPEC 6).
+"""A sender SIGKILLed in the middle of pickling a message leaves nothing behind.
 
 Nothing of that message was sent: its refs are counted sent only when its pickling
 scope closes, so none is in flight. file_system files are held at the broker (their

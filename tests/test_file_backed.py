@@ -1,5 +1,5 @@
-"""SPEC 11: a storage mapped from a file (``from_file(shared=True)``) is never detached
-from its file silently: sending it is refused with SharingError (issue 11, item 3)."""
+"""A storage mapped from a file (``from_file(shared=True)``) is never detached
+from its file silently: sending it is refused with SharingError."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SPEC 8 at a program's first uses: a fork while another thread initializes what
+"""Errors, never hangs, at a program's first uses: a fork while another thread initializes what
 shmreduce or torch initializes on first use never hangs the child.
 
 torch initializes an op, an argument parser or its quantized engine in a C++ static on
@@ -10,7 +10,7 @@ is inside torch's quantized engine's initialization when the main thread forks. 
 ``register()`` initializes all that in its caller's thread, and a fork waits for an
 initialization in progress on another thread.
 
-Two tests. The issue's program itself, in fresh interpreters, with torch's first-use
+Two tests. A program that hung this way, unchanged, in fresh interpreters, with torch's first-use
 initializations slowed on every thread but the main one and each fork made to land
 inside one if any is under way (``slow_first_use.c``): a first use left to another
 thread hangs the child every time, and the log names every one. And fresh programs
@@ -35,7 +35,7 @@ ROOT = os.path.dirname(HERE)
 PROGRAMS = 50  # of each kind, per strategy
 FRESH = 2  # fresh interpreters per strategy, at once
 
-# The issue's program, as it was reported.
+# A program that hung this way, unchanged.
 ISSUE_PROGRAM = """\
 import sys, torch, torch.multiprocessing as mp, shmreduce
 def fill(queue, event):

@@ -1,7 +1,7 @@
-"""SPEC 8 while the broker starts: a fork racing a program's first share never hangs
-the program, and every message arrives (issue 19, item 3).
+"""Errors, never hangs, while the broker starts: a fork racing a program's first share never hangs
+the program, and every message arrives.
 
-The program is the issue's reduction of torch's ``test_fs_sharing``: a queue's feeder
+The program is a reduction of torch's ``test_fs_sharing``: a queue's feeder
 thread makes the program's first share (and so starts its broker) while the main
 thread forks a child at once. Before the fix the child inherited the pipes of the
 launch in progress and the launch waited for an end-of-file that never came: 3 of 10

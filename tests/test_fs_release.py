@@ -1,7 +1,6 @@
 """file_system files go within about a second of the last process letting go of
-their storages, whether or not anything else is shared (issue 12: they used to wait
-for a purge that only a later share triggered; 30 files were still there 10 s after
-the loop that made them)."""
+their storages, whether or not anything else is shared (not waiting
+for a purge that only a later share triggers)."""
 
 from __future__ import annotations
 
@@ -46,7 +45,7 @@ def test_files_are_reusable_within_a_second_of_the_last_user_without_further_sha
             assert len(_files(directory)) == 1  # 30 small storages: one slab file
             transfer.let_go_slabs()  # this thread's current slab ends its generation
             # Nothing is shared from here on: both processes are quiet, and their
-            # collector threads let go (issue 12: reusable within a second).
+            # collector threads let go: reusable within a second.
             free = lambda: transfer.stats()["fs_segments_free"] == 1 and not transfer.stats()["fs_segments_waiting"]  # noqa: E731
             assert wait_for(free, 3.0), transfer.stats()
             transfer.let_go()  # the pool's free files go with unregister() (or after SHMREDUCE_POOL_IDLE)

@@ -1,4 +1,4 @@
-"""Isolation (SPEC 9): only the same program (authkey) and user reach its shared memory.
+"""Isolation: only the same program (authkey) and user reach its shared memory.
 
 A process with another authkey is refused by the broker (SharingError); another user
 (uid 65534, dropped to in a fork child) can neither connect nor open the program's
@@ -199,8 +199,8 @@ def _broker_seen_by_its_user(base: str) -> dict:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a program as another, unprivileged user (uid 65534)")
 def test_the_brokers_descriptors_are_closed_to_other_processes_of_its_user():
-    """issue 29, item 5: a same-user process without the authkey opened the broker's
-    memfds read-write through /proc/<broker>/fd. The broker is not dumpable: its
+    """A same-user process without the authkey must not open the broker's memfds
+    read-write through /proc/<broker>/fd. The broker is not dumpable: its
     /proc/<pid>/fd is closed to every other non-root process of the user, while what
     death detection, the tests and ``shmreduce doctor`` read of it still works, and a
     full ping gives its own count of descriptors."""

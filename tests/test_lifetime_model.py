@@ -1,5 +1,5 @@
 """A model of the lifetime protocol (broker/protocol.py, "Segments and generations" and
-"Ledger"), explored over every interleaving of its atomic steps (STYLE.md, habit 19).
+"Ledger"), explored over every interleaving of its atomic steps.
 
 One pooled segment, its owner, two receivers, at most one forked child and a broker;
 each process may be SIGKILLed between any two steps. Breadth-first search over every
@@ -677,7 +677,7 @@ def test_a_broken_protocol_is_caught(variant: str) -> None:
 #           after its send, O holding it no more: nothing keeps its descriptor to
 #           bring back, as with any process that forwards what it received;
 # no leak   no deposit the broker counts as O's pool's (a user) outlives that pool's
-#           keeping the segment: nothing would ever drop it (SPEC 12).
+#           keeping the segment: nothing would ever drop it.
 
 IN_USE, WAIT, FREE_, LEAVING, LEFT = "in use", "waiting", "free", "leaving", "left"
 NONE_, USER, FORWARD = "none", "user", "forward"  # O's deposit, and how the broker counts it

@@ -170,7 +170,7 @@ class Lifetimes(RuleBasedStateMachine):
     @rule(data=st.data())
     def deliver(self, data: st.DataObject) -> None:
         """A queued message's first load: it has its data, whatever happened meanwhile
-        (SPEC 7: a repeated load of other bytes never costs it its data)."""
+        (a repeated load of other bytes never costs it its data)."""
         proc = data.draw(st.sampled_from(self.live))
         seed, blob = self.pending.pop(data.draw(st.integers(0, len(self.pending) - 1)))
         self.blobs.append((seed, blob))
@@ -189,7 +189,7 @@ class Lifetimes(RuleBasedStateMachine):
         if answer == "ok":
             proc.kept[self.key] = seed
         else:
-            # Bytes load again while their memory lives at the broker (SPEC 7): refused
+            # Bytes load again while their memory lives at the broker: refused
             # (never wrong bytes) only once the owner let go of that tensor.
             assert seed not in {s for s, _ in self.owned}, f"a load of bytes whose owner keeps them: {answer}"
             assert answer.startswith("refused"), answer

@@ -224,7 +224,7 @@ def test_any_range_is_a_checked_storage_or_a_sharing_error(memory, offset: int, 
     _, addr = memory
     gen = _gen(addr)
     try:
-        valid = LOW <= offset and 0 < nbytes and offset + nbytes <= SIZE  # any offset a storage can lie at (SPEC 2)
+        valid = LOW <= offset and 0 < nbytes and offset + nbytes <= SIZE  # any offset a storage can lie at
         if valid:
             s = gen.storage(offset, nbytes)
             assert s.data_ptr() == addr + offset and s.nbytes() == nbytes
@@ -246,7 +246,7 @@ def test_any_range_is_a_checked_storage_or_a_sharing_error(memory, offset: int, 
 def test_a_load_is_a_checked_storage_counted_once_or_a_sharing_error_that_counts_nothing(
     memory, offset: int, nbytes: int, ticket: Any
 ) -> None:
-    # Gen.load, the one load routine (issue 28): any ref's range and ticket give the
+    # Gen.load, the one load routine: any ref's range and ticket give the
     # storage over exactly that range, the same one when loaded again, each ticket
     # counted loaded at its first load only; or a SharingError, every count as it was.
     m, addr = memory
@@ -409,7 +409,7 @@ def _extent(size: tuple, stride: tuple, itemsize: int) -> int | None:
     if any(d <= 0 for d in size) or any(v < 0 for v in stride) or len(size) > 8:
         return None
     if math.prod(size) * itemsize >= 1 << 63:
-        return None  # more elements than torch counts (issue 28, item 2): refused, whatever the strides
+        return None  # more elements than torch counts: refused, whatever the strides
     return (sum((d - 1) * v for d, v in zip(size, stride, strict=True)) + 1) * itemsize  # a 0-d tensor: one element
 
 
@@ -437,7 +437,7 @@ def test_rebuild_makes_only_checked_tensors_or_raises_sharing_error(
         nbytes = span
     gen = _published(addr)
     ref = (*_KEY, offset, nbytes, 0, 0)
-    in_range = LOW <= offset and 0 < nbytes and offset + nbytes <= SIZE  # any offset a storage can lie at (SPEC 2)
+    in_range = LOW <= offset and 0 < nbytes and offset + nbytes <= SIZE  # any offset a storage can lie at
     fast = in_range and dtype in _TABLE and start == 0 and type(start) is int and extra is None and span == nbytes
     try:
         if fast:
@@ -601,8 +601,8 @@ def test_mutated_messages_never_crash_the_loader(strategy_name: str) -> None:
 def test_a_failed_import_changes_no_count(memory, importer) -> None:
     # sizes (2**62, 2**62) with strides (0, 0) span one element: torch's importer
     # takes the tensor, fails on the element count overflow and calls the deleter;
-    # the capsule, never renamed, ran it a second time (issue 28, item 2: the count
-    # dropped twice, the context pushed twice, a cycle in the free list). Through
+    # a capsule never renamed would run it a second time (the count dropped twice, the
+    # context pushed twice, a cycle in the free list). Through
     # either importer (the exchange API's has no capsule to tell by): counted once.
     _, addr = memory
     gen = _published(addr)
@@ -664,16 +664,16 @@ def _reduce_while_a_collection_unindexes() -> int:
 
 @pytest.mark.swap_path
 def test_reduce_survives_a_collection_that_unindexes_its_generation(strategy) -> None:
-    # reduce() read gen->ref after place() had run torch code, which could clear it:
-    # a NULL dereference (issue 28, item 3). The collection must have struck inside
+    # place() runs torch code, which can clear gen->ref: reduce() must not read it
+    # after (a NULL dereference). The collection must have struck inside
     # the move at least once, or this tested nothing.
     status, inside = run_in_child(_reduce_while_a_collection_unindexes, timeout=120)
     assert status == "ok" and inside >= 1, (status, inside)
 
 
 def test_an_unhashable_dtype_is_a_sharing_error(memory) -> None:
-    # rebuild() looked the dtype up and went on with the TypeError pending: a TypeError
-    # escaped instead of a SharingError (issue 28, item 6).
+    # rebuild() must not go on with the TypeError of the dtype's look-up pending: that
+    # TypeError would escape instead of a SharingError.
     _, addr = memory
     gen = _published(addr)
     try:

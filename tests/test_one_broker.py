@@ -1,5 +1,5 @@
 """One broker per program, always: the lock, not the path, decides who removes a
-program directory (issue 27, finding B).
+program directory.
 
 Before the fix, a janitor removed its program directory by path after its server had
 removed it already, and a sweep removed a directory by path after it had checked (and
@@ -154,7 +154,7 @@ def test_a_sweep_removes_a_dead_programs_directory():
 
 
 def test_a_sweep_removes_what_an_interrupted_removal_or_making_left():
-    # issue 29, item 4: a process killed inside rmtree of its renamed directory leaves
+    # A process killed inside rmtree of its renamed directory leaves
     # `shmreduce-<token>.gone-<pid>`, one killed while making one `.new-<pid>`: a sweep
     # removes them once their process is dead, never a live process's.
     import shutil
@@ -197,9 +197,8 @@ import sys; sys.stdin.read()
 
 @pytest.mark.swap_path
 def test_the_next_register_removes_what_a_program_killed_with_its_broker_left():
-    # issue 29, item 4: SIGKILL of a program's processes, its broker and janitor
-    # included, left its directory (with a 1.1 MB seg- file) until another program
-    # started a broker. The next program's register() sweeps it.
+    # SIGKILL of a program's processes, its broker and janitor included, leaves its
+    # directory (with a seg- file) for the next program that starts a broker. The next program's register() sweeps it.
     import subprocess
     import sys
 

@@ -105,7 +105,7 @@ def _check_invariant(torch_strategy: str | None) -> bool:
 
 
 def test_is_shared_implies_share_memory_keeps_memory_while_registered(strategy):
-    assert _check_invariant(None)  # SPEC 3: a received storage reports is_shared()
+    assert _check_invariant(None)  # a received storage reports is_shared()
 
 
 # Both of our strategies' storages are views of pooled segments: once unregistered,

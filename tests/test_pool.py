@@ -1,4 +1,4 @@
-"""Recycled pools of shared memory (shmreduce/pool.py, issue 12), across real processes:
+"""Recycled pools of shared memory (shmreduce/pool.py), across real processes:
 a sender reuses its segments once nobody holds them, never while anyone does (a
 receiver, a fork child, a stale handle), within about a second with nothing else sent,
 after a receiver was SIGKILLed; the pool cap, idle trim and kept mappings follow their
@@ -276,8 +276,7 @@ def test_a_stale_handle_is_refused_not_read(strategy: str) -> None:
 
     # This segment, not a count of free ones: the collector closes segments free
     # for POOL_IDLE meanwhile, an earlier test's among them, so a count of free
-    # segments could stand still while this one came back (issue 28, item 7: "the
-    # segment did not come back", 0 free and 0 waiting, seen once in a full run).
+    # segments could stand still while this one came back.
     def freed() -> bool:
         let_go_now()
         return any(s is seg for s in seg.pool.free.get(seg.size, ()))
@@ -585,7 +584,7 @@ def test_a_segment_view_out_of_bounds_is_a_sharing_error(strategy: str) -> None:
     ]:
         with pytest.raises(shmreduce.SharingError, match="out of bounds"):
             gen.storage(bad_offset, bad_nbytes)
-    inner = gen.storage(offset + 4, 8)  # any offset a storage can lie at (SPEC 2): the bounds are what counts
+    inner = gen.storage(offset + 4, 8)  # any offset a storage can lie at: the bounds are what counts
     assert bytes(inner) == t[1:3].numpy().tobytes()
     for bad in [(1 << 64, 8), (offset, 1 << 64), ("64", 8), (offset, 8.0)]:
         with pytest.raises(shmreduce.SharingError):
@@ -608,7 +607,7 @@ def test_opening_a_missing_segment_file_is_a_sharing_error() -> None:
 def test_a_memfd_is_known_by_its_device_and_inode() -> None:
     # A pooled memfd and a /dev/shm file (a storage torch shared before register(),
     # sent as a generation-0 segment) can have the same inode number on two devices:
-    # the receiver mapped the other one (issue 27, item 7). Refs, deposits, fetches,
+    # the receiver must not map the other one. Refs, deposits, fetches,
     # ledgers and the mapping check name a memfd by both.
     from shmreduce.broker import protocol as P
 

@@ -1,22 +1,22 @@
-"""SPEC 15 through the events of a program's life, in real processes (issue 36).
+"""Every actor, every event: the events of a program's life, in real processes.
 
-Each test is one event of issue 36 that a program lives through while its tensors
+Each test is one event that a program lives through while its tensors
 must keep their bytes and its memory must not be pinned for good:
 
-* item 6: the broker is SIGKILLed while a receiver holds a generation; a new one
+* the broker is SIGKILLed while a receiver holds a generation; a new one
   starts; the receiver, known to the new broker from its next load, exits or is
   SIGKILLed still holding it: it is counted out (before: holders stayed 1, and the
   owner's segment waited in its pool for the owner's life);
-* item 8: messages queued in a generation that a fork retired, waiting longer than
+* messages queued in a generation that a fork retired, waiting longer than
   ``SHMREDUCE_ORPHAN_TTL`` while their sender lives, are still loaded (before: all
   dropped at the TTL, "let go of and reused" / "file ... is gone");
-* item 9: batches a DataLoader's workers made, forwarded by the main process once the
+* batches a DataLoader's workers made, forwarded by the main process once the
   workers exited, load in the receiver (before, file_system: 0 of 2, "file ... is
   gone: its program exited");
-* item 10: a relay forwarding what short-lived producers made, to a consumer that
+* a relay forwarding what short-lived producers made, to a consumer that
   drops it, leaves nothing at the broker (before, file_descriptor: one memfd per
   message, for the relay's life);
-* item 11 (part): a gc callback that forks while the first share of a process starts
+* a gc callback that forks while the first share of a process starts
   the broker does not deadlock it (before: hung on ``_launch_lock``).
 
 Every wait is bounded; every child is joined, and killed if it outlives its wait; the
@@ -122,7 +122,7 @@ def _run_program(script: str, *args: str, env: dict[str, str] | None = None) -> 
     return run_program(script, *args, env=env, timeout=TIMEOUT)
 
 
-# -- item 6: a broker restart forgets nothing a live process holds ------------------------
+# -- a broker restart forgets nothing a live process holds --------------------------------
 
 
 @pytest.mark.swap_path
@@ -159,7 +159,7 @@ def test_a_receiver_holding_across_a_broker_restart_is_counted_out_at_its_death(
         )
 
 
-# -- item 8: messages queued in a retired generation wait while their sender lives -------
+# -- messages queued in a retired generation wait while their sender lives ---------------
 
 _RETIRED_SLAB = textwrap.dedent(
     """
@@ -218,7 +218,7 @@ def test_messages_queued_in_a_retired_generation_wait_while_their_sender_lives(s
     assert not lost, f"{len(lost)} of 10 messages of a live sender lost after SHMREDUCE_ORPHAN_TTL: {lost[:2]}"
 
 
-# -- item 9: forwarding what a finished process made -------------------------------------
+# -- forwarding what a finished process made ---------------------------------------------
 
 
 class _Numbers(Dataset):
@@ -248,7 +248,7 @@ def test_batches_whose_workers_exited_are_forwarded(strategy: str) -> None:
         let_go_now()
 
 
-# -- item 10: what an exited producer deposited does not stay at the broker --------------
+# -- what an exited producer deposited does not stay at the broker -----------------------
 
 
 def _producer(conn: Any, i: int) -> None:
@@ -319,7 +319,7 @@ def test_a_relay_of_exited_producers_leaves_nothing_at_the_broker(strategy: str)
     assert relay.exitcode == 0 and consumer.exitcode == 0, (relay.exitcode, consumer.exitcode)
 
 
-# -- item 11: a fork from a gc callback during the first share ---------------------------
+# -- a fork from a gc callback during the first share ------------------------------------
 
 _GC_FORK = textwrap.dedent(
     """
@@ -361,7 +361,7 @@ def test_a_gc_callback_that_forks_during_the_first_share_does_not_hang(strategy_
     assert "RESULT 1 6.0" in out.stdout, out.stdout + out.stderr[-2000:]
 
 
-# -- item 7: unregister() with messages in flight or tensors held ------------------------
+# -- unregister() with messages in flight or tensors held --------------------------------
 
 _UNREGISTER_IN_FLIGHT = textwrap.dedent(
     """

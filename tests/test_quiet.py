@@ -1,5 +1,4 @@
-"""SPEC 13: in normal operation shmreduce writes nothing to the user's stderr
-(issue 19, item 1).
+"""In normal operation shmreduce writes nothing to the user's stderr.
 
 Each shape runs as a fresh program, as a user runs it: its own interpreter, its own
 broker, which logs to the stderr of the process that started it. Two loops of such

@@ -1,7 +1,7 @@
-"""``register()`` after worker processes exist (issue 38, item 2): those workers were
+"""``register()`` after worker processes exist: those workers were
 started with torch's reducers (a fork child inherits them; a spawn child has no
-marker to register it), so what they send does not go through shmreduce. It used to
-say nothing; now it warns once, on ``logging.getLogger("shmreduce")``, naming the
+marker to register it), so what they send does not go through shmreduce. It
+warns once, on ``logging.getLogger("shmreduce")``, naming the
 workers and what to move. Workers started while registered (the marker in their
 process config) are fine and not named.
 

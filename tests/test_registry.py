@@ -173,7 +173,7 @@ def test_default_reducers_cover_spec_classes():
     assert all(cls in table for cls in torch._storage_classes)
 
 
-# -- copyreg registrations made after the first message (issue 11 item 7) -----------
+# -- copyreg registrations made after the first message -------------------------------
 
 
 class Guarded:
@@ -250,7 +250,7 @@ def test_what_pickle_names_pickles_as_pickle_does_and_honours_later_reducers(reg
     assert pickle.loads(ForkingPickler.dumps(obj)) is obj
 
 
-# -- register() at a spawn/forkserver main module's top level (issue 11 item 16) -----
+# -- register() at a spawn/forkserver main module's top level ------------------------
 
 
 _TOP_LEVEL_MAIN = r"""

@@ -1,4 +1,4 @@
-"""Kept tensors keep their bytes while their sender reuses its memory (issue 20).
+"""Kept tensors keep their bytes while their sender reuses its memory.
 
 The failure a lifetime bug would show: a generation counted dead while a storage of
 it lives somewhere (a receiver, or a third process it was forwarded to), its segment

@@ -1,4 +1,5 @@
-"""SPEC.md semantics 1-5 and 7, with real child processes."""
+"""Aliasing, faithful rebuild, shared state, autograd, devices and lifetimes, with real
+child processes."""
 
 import multiprocessing as mp
 import pickle
@@ -134,7 +135,7 @@ def _empty_views_share_a_storage(conn):
 
 
 def test_empty_views_of_one_empty_storage_arrive_over_one_storage(strategy):
-    # torch rebuilds them over one storage (pickle's memo): so do we (issue 11, item 8).
+    # torch rebuilds them over one storage (pickle's memo): so do we.
     base = torch.empty(0, 4)
     other = torch.empty(0)
     ours, theirs = CTX.Pipe()
@@ -328,9 +329,9 @@ def _unaligned_receiver(q, out):
 
 
 def test_a_storage_at_any_offset_in_shared_memory_arrives_with_its_bytes(strategy):
-    # SPEC 2: a storage may lie anywhere a torch storage can, e.g. 4 bytes into a cache
+    # A storage may lie anywhere a torch storage can, e.g. 4 bytes into a cache
     # line of a shared tensor (torch.from_numpy(t.numpy()[1:])): sent from where it
-    # lies, it was refused as out of bounds (issue 28, item 1).
+    # lies, it must not be refused as out of bounds.
     q, out = CTX.Queue(), CTX.Queue()
     p = CTX.Process(target=_unaligned_receiver, args=(q, out))
     p.start()

@@ -1,5 +1,5 @@
-"""A full file_system mount recovers once the tensors that filled it are dropped
-(issue 11, item 17): a file creation that finds no room releases the files of dead
+"""A full file_system mount recovers once the tensors that filled it are dropped:
+a file creation that finds no room releases the files of dead
 storages first, rather than failing until some later share happens to purge them.
 A full mount met while writing a new segment's header is the same OutOfSharedMemory,
 after the same one retry."""

@@ -1,7 +1,7 @@
-"""A full file_system mount is one exception with its cause chained once (issue 38,
-item 3): ``OutOfSharedMemory`` was raised twice inside ``pool.place`` (about 45 lines
-per failed send, "During handling of the above exception, another exception
-occurred" included): the second try runs outside the first one's handler (``pool.twice``)."""
+"""A full file_system mount is one exception with its cause chained once, not
+``OutOfSharedMemory`` raised twice inside ``pool.place`` (dozens of lines per failed
+send, "During handling of the above exception, another exception occurred"
+included): the second try runs outside the first one's handler (``pool.twice``)."""
 
 from __future__ import annotations
 

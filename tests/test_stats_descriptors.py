@@ -1,4 +1,4 @@
-"""``stats()``: ``descriptors`` and ``fds_held`` are two counts, each said (issue 38, item 9).
+"""``stats()``: ``descriptors`` and ``fds_held`` are two counts, each said.
 
 ``descriptors``: those shmreduce's segments keep open, one per segment this process
 made to send from (a received one keeps none once mapped). ``fds_held``: every

@@ -1,4 +1,4 @@
-"""A steady stream costs the broker nothing per message (issue 20, item 3).
+"""A steady stream costs the broker nothing per message.
 
 Refs are counted sent and loaded in their segments' shared headers: the broker
 hears once per segment (a memfd deposited, fetched by a receiver that does not map

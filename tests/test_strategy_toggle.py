@@ -1,7 +1,7 @@
-"""One toggle, one error, one owner of the strategy (issue 38, items 5 and 6).
+"""One toggle, one error, one owner of the strategy.
 
 While registered, ``torch.multiprocessing.set_sharing_strategy`` and
-``shmreduce.set_sharing_strategy`` are one toggle (SPEC): an invalid name is the same
+``shmreduce.set_sharing_strategy`` are one toggle: an invalid name is the same
 ``ValueError`` from either (torch's own says ``AssertionError``). ``unregister()``
 undoes what ``register()`` did to the strategy, as it does for the reducers; a second
 ``register(strategy=X)`` that switches it says so.

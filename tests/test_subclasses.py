@@ -1,4 +1,4 @@
-"""Tensor subclasses pickle as torch pickles them, their storages shared (SPEC 11).
+"""Tensor subclasses pickle as torch pickles them, their storages shared.
 
 The built-in table holds exact classes; a subclass goes through its own
 ``__reduce_ex__``/``__getstate__`` and the storages inside still reach shmreduce's

@@ -1,4 +1,4 @@
-"""tensordict through shmreduce (issue 13): TensorDict and tensorclasses, consolidated or not.
+"""tensordict through shmreduce: TensorDict and tensorclasses, consolidated or not.
 
 tensordict installs its own ForkingPickler reducer for ``TensorDict`` (and
 ``LazyStackedTensorDict``) when it is imported: a tensordict pickles as its class and

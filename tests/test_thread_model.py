@@ -1,6 +1,5 @@
-"""A model of the threads that act on one pooled segment (issue 36, "the model covers
-every actor"; STYLE.md, habits 19, 22 and 23; SPEC 15), explored over every
-interleaving of their atomic steps.
+"""A model of the threads that act on one pooled segment, every actor of it, explored
+over every interleaving of their atomic steps.
 
 ``test_lifetime_model.py`` checks the cross-process protocol with single-threaded
 processes. Here the processes are few and the threads many. The owner of ONE segment:

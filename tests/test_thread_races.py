@@ -1,4 +1,4 @@
-"""The threads of one process are actors too (SPEC 15, issue 36 items 1-5 and 11).
+"""The threads of one process are actors too.
 
 Each test pauses one thread exactly where another thread of the same process can act
 (``_faults.pauses``, as ``SHMREDUCE_FAULT_AT`` stops a process at a step), lets the
@@ -13,7 +13,7 @@ other act, and checks that nothing it holds, and nothing in flight, lost its dat
 - two threads loading the first storage of one generation make one Gen, one hold;
 - a pool never posts to the broker while it holds its lock (a reconnection hook takes
   that lock under the broker client's);
-- the small items of issue 36, point 4.
+- smaller windows of the same kind.
 
 A pause that is never reached fails the test (the window's hook is missing): each
 test proves the window is there and harmless, not that it was missed.

@@ -1,5 +1,5 @@
-"""SPEC 10, 14 and 15 under load: 8 sender threads and 8 loader threads at once, in one
-process and across two (issue 36, "threaded stress").
+"""Concurrency, fork and every actor under load: 8 sender threads and 8 loader threads
+at once, in one process and across two.
 
 Senders send fresh tensors and views (slices, strided, transposed, at offsets) of bases
 that several senders send at the same time, of every width of dtype, with storages of
@@ -130,7 +130,7 @@ def _placed(t: torch.Tensor) -> str:
 
 
 def _check_message(where: str, descs: list[Desc], got: Any) -> list[str]:
-    """Every tensor of a message, and views of one base sharing one storage (SPEC 2)."""
+    """Every tensor of a message, and views of one base sharing one storage."""
     if not isinstance(got, list) or len(got) != len(descs):
         return [f"{where}: {descs}: got {type(got).__name__} of {len(got) if isinstance(got, list) else '?'} items"]
     problems = [p for desc, t in zip(descs, got, strict=True) if (p := _check(where, desc, t)) is not None]
@@ -216,7 +216,7 @@ class Source:
 
 class Pins:
     """Tensors of a ``dumps()`` blob sent to several loaders, kept by the sender until
-    each loaded it: bytes load "while their memory lives" (SPEC 7), and a repeated
+    each loaded it: bytes load "while their memory lives", and a repeated
     load counts nothing, so a blob loaded and dropped by one loader may name reused
     memory when a second loader gets to it."""
 
@@ -267,7 +267,7 @@ def _run_senders(send: Callable[[random.Random], None], failures: Failures, seed
 
 class Keeper:
     """A loader's kept tensors: about a third of what it loads, for a while; each checked
-    again when dropped (its bytes must not change while it is held, SPEC 7)."""
+    again when dropped (its bytes must not change while it is held)."""
 
     def __init__(self, r: random.Random, failures: Failures) -> None:
         self.r, self.failures = r, failures
@@ -399,7 +399,7 @@ def test_threads_of_one_process_send_and_load_at_once(strategy: str) -> None:
         blob = shmreduce.dumps(tensors)
         if len(targets) > 1:
             pins.hold(mid, len(targets), tensors)
-        del tensors  # else the sender lets go at once: the bytes keep what they name (SPEC 7)
+        del tensors  # else the sender lets go at once: the bytes keep what they name
         for i in targets:
             inboxes[i].put((mid, descs, blob, r.random() < 0.2), timeout=WAIT)
             with lock:
@@ -465,8 +465,8 @@ def test_threads_of_two_processes_send_and_load_at_once(strategy: str) -> None:
         source = Source(SEED)
 
         def send(r: random.Random) -> None:
-            # On 1 to 3 queues: their feeder threads pickle the same tensors at once (SPEC
-            # 10); or dumps() bytes on one queue, loaded once or twice in the child (on
+            # On 1 to 3 queues: their feeder threads pickle the same tensors at once;
+            # or dumps() bytes on one queue, loaded once or twice in the child (on
             # two, a load after the other loader dropped them may name reused memory:
             # Pins).
             as_bytes = r.random() < 0.4

@@ -1,4 +1,4 @@
-"""Multi-node style jobs (issue 13): each rank, each host, is a shmreduce program of its own.
+"""Multi-node style jobs: each rank, each host, is a shmreduce program of its own.
 
 * ``examples/torchrun_job.py`` under ``torch.distributed.run --standalone
   --nproc-per-node 2`` (gloo, CPU): every rank registers, loads its half of a dataset

@@ -419,8 +419,8 @@ def test_a_reused_segment_holds_exactly_each_new_storages_bytes(strategy: str) -
 @pytest.mark.parametrize("nbytes", [1000, MIB])
 def test_new_shared_in_reused_memory_is_not_zero_filled_and_is_this_programs(strategy: str, nbytes: int) -> None:
     # torch's _new_shared promises no contents, and collate overwrites every byte: a
-    # segment this process's pool reused is not zero-filled first (issue 37: a quarter
-    # of a worker's CPU per 16 x 1 MiB batch). What lies there is this process's own
+    # segment this process's pool reused is not zero-filled first (that would cost a
+    # worker much of its CPU per batch). What lies there is this process's own
     # earlier bytes: a pool reuses only segments this process made.
     _connected()
     transfer.let_go()  # from an empty pool: the segment reused below is this one

@@ -116,7 +116,7 @@ def test_header_counts_holds_and_frees_one_generation(header) -> None:
 
 def test_a_repeated_load_counts_nothing(header) -> None:
     """Bytes loaded again (one dumps() blob, loaded twice) never let the generation
-    end while another message in it waits for its first load (issue 27, item 2)."""
+    end while another message in it waits for its first load."""
     m, addr = header
     struct.pack_into("Q", m, 0, 5)
     blob, queued = _native.hdr_issue(addr), _native.hdr_issue(addr)
@@ -236,7 +236,7 @@ def test_a_generation_is_reported_dead_once_its_holds_are_released() -> None:
 def test_a_freeing_bit_left_set_stalls_no_other_thread(header) -> None:
     """An owner killed between its check's compare-and-swap and its store leaves
     FREEING set for good: a load waits for it without the GIL, a bounded time, then
-    refuses the ref as stale (issue 28, item 5: it spun 0.74 s holding the GIL)."""
+    refuses the ref as stale (never spinning with the GIL held)."""
     import threading
     import time
 
