@@ -266,7 +266,7 @@ shmreduce.register(strategy=sys.argv[2])  # at top level: spawn children run thi
 
 
 def produce(q):
-    q.put(torch.arange(1000.0))  # and exit at once: SPEC 7
+    q.put(torch.arange(1000.0))  # and exit at once: its message must still arrive
 
 
 if __name__ == "__main__":
