@@ -194,6 +194,7 @@ def _load_each_as_a_stranger(blobs: list[bytes]) -> list[str]:
     return outcomes
 
 
+@pytest.mark.swap_path  # the files of a pool: where torch moves a storage itself it is a memfd of its own
 @pytest.mark.parametrize("killed", ["the server alone", "the server and its janitor"])
 def test_file_system_messages_sent_before_a_broker_kill_are_lost_to_a_stranger_only_if_its_janitor_removed_the_files(killed):
     """Under file_system a ref names a file of the program directory. The janitor of a

@@ -33,7 +33,7 @@ from shmreduce import program, transfer
 from shmreduce.broker import client as broker_client
 from shmreduce.broker import protocol as P
 
-from helpers import SegmentRef, broker_pids, forget_mappings, gone, let_go_now, run_in_child, seg_files, wait_for
+from helpers import SegmentRef, broker_pids, forget_mappings, gone, let_go_now, let_go_within, run_in_child, seg_files, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 30.0
@@ -53,7 +53,7 @@ def broker_log(monkeypatch, tmp_path):
     monkeypatch.setenv("SHMREDUCE_BROKER_LOG", str(path))
     yield path
     broker_client.close_all()
-    assert wait_for(lambda: not broker_pids(), 10)
+    assert wait_for(lambda: not broker_pids(), let_go_within())
 
 
 def _log_text(path) -> str:
