@@ -88,13 +88,14 @@ MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14
 populating = IS_LINUX
 
 
-def map_shared(fd: int, size: int) -> int:
-    """Map the first *size* bytes of *fd* read-write and shared; return the address.
+def map_shared(fd: int, size: int, offset: int = 0) -> int:
+    """Map *size* bytes of *fd* from *offset* (a page boundary) read-write and shared;
+    return the address.
 
     Unlike ``mmap.mmap`` (which keeps a ``dup()`` of *fd* for as long as the map
     lives) the map holds no descriptor: a broker that reads the header of every
     segment it keeps holds one descriptor per memfd, and none per file."""
-    addr = _mmap(None, size, 0x1 | 0x2, 0x01, fd, 0)  # type: ignore[operator]  # PROT_READ|PROT_WRITE, MAP_SHARED
+    addr = _mmap(None, size, 0x1 | 0x2, 0x01, fd, offset)  # type: ignore[operator]  # PROT_READ|PROT_WRITE, MAP_SHARED
     if addr is None or addr == _MAP_FAILED:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))

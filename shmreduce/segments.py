@@ -76,6 +76,8 @@ def _after_fork_in_child() -> None:
         # itself (a new Gen), or its owner could reuse memory this process reads.
         seg.gen_ref = None
         seg.deposited = False  # the parent's deposit, not ours
+        if seg.counter is not None:
+            seg.counter = _counter(seg)  # the parent's messages in flight are not this process's
 
 
 forking.part("segments", after_in_child=_after_fork_in_child)
@@ -229,6 +231,8 @@ class Segment:
         "sealed",
         "since",
         "filled",
+        "trailer",
+        "counter",
         "__weakref__",
     )
 
@@ -247,6 +251,8 @@ class Segment:
         self.sealed = False  # filled no further (its file went with a broker that died)
         self.since = 0.0  # when it became free
         self.filled = 0  # its pages up to here are allocated (written through fd, or allocate())
+        self.trailer = 0  # a storage torch moved for shmreduce: where its header lies, past it (trail)
+        self.counter: Gen | None = None  # such a storage's, where it was moved: counts its refs sent (counting)
         # Unmapped (and its descriptor closed) once the segment is gone: a weakref
         # callback, run after every weak reference to it is cleared, never __del__,
         # which runs while _mapped can still hand the dying segment to another thread.
@@ -277,9 +283,26 @@ class Segment:
         that hold (or hands it to a ``Hold``). *entry*: a receiver's, its ledger entry
         for *number* (``hdr_hold`` counted it in the header), let go of when the Gen
         dies (``transfer.settle_dead``)."""
-        gen = Gen(self, self.addr, self.size, number, HEADER if number else 0)
+        if number:
+            gen = Gen(self, self.addr, self.size, number, HEADER)
+        elif self.trailer:
+            gen = Gen(self, self.addr, self.trailer, 0, 0, self.trailer)
+        else:
+            gen = Gen(self, self.addr, self.size, 0, 0)
         gen.info = (entry, os.getpid())  # GenInfo's fields
         self.gen_ref, self.gen = weakref.ref(gen), number
+        return gen
+
+    def counting(self) -> Gen:
+        """A held Gen that counts one ref of this segment's trailing header sent (a
+        storage torch moved: ``trail``), for the sending scope (``_native.count_sent``):
+        its mover's ``counter`` (which keeps it from being let go of meanwhile:
+        ``transfer._drop_adopted``), else one of its own, as a forwarder's."""
+        counter = self.counter
+        if counter is not None and counter.acquire():
+            return counter
+        gen = Gen(self, self.addr, self.trailer, 0, 0, self.trailer)
+        gen.info = (None, -1)  # GenInfo's fields: nobody's to settle
         return gen
 
     def seal(self) -> None:
@@ -476,15 +499,18 @@ def open_file(directory: str, name: str) -> Segment:
         os.close(fd)
 
 
-def adopt(storage: torch.UntypedStorage) -> Segment | None:
+def adopt(storage: torch.UntypedStorage, moved: bool = False) -> Segment | None:
     """The segment of a storage torch already put in fd-backed shared memory: a
-    segment shmreduce does not pool (generation 0), kept while that storage lives."""
+    segment shmreduce does not pool (generation 0), kept while that storage lives.
+    *moved*: torch moved it for shmreduce (a torch without the swap): a header trails
+    it (``trail``), which counts its refs in flight as a pooled segment's does."""
     try:
         fd = _torch.storage_fd(storage)
     except RuntimeError:
         return None
     if fd < 0:
         return None
+    at = _trail(fd, storage.nbytes()) if moved else 0
     ino, size = fd_identity(fd)
     seg = _mapped.get(("fd", ino))
     if seg is None:
@@ -494,7 +520,45 @@ def adopt(storage: torch.UntypedStorage) -> Segment | None:
         except OSError as exc:
             os.close(dup)
             raise os_error(exc, "mapping a shared storage") from exc
+    if at and not seg.trailer:
+        seg.trailer = at
+        try:
+            _native.hdr_issue(seg.addr + at)  # ticket 0 unused: a ref of generation 0 with a ticket names a trailing header
+        except OSError as exc:
+            raise SharingError(_native.CUT_MESSAGE) from exc
+        seg.counter = _counter(seg)
     return seg
+
+
+def _trail(fd: int, nbytes: int) -> int:
+    """Grow the memfd *fd* torch moved a storage of *nbytes* into by a header, on the
+    page after the storage's last (torch's own mappings of it end before): refs to
+    it are counted sent and loaded there, so its broker keeps it while one waits to
+    be loaded, as a pooled segment (protocol.py, "Lifetimes"). Where it lies."""
+    at = -(-nbytes // _PAGE) * _PAGE
+    try:
+        os.ftruncate(fd, at + HEADER)
+        os.posix_fallocate(fd, at, HEADER)
+    except OSError as exc:
+        raise no_memory(exc, "a shared storage's header", HEADER) from exc
+    return at
+
+
+def find_trailer(seg: Segment, nbytes: int) -> None:
+    """A received memfd named by a ref of generation 0 with a ticket, for *nbytes*
+    from its start: a storage torch moved, its header past it (``trail``), if its
+    size says so (a forged ticket on another memfd counts nothing)."""
+    at = -(-nbytes // _PAGE) * _PAGE
+    if not seg.trailer and seg.kind == "fd" and seg.size == at + HEADER:
+        seg.trailer = at
+
+
+def _counter(seg: Segment) -> Gen:
+    """The Gen that counts the refs its mover sends of *seg*, held for as long as it
+    sends them (``transfer._drop_adopted`` releases it)."""
+    gen = Gen(seg, seg.addr, seg.trailer, 0, 0, seg.trailer)
+    gen.info = (None, -1)  # GenInfo's fields: nobody's to settle
+    return gen
 
 
 _FULL = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
@@ -584,6 +648,7 @@ __all__ = [
     "dtypes",
     "fd_identity",
     "fill",
+    "find_trailer",
     "forget_deposits",
     "keep",
     "let_go_of_here",

@@ -326,6 +326,12 @@ def share(storage: torch.UntypedStorage) -> tuple:
             gen = _native.Gen(seg, seg.addr, seg.size, number, HEADER)
             gen.info = (None, -1)  # GenInfo's fields: nobody's to settle
         out.counted.append(gen)
+    elif seg.trailer:  # a storage torch moved for shmreduce: counted in the header past it
+        try:
+            ticket = _native.hdr_issue(seg.addr + seg.trailer)
+        except OSError:
+            raise SharingError(_native.CUT_MESSAGE) from None
+        out.counted.append(seg.counting())
     kind, directory, key, number, tag = template
     return (kind, directory, key, number, offset, nbytes, tag, ticket)
 
@@ -338,14 +344,15 @@ def _deposit(seg: segments.Segment, storage: torch.UntypedStorage, gen: int) -> 
     it as a receiver) is forwarded as a received one is: nothing here will drop it."""
     prog = program.current()
     client = broker.client_for(prog.directory, prog.root_pid)
+    header = "lead" if gen else "trail" if seg.trailer else ""
     if seg.fd is not None:
-        client.segment(seg.fd, header=gen != 0, forward=seg.outside_its_pool())
+        client.segment(seg.fd, header, forward=seg.outside_its_pool())
     else:
         fd = client.fetch(int(seg.key))
         if fd is None:
             return False
         try:
-            client.segment(fd, header=gen != 0, forward=True)  # another process made it
+            client.segment(fd, header, forward=True)  # another process made it
         finally:
             os.close(fd)
     seg.deposited = True
@@ -426,7 +433,7 @@ def _adopt(storage: torch.UntypedStorage, key: int, nbytes: int, moved: bool = F
     this process lives, as a pooled segment keeps its messages while their sender
     lives (``_drop_adopted``)."""
     try:
-        seg = segments.adopt(storage)
+        seg = segments.adopt(storage, moved)
     except OSError as exc:  # its descriptor's dup, at this process's limit
         raise segments.os_error(exc, "keeping the descriptor of a storage torch shared") from exc
     if seg is None:
@@ -573,13 +580,27 @@ def collect() -> None:
         p.trim()
 
 
+# Storages torch moved for shmreduce that died while a message naming them was being
+# pickled: let go of at the next pass, once that message is counted sent.
+_dying: list[segments.Segment] = []
+
+
 def _drop_adopted(segs: list[segments.Segment]) -> None:
     """The memfds of storages torch moved for shmreduce that died here: this process
-    sends no more refs to them. No header counts their refs in flight: the broker
-    keeps each ORPHAN_TTL for them (protocol.py, "Lifetimes"), the bound a torch
-    without the swap puts on a message whose storage died in its sender."""
+    sends no more refs to them, and its broker keeps each while a ref sent in it waits
+    to be loaded (its trailing header counts them: ``segments.trail``), as a pooled
+    segment. One a thread is still pickling a ref of waits for the next pass: let go
+    of before that ref is counted sent, it could be closed under it."""
     keys = []
+    segs, _dying[:] = _dying + segs, []
     for seg in segs:
+        counter = seg.counter
+        if counter is not None:
+            if counter.live > 1:  # its mover's hold, and a message's
+                _dying.append(seg)
+                continue
+            seg.counter = None
+            counter.release()
         if seg.deposited:
             seg.deposited = False  # sent again (forwarded from a mapping here): deposited anew
             keys.append(seg.key)
@@ -679,7 +700,7 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
     return, and is cached as such). Counts the ref loaded."""
     kind, directory, segkey, number, offset, nbytes, tag, ticket = _checked(ref)
     if not number:
-        own = _adopted_here(kind, directory, segkey, offset, nbytes)
+        own = _adopted_here(kind, directory, segkey, offset, nbytes, ticket)
         if own is not None:
             global _own_loads
             _own_loads += 1  # a load of a storage it had already, as Gen.load counts one
@@ -693,6 +714,8 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
                 seg = _mapped_segment(kind, directory, segkey)
                 if seg is None:
                     seg = _map(kind, directory, segkey, number, tag)
+                if ticket and not number and not offset:
+                    segments.find_trailer(seg, nbytes)
                 gen = _new_gen(seg, kind, directory, segkey, number, tag)
     try:
         if meta is not None:
@@ -715,13 +738,22 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
 _own_loads = 0  # refs loaded as a storage this process adopted (_adopted_here): counted in no Gen
 
 
-def _adopted_here(kind: str, directory: str, segkey: Any, offset: int, nbytes: int) -> torch.UntypedStorage | None:
+def _adopted_here(kind: str, directory: str, segkey: Any, offset: int, nbytes: int, ticket: int) -> torch.UntypedStorage | None:
     """The storage a ref of generation 0 names, where it is one this process adopted
     (torch shared it here, or moved it: a torch without the swap): the very storage,
-    as a pooled one loads as its sender's own (``_placed``), not a second mapping."""
+    as a pooled one loads as its sender's own (``_placed``), not a second mapping;
+    counted loaded in its trailing header, if it has one."""
     seg = _mapped_segment(kind, directory, segkey)
     own = cache.adopted_in(seg) if seg is not None else None
-    return own if own is not None and offset == 0 and own.nbytes() == nbytes else None
+    if own is None or offset != 0 or own.nbytes() != nbytes:
+        return None
+    assert seg is not None
+    if ticket and seg.trailer:
+        try:
+            _native.hdr_loaded(seg.addr + seg.trailer, ticket)
+        except OSError:
+            raise SharingError(_native.CUT_MESSAGE) from None
+    return own
 
 
 # Finding or making the Gen of a generation here is one step per (segment,
@@ -956,14 +988,23 @@ def _bring_back(client: broker.BrokerClient, file_gone: Callable[[segments.Segme
 
     for seg in _fd_pool.owned():
         if not seg.deposited and reachable(seg):
-            _quietly(client.segment, seg.fd, True)
+            _quietly(client.segment, seg.fd, "lead")
             seg.deposited = True
     # Its own memfds its pool let go of, which it holds as a receiver: those it sent
     # refs in that wait to be loaded go back too, as any sender's (a forward).
     for seg in segments.let_go_of_here():
         _gen, sent, loaded, _holders = _native.hdr_read(seg.addr)
         if not seg.deposited and sent > loaded:
-            _quietly(client.segment, seg.fd, True, True)
+            _quietly(client.segment, seg.fd, "lead", True)
+            seg.deposited = True
+    # The storages torch moved for it (a torch without the swap) with refs in flight.
+    for seg in cache.moved_segments():
+        try:
+            _gen, sent, loaded, _holders = _native.hdr_read(seg.addr + seg.trailer)
+        except OSError:
+            continue  # cut by another process: nothing in it to bring back
+        if not seg.deposited and seg.fd is not None and sent > loaded:
+            _quietly(client.segment, seg.fd, "trail")
             seg.deposited = True
     for seg in _fs_pool.owned():
         if file_gone(seg) and reachable(seg):

@@ -41,15 +41,6 @@ if tmp is not None:
 
     from shmreduce import _torch  # noqa: E402
 
-    if _torch.path() == "adopt":
-        # A torch without the swap (before 2.12): every storage sent is a memfd of torch's,
-        # which a broker keeps SHMREDUCE_ORPHAN_TTL after its sender let go of it (nothing
-        # counts its refs in flight): 10 s, not 60, or each module's leak check (15 s)
-        # waits for it; and not less, or a message a test reads seconds after its storage
-        # died in its sender is stale on a loaded machine (the cost of that path,
-        # docs/compatibility.md).
-        os.environ.setdefault("SHMREDUCE_ORPHAN_TTL", "10")
-
 from helpers import open_fds, shutdown_and_check_leaks  # noqa: E402
 
 

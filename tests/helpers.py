@@ -55,16 +55,6 @@ def without_swap() -> Iterator[None]:
         _native.init(_torch.from_dlpack, SharingError, segments.dtypes, segments.live, swap, _torch.dlpack_versioned())
 
 
-def let_go_within(seconds: float = 10.0) -> float:
-    """How long a test waits for a broker to let go of what its senders dropped or died
-    with: *seconds*, plus ORPHAN_TTL where torch moves a sender's storage itself (a
-    memfd without a header, kept that long: protocol.py, "Lifetimes")."""
-    from shmreduce import _torch
-    from shmreduce.broker.keeper import ORPHAN_TTL
-
-    return seconds + (ORPHAN_TTL if _torch.path() == "adopt" else 0.0)
-
-
 def wait_for(cond: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -270,7 +270,7 @@ def test_a_let_go_written_before_a_close_counts(broker_log):
     seg = _Memfd(int.from_bytes(os.urandom(8), "little") | 1)
     first, second = _receivers(2)
     try:
-        sender.segment(seg.fd, header=True)
+        sender.segment(seg.fd, header="lead")
         entries = {}
         for receiver in (first, second):
             assert _native.hdr_hold(seg.addr, seg.gen)

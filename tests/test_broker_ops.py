@@ -125,7 +125,7 @@ def test_a_deposited_memfd_is_fetched_by_its_inode_until_its_depositor_drops_it(
     try:
         before = sender.ping()["segments"]
         ino = P.identity(os.fstat(fd))
-        sender.segment(fd, header=True)
+        sender.segment(fd, header="lead")
         assert sender.ping()["segments"] == before + 1
         assert _fetchable(receiver, ino)
         sender.drop([ino])
@@ -145,7 +145,7 @@ def test_a_forwarded_memfd_is_kept_only_while_something_reaches_it(registered_fd
     fd = _memfd()
     try:
         before = relay.ping()["segments"]
-        relay.segment(fd, header=True, forward=True)
+        relay.segment(fd, header="lead", forward=True)
         # Its header says nothing was sent in it and nobody holds it: it goes.
         assert wait_for(lambda: relay.ping()["segments"] == before, TIMEOUT)
     finally:
@@ -172,7 +172,7 @@ def test_a_drop_of_a_memfd_another_client_deposited_changes_nothing(registered_f
     fd = _memfd()
     try:
         ino = P.identity(os.fstat(fd))
-        sender.segment(fd, header=True)
+        sender.segment(fd, header="lead")
         other.drop([ino])
         other.ping()  # a barrier: its drop was read
         assert _fetchable(other, ino)

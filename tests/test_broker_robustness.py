@@ -33,7 +33,7 @@ from shmreduce import program, transfer
 from shmreduce.broker import client as broker_client
 from shmreduce.broker import protocol as P
 
-from helpers import SegmentRef, broker_pids, forget_mappings, gone, let_go_now, let_go_within, run_in_child, seg_files, wait_for
+from helpers import SegmentRef, broker_pids, forget_mappings, gone, let_go_now, run_in_child, seg_files, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 30.0
@@ -53,7 +53,7 @@ def broker_log(monkeypatch, tmp_path):
     monkeypatch.setenv("SHMREDUCE_BROKER_LOG", str(path))
     yield path
     broker_client.close_all()
-    assert wait_for(lambda: not broker_pids(), let_go_within())
+    assert wait_for(lambda: not broker_pids(), 10)
 
 
 def _log_text(path) -> str:
@@ -165,7 +165,7 @@ def test_a_deposit_returns_once_the_broker_keeps_the_memfd(broker_log):
         done = threading.Event()
 
         def deposit() -> None:
-            sender.segment(fd, header=True)
+            sender.segment(fd, header="lead")
             done.set()
 
         pid = sender.broker_pid
@@ -294,7 +294,8 @@ def _loads_values_as_a_stranger(data):
 
 
 def test_connections_that_never_handshake_do_not_stall_the_broker(registered_fd, broker_log):
-    data = shmreduce.dumps(torch.arange(4.0))  # the broker runs, and keeps the memfd
+    t = torch.arange(4.0)
+    data = shmreduce.dumps(t)  # the broker runs, and keeps the memfd (a message loads while its tensor lives)
     path = os.path.join(program.current().directory, P.SOCKET_NAME)
     silent = []
     try:
@@ -317,7 +318,7 @@ def test_connections_that_never_handshake_do_not_stall_the_broker(registered_fd,
         for sock in silent:
             sock.close()
     assert "no handshake within" in _log_text(broker_log)
-    assert shmreduce.loads(data).tolist() == [0.0, 1.0, 2.0, 3.0]  # counted loaded here too
+    assert shmreduce.loads(data).tolist() == t.tolist()  # counted loaded here too
 
 
 # -- no unclosed sockets at exit; a broker restart is a warning ---------------------------------

@@ -157,7 +157,7 @@ import torch, shmreduce
 from multiprocessing.reduction import ForkingPickler
 from shmreduce.broker import client
 sys.path.insert(0, sys.argv[1])
-from helpers import broker_pids, let_go_within, wait_for
+from helpers import broker_pids, wait_for
 shmreduce.register(strategy="file_system")
 try:
     ForkingPickler.dumps({"t": torch.ones(4), "lock": threading.Lock()})
@@ -166,7 +166,7 @@ except TypeError:
 gc.collect()
 shmreduce.unregister()
 client.close_all()
-ok = wait_for(lambda: not broker_pids(), timeout=let_go_within(5))
+ok = wait_for(lambda: not broker_pids(), timeout=5)
 print("broker exited" if ok else f"broker still running: {broker_pids()}")
 sys.exit(0 if ok else 1)
 """

@@ -237,7 +237,7 @@ class Driver:
         self.check(ok, f"{why}: segment files left {sorted(_seg_files(self.program.directory) - self.orphans)}")
         # nothing in flight that a live process could still load: the broker keeps no
         # segment for the dead (but the stream's orphans)
-        ok = self.wait(lambda: self.draining() <= self.orphan_segments, helpers.let_go_within(TIMEOUT))
+        ok = self.wait(lambda: self.draining() <= self.orphan_segments)
         self.check(ok, f"{why}: the broker keeps {self.draining()} segment(s) in flight, {self.orphan_segments} orphaned")
 
     def start_consumer(self, stranger=False):

@@ -164,7 +164,7 @@ def _broker_seen_by_its_user(base: str) -> dict:
     broker = c.broker_pid
     fd = os.memfd_create("shmreduce-test", os.MFD_CLOEXEC)
     os.ftruncate(fd, 4096)
-    c.segment(fd, header=False)  # the broker keeps a descriptor of it
+    c.segment(fd, header="")  # the broker keeps a descriptor of it
     ino = P.identity(os.fstat(fd))
     os.close(fd)
     full = c.ping(full=True)

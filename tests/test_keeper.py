@@ -87,10 +87,10 @@ def _ledger(*entries: tuple[int | str, int, int]) -> int:
 def test_a_memfd_its_depositor_lets_go_of_is_closed_once_every_ref_sent_in_it_was_loaded(keeper, memfd):
     fd, mine, ino = memfd(sent=2, loaded=2)
     maker = Account()
-    keeper.deposit(maker, fd, header=True)
+    keeper.deposit(maker, fd, header="lead")
     seg = keeper.memfds[ino]
     assert seg.users == 1 and maker.segs == {ino} and seg.senders == {maker}
-    keeper.drop(maker, [ino], died=False)
+    keeper.drop(maker, [ino])
     assert ino not in keeper.memfds and seg.fd == -1 and not keeper.draining
     assert maker.holds_nothing()
 
@@ -98,8 +98,8 @@ def test_a_memfd_its_depositor_lets_go_of_is_closed_once_every_ref_sent_in_it_wa
 def test_refs_not_all_loaded_keep_their_memfd_while_a_sender_lives_however_long(keeper, memfd):
     fd, mine, ino = memfd(sent=2, loaded=1)
     maker = Account()
-    keeper.deposit(maker, fd, header=True)
-    keeper.drop(maker, [ino], died=False)
+    keeper.deposit(maker, fd, header="lead")
+    keeper.drop(maker, [ino])
     seg = keeper.memfds[ino]
     assert seg in keeper.draining and keeper.reach(seg) == SENT
     keeper.drain(time.monotonic() + LATER)
@@ -112,7 +112,7 @@ def test_refs_not_all_loaded_keep_their_memfd_while_a_sender_lives_however_long(
 def test_refs_of_a_dead_sender_keep_their_memfd_orphan_ttl_then_it_goes(keeper, memfd):
     fd, mine, ino = memfd(sent=1, loaded=0)
     maker = Account()
-    keeper.deposit(maker, fd, header=True)
+    keeper.deposit(maker, fd, header="lead")
     keeper.forget(maker)  # it died
     seg = keeper.memfds[ino]
     assert keeper.reach(seg) == ORPHANED and seg.until > 0 and not maker.sent
@@ -122,6 +122,50 @@ def test_refs_of_a_dead_sender_keep_their_memfd_orphan_ttl_then_it_goes(keeper, 
     assert ino not in keeper.memfds
 
 
+def _trailed(memfd, sent: int, loaded: int, pages: int = 3) -> tuple[int, int, int]:
+    """A memfd as a storage torch moved for shmreduce leaves it: its header on the page
+    past the storage's last (segments.trail), the size its end."""
+    fd, mine, ino = memfd(gen=0)
+    at = pages * 4096
+    os.ftruncate(mine, at + _native.HEADER_BYTES)
+    os.pwrite(mine, WORDS.pack(0, sent, loaded, 0), at)
+    return fd, mine, ino
+
+
+@pytest.mark.parametrize("sender", ["lives", "died"])
+def test_a_storage_torch_moved_keeps_its_memfd_while_refs_counted_past_it_wait(keeper, memfd, sender):
+    """Its header trails it: once its depositor let go of it (its storage died there),
+    its refs in flight keep it as a pooled segment's do, while their sender lives
+    however long, ORPHAN_TTL after its death; the last one loaded, it goes."""
+    fd, mine, ino = _trailed(memfd, sent=2, loaded=1)
+    maker = Account()
+    keeper.deposit(maker, fd, header="trail")
+    seg = keeper.memfds[ino]
+    assert seg.header and seg.at == 3 * 4096
+    if sender == "lives":
+        keeper.drop(maker, [ino])
+        assert keeper.reach(seg) == SENT
+        keeper.drain(time.monotonic() + LATER)
+        assert ino in keeper.memfds, "a timer let go of refs whose sender lives"
+        os.pwrite(mine, WORDS.pack(0, 2, 2, 0), seg.at)  # the last ref loaded
+        keeper.drain(time.monotonic() + 2 * LATER)
+    else:
+        keeper.forget(maker)
+        assert keeper.reach(seg) == ORPHANED and seg.until > 0
+        keeper.drain(seg.until - 1.0)
+        assert ino in keeper.memfds
+        keeper.drain(seg.until)
+    assert ino not in keeper.memfds and not keeper.draining
+
+
+def test_a_trailing_header_that_does_not_end_its_memfd_on_a_page_counts_as_none(keeper, memfd):
+    fd, mine, ino = memfd(gen=0)
+    os.ftruncate(mine, 4096 + 100)
+    maker = Account()
+    keeper.deposit(maker, fd, header="trail")
+    assert not keeper.memfds[ino].header
+
+
 @pytest.mark.parametrize("how", ["let go of", "its depositor died"])
 def test_a_storage_torch_shared_stays_orphan_ttl_once_its_depositor_lets_go(keeper, memfd, how):
     """No header counts the refs in flight of a memfd torch shared: a receiver may
@@ -129,9 +173,9 @@ def test_a_storage_torch_shared_stays_orphan_ttl_once_its_depositor_lets_go(keep
     died there) or died."""
     fd, mine, ino = memfd()
     maker = Account()
-    keeper.deposit(maker, fd, header=False)
+    keeper.deposit(maker, fd, header="")
     if how == "let go of":
-        keeper.drop(maker, [ino], died=False)
+        keeper.drop(maker, [ino])
     else:
         keeper.forget(maker)
     seg = keeper.memfds[ino]
@@ -151,10 +195,10 @@ def test_a_storage_torch_shared_that_a_process_forwards_stays_orphan_ttl_from_th
     relay = Account()
     if maker == "let go of it":
         depositor = Account()
-        keeper.deposit(depositor, fd, header=False)
-        keeper.drop(depositor, [ino], died=False)
+        keeper.deposit(depositor, fd, header="")
+        keeper.drop(depositor, [ino])
         fd = os.dup(mine)
-    keeper.deposit(relay, fd, header=False, forward=True)
+    keeper.deposit(relay, fd, header="", forward=True)
     seg = keeper.memfds[ino]
     assert seg.users == 0 and seg in keeper.draining and seg.until > 0 and relay in seg.senders
     keeper.drain(seg.until - 1.0)
@@ -166,7 +210,7 @@ def test_a_storage_torch_shared_that_a_process_forwards_stays_orphan_ttl_from_th
 def test_a_held_generation_keeps_its_memfd_until_its_dead_holders_ledger_counts_it_out(keeper, memfd):
     fd, mine, ino = memfd(gen=7, sent=1, loaded=1, holders=1)
     maker, holder = Account(), Account()
-    keeper.deposit(maker, fd, header=True)
+    keeper.deposit(maker, fd, header="lead")
     keeper.forget(maker)
     seg = keeper.memfds[ino]
     assert keeper.reach(seg) == HELD
@@ -186,7 +230,7 @@ def test_a_dead_holders_entry_waits_for_its_memfd_and_is_counted_out_when_it_com
     keeper.count_out(holder)  # the broker knows no descriptor of it yet
     assert keeper.unreached == {ino: [(3, P.HELD)]} and _holders(mine) == 1
     maker = Account()
-    keeper.deposit(maker, fd, header=True)  # its owner, back after a broker restart
+    keeper.deposit(maker, fd, header="lead")  # its owner, back after a broker restart
     assert not keeper.unreached and _holders(mine) == 0
     keeper.forget(maker)
     assert ino not in keeper.memfds
@@ -197,8 +241,8 @@ def test_only_the_newest_forwardable_memfds_only_held_keep_their_descriptors(kee
     inos = []
     for _ in range(FORWARDABLE + 1):
         fd, mine, ino = memfd(holders=1)  # every ref loaded, a receiver holds it
-        keeper.deposit(maker, fd, header=True)
-        keeper.drop(maker, [ino], died=False)
+        keeper.deposit(maker, fd, header="lead")
+        keeper.drop(maker, [ino])
         inos.append(ino)
     assert all(ino in keeper.memfds for ino in inos), "a held memfd's record let go of"
     assert keeper.memfds[inos[0]].fd == -1, "the oldest one's descriptor is kept past FORWARDABLE"
@@ -209,7 +253,7 @@ def test_only_the_newest_forwardable_memfds_only_held_keep_their_descriptors(kee
 def test_a_forwarded_memfd_is_kept_for_what_reaches_it_not_for_its_forwarder(keeper, memfd):
     fd, mine, ino = memfd(sent=1, loaded=0)
     relay = Account()
-    keeper.deposit(relay, fd, header=True, forward=True)
+    keeper.deposit(relay, fd, header="lead", forward=True)
     seg = keeper.memfds[ino]
     assert seg.users == 0 and seg.forwarded and not relay.segs and seg.senders == {relay}
     assert keeper.reach(seg) == SENT
@@ -239,7 +283,7 @@ def test_a_held_file_is_read_through_room_and_unlinked_once_nothing_reaches_it(t
         maker = Account()
         keeper.hold(maker, [name, "not-a-segment"])
         assert list(keeper.files) == [name] and maker.holds == {name}
-        keeper.release(maker, [name], died=False)
+        keeper.release(maker, [name])
         assert opened, "the header's file was opened without the server's room"
         keeper.drain(time.monotonic() + LATER)
         assert path.exists() and name in keeper.files, "a file let go of while a ref sent in it waits"
@@ -258,7 +302,7 @@ def test_close_all_lets_go_of_every_descriptor_and_the_ledgers_close_on_their_ow
     maker = Account()
     for _ in range(3):
         fd, mine, ino = memfd(holders=1)
-        keeper.deposit(maker, fd, header=True)
+        keeper.deposit(maker, fd, header="lead")
     maker.ledger = _ledger()
     keeper.close_all()
     assert not keeper.memfds

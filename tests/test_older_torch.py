@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -159,6 +160,39 @@ def test_a_storage_torch_moved_is_let_go_of_at_the_broker_once_it_died():
                 assert parent.poll(60) and parent.recv() == 1000.0 * i
                 del t  # after its load: a ref that waits past ORPHAN_TTL (0.5 s here) is stale
             let_go_now()
+            assert wait_for(lambda: _segments_at_the_broker()["segments"] == 0, 15), _segments_at_the_broker()
+            parent.send(None)
+    parent.close()
+
+
+def _load_when_told(conn, go) -> None:
+    assert go.wait(60)
+    while (blob := conn.recv()) is not None:
+        loads = [shmreduce.loads(blob) for _ in range(2)]  # the same bytes twice: one ref loaded
+        conn.send([float(t.sum()) for t in loads])
+
+
+@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
+def test_a_message_keeps_a_storage_torch_moved_while_it_waits_past_its_senders_drop(strategy):
+    # Its sender dropped the tensor and let go of its memfd; the message waits in a pipe
+    # far past ORPHAN_TTL (0.5 s here), its sender alive: it still loads, as a pooled
+    # segment's message does, and once loaded (twice, the same bytes) nothing is kept.
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    go = ctx.Event()
+    with without_swap(), shmreduce.registered(strategy=strategy):
+        proc = ctx.Process(target=_load_when_told, args=(child, go))
+        with running(proc):
+            child.close()
+            for i in range(3):
+                parent.send(shmreduce.dumps(torch.full((1000,), float(i + 1))))  # the tensor dies at once
+            let_go_now()  # each memfd let go of here: the broker decides when it goes
+            counters = _segments_at_the_broker()
+            assert counters["segments"] == 3, counters
+            time.sleep(4 * float(os.environ["SHMREDUCE_ORPHAN_TTL"]))  # past it: not what keeps them
+            go.set()
+            for i in range(3):
+                assert parent.poll(60) and parent.recv() == [1000.0 * (i + 1)] * 2
             assert wait_for(lambda: _segments_at_the_broker()["segments"] == 0, 15), _segments_at_the_broker()
             parent.send(None)
     parent.close()

@@ -54,7 +54,7 @@ def test_a_broker_keeps_a_memfd_and_hands_it_back(monkeypatch):
     try:
         os.write(fd, b"no torch here")
         ino = P.identity(os.fstat(fd))
-        sender.segment(fd, header=False)
+        sender.segment(fd, header="")
         assert sender.ping()["pid"] == sender.broker_pid  # a barrier: the segment is in
         got = receiver.fetch(ino)
         assert got is not None and P.identity(os.fstat(got)) == ino

@@ -299,8 +299,8 @@ shm_loaded_new(GenObject *gen, PyObject *key, PyObject *storage, Py_ssize_t nbyt
     if (shm_remember(gen, key, storage) < 0) {
         return -1;
     }
-    if (gen->low &&
-        shm_count_loaded((_Atomic uint64_t *)gen->addr, ticket, gen->module->sharing_error) < 0) {
+    if (gen->hdr &&
+        shm_count_loaded((_Atomic uint64_t *)gen->hdr, ticket, gen->module->sharing_error) < 0) {
         return -1;
     }
     gen->module->loads++;
@@ -334,7 +334,7 @@ load_storage(GenObject *gen, Py_ssize_t offset, Py_ssize_t nbytes, uint64_t tick
             goto error;
         }
         if (have == nbytes) {
-            if (gen->low && shm_count_loaded((_Atomic uint64_t *)gen->addr, ticket,
+            if (gen->hdr && shm_count_loaded((_Atomic uint64_t *)gen->hdr, ticket,
                                              gen->module->sharing_error) < 0) {
                 goto error;
             }
@@ -625,11 +625,11 @@ gen_set_info(GenObject *self, PyObject *value, void *Py_UNUSED(closure))
 static PyObject *
 gen_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"owner", "addr", "size", "number", "low", NULL};
+    static char *kwlist[] = {"owner", "addr", "size", "number", "low", "header", NULL};
     PyObject *owner, *addr_obj, *number;
-    Py_ssize_t size, low;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOnO!n:Gen", kwlist, &owner, &addr_obj, &size,
-                                     &PyLong_Type, &number, &low)) {
+    Py_ssize_t size, low, header = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOnO!n|n:Gen", kwlist, &owner, &addr_obj, &size,
+                                     &PyLong_Type, &number, &low, &header)) {
         return NULL;
     }
     void *addr = PyLong_AsVoidPtr(addr_obj);
@@ -641,13 +641,17 @@ gen_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     }
     /* A pooled generation (low > 0) writes its header's words and ticket bits: its
      * storages start past the whole header, which lies aligned at addr. One that is not
-     * pooled (a storage torch shared) may be as small as its storage: a byte. */
+     * pooled (a storage torch shared) may be as small as its storage: a byte; where
+     * torch moved it for shmreduce, a header trails it (header: its offset, at or past
+     * size, the mapping holding its HEADER_BYTES). */
     if (size <= 0 || low < 0 || low > size ||
-        (low > 0 && (low < HEADER_BYTES || (uintptr_t)addr % 8))) {
+        (low > 0 && (low < HEADER_BYTES || (uintptr_t)addr % 8 || header >= 0)) ||
+        (header >= 0 && (header < size || ((uintptr_t)addr + (uintptr_t)header) % 8))) {
         PyErr_Format(
             PyExc_ValueError,
-            "Gen of a %zd-byte segment from byte %zd (a pooled one starts past its %d-byte header)",
-            size, low, HEADER_BYTES);
+            "Gen of a %zd-byte segment from byte %zd, header at %zd (a pooled one starts past its "
+            "%d-byte header; a trailing one lies past the storage, aligned)",
+            size, low, header, HEADER_BYTES);
         return NULL;
     }
     PyObject *stored = PyDict_New();
@@ -671,6 +675,7 @@ gen_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->addr = addr;
     self->size = size;
     self->low = low;
+    self->hdr = low > 0 ? (char *)addr : header >= 0 ? (char *)addr + header : NULL;
     self->number = Py_NewRef(number);
     self->key = NULL;
     self->template = NULL;
@@ -910,8 +915,8 @@ native_count_sent(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(gens); i++) {
         GenObject *gen = (GenObject *)PyList_GET_ITEM(gens, i);
-        if (sent && gen->low) {
-            shm_count_sent((_Atomic uint64_t *)gen->addr);
+        if (sent && gen->hdr) {
+            shm_count_sent((_Atomic uint64_t *)gen->hdr);
         }
         shm_drop_count(gen);
     }

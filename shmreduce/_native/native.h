@@ -144,6 +144,8 @@ struct GenObject {
     char *addr;
     Py_ssize_t size;
     Py_ssize_t low;     /* first byte a storage may use: past the header if pooled, else 0 */
+    char *hdr;          /* its header (sent, loaded, tickets): addr if pooled, past size if it
+                         * trails a storage torch moved (segments.trail), else NULL */
     PyObject *number;   /* the generation, an int (0: not pooled) */
     PyObject *key;      /* its key in the published dict, or NULL */
     PyObject *template; /* indexed: its refs' (kind, directory, segment, generation, tag) */

@@ -724,14 +724,14 @@ share_plain(shm_state *st, PyObject *tensor, PyObject *storage)
         return NULL;
     }
     head.ticket = 0;
-    if (gen->low && shm_issue_ticket((_Atomic uint64_t *)gen->addr, &head.ticket) < 0) {
+    if (gen->hdr && shm_issue_ticket((_Atomic uint64_t *)gen->hdr, &head.ticket) < 0) {
         return NULL; /* cut under its header: the general path says so */
     }
     PyObject *packed = NULL, *args = NULL;
     PyObject *template = Py_NewRef(gen->template);
     head.offset = (uint64_t)offset;
     head.nbytes = (uint64_t)nbytes;
-    if (gen->low) {
+    if (gen->hdr) {
         if (PyList_Append(outgoing, (PyObject *)gen) < 0) {
             goto error;
         }

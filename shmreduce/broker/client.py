@@ -448,9 +448,10 @@ class BrokerClient:
                 except OSError as exc:
                     raise self._broken(exc) from exc
 
-    def segment(self, fd: int, header: bool, forward: bool = False) -> None:
-        """This process sends refs to the memfd *fd* (*header*: a pooled segment;
-        *forward*: one it received and sends on, not one it made): the broker keeps
+    def segment(self, fd: int, header: str, forward: bool = False) -> None:
+        """This process sends refs to the memfd *fd* (*header*: where its header lies,
+        "lead" for a pooled segment, "trail" past a storage torch moved for shmreduce,
+        "" for none; *forward*: one it received and sends on, not one it made): the broker keeps
         its descriptor, by inode, for the receivers to fetch, while its maker uses it
         and then while anything can reach it (protocol.py, "Lifetimes").
 
@@ -460,7 +461,7 @@ class BrokerClient:
         receiver finds it stale."""
         with self.lock:
             self._post_socket(start=True)  # this identity's ledger at the broker first, as for any record
-            kind = (P.SEG_FORWARDED if forward else P.SEG_MADE) if header else (P.SEG_TORCH_FORWARDED if forward else P.SEG_TORCH)
+            kind = P.SEG_KINDS[header, forward]
             _op, body, fds = self._round_trip(P.SEGMENT, kind, P.DEPOSITED, start=True, fds=[fd])
             for extra in fds:
                 os.close(extra)

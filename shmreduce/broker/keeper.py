@@ -10,8 +10,9 @@ follows are written once, in ``protocol.py`` ("Lifetimes").
 A segment is kept while a client uses it (``use``: a memfd's depositor, a file's
 holder), then *drains* while anything can still reach it (``reach``): a process
 holds its generation, refs sent in it wait to be loaded, or ORPHAN_TTL after their
-last sender died. A memfd without a header (a storage torch shared) has nothing
-that counts its refs: it drains ORPHAN_TTL from its last user's let-go or death. What
+last sender died (a storage torch moved for shmreduce has its header past it:
+``Segment.at``). A memfd without a header (a storage torch shared for the user) has
+nothing that counts its refs: it drains ORPHAN_TTL from its last user's death. What
 it keeps:
 
 - ``memfds``: deposited memfds, by inode, each with its descriptor (fetched by
@@ -83,12 +84,13 @@ class Segment:
     (``Keeper.reach``): a process holds its generation, or refs sent in it wait to
     be loaded while one of their senders lives, or ORPHAN_TTL after the last died."""
 
-    __slots__ = ("key", "fd", "header", "users", "senders", "until", "map", "addr", "look", "forwarded")
+    __slots__ = ("key", "fd", "header", "at", "users", "senders", "until", "map", "addr", "look", "forwarded")
 
-    def __init__(self, key: int | str, fd: int, header: bool) -> None:
+    def __init__(self, key: int | str, fd: int, header: bool, at: int = 0) -> None:
         self.key = key
         self.fd = fd  # a memfd's; -1 for a file
-        self.header = header  # pooled: the first HEADER bytes are the generation and its counters
+        self.header = header  # the generation and its counters: a pooled segment's first HEADER bytes, ...
+        self.at = at  # ... or those from here (a storage torch moved for shmreduce: it trails it)
         self.users = 0
         self.senders: set[Account] = set()  # live clients that sent refs in it (its makers and forwarders)
         self.until = 0.0  # once only refs of dead senders reach it: when it goes, loaded or not; 0: not timed
@@ -131,21 +133,26 @@ class Keeper:
         self.retry: set[Segment] = set()  # known segments with unreached entries: their header was unreadable
         self.ledger_bytes_read = 0  # what it read of ledgers (at deaths; a full ping): a plain ping reads none
 
-    def deposit(self, client: Account, fd: int, header: bool, forward: bool = False) -> None:
+    def deposit(self, client: Account, fd: int, header: str, forward: bool = False) -> None:
         """*client* sends refs to the memfd *fd* (taken over here): kept by inode.
         *forward*: a segment it received and sends on (it did not make it): it is
         one of the segment's senders, not a user (as a user, a relay's deposit would
         keep every memfd it forwarded for the relay's life). One without a header
         (nothing counts its refs) is kept at least ORPHAN_TTL from this deposit, as
-        from its depositor's let-go."""
+        from its depositor's let-go. *header*: where its header lies (``P.SEG_KINDS``):
+        one that trails a storage lies in its last HEADER_BYTES, on a page boundary."""
         try:
-            ino = P.identity(os.fstat(fd))
+            st = os.fstat(fd)
+            ino = P.identity(st)
         except OSError:
             os.close(fd)
             return
+        at = st.st_size - _native.HEADER_BYTES if header == "trail" else 0
+        if header == "trail" and (at <= 0 or at % _native.HEADER_BYTES):
+            header = ""  # not a storage's trailing header: treated as none
         seg = self.memfds.get(ino)
         if seg is None:
-            seg = self.memfds[ino] = Segment(ino, fd, header)
+            seg = self.memfds[ino] = Segment(ino, fd, bool(header), at)
             if forward:
                 self.draining.add(seg)  # nobody uses it: kept while something reaches it
         elif seg.fd < 0:
@@ -157,7 +164,7 @@ class Keeper:
             # sent: its descriptor is never let go of while it is kept.
             seg.forwarded = True
             self.forwardable.pop(ino, None)
-            if not header and not seg.users:
+            if not seg.header and not seg.users:
                 seg.until = max(seg.until, time.monotonic() + ORPHAN_TTL)
         self._sends(client, seg)
         if not forward and ino not in client.segs:
@@ -206,16 +213,13 @@ class Keeper:
         if isinstance(seg.key, int):
             self.forwardable.pop(seg.key, None)
 
-    def _unuse(self, seg: Segment, died: bool) -> None:
+    def _unuse(self, seg: Segment) -> None:
         """One user less; with none left, *seg* goes once nothing reaches it
-        (``reach``). A memfd without a header (a storage torch shared) is kept
-        ORPHAN_TTL from then, whether its depositor died or let go of it (*died*
-        makes no difference): no header counts its refs in flight, so the broker
-        cannot tell when the last was loaded, and treats them as refs whose senders
-        are gone (ORPHANED). A depositor lets go of one only where torch moved the
-        storage for shmreduce (``transfer._drop_adopted``: a torch without the swap),
-        once that storage died there; one torch shared for the user stays while its
-        depositor lives. A file never made (a name held for later) goes."""
+        (``reach``). A memfd without a header (a storage torch shared for the user:
+        its depositor lets go of it at its death) is kept ORPHAN_TTL from then: no
+        header counts its refs in flight, so the broker cannot tell when the last
+        was loaded, and treats them as refs whose senders are gone (ORPHANED). A
+        file never made (a name held for later) goes."""
         seg.users -= 1
         if seg.users > 0:
             return
@@ -328,9 +332,9 @@ class Keeper:
                 if fd < 0:
                     fd = self.room(lambda: os.open(os.path.join(self.dir, str(seg.key)), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC))
                 try:
-                    if os.fstat(fd).st_size < _native.HEADER_BYTES:
+                    if os.fstat(fd).st_size < seg.at + _native.HEADER_BYTES:
                         raise ValueError("smaller than a header")
-                    seg.addr = map_shared(fd, _native.HEADER_BYTES)
+                    seg.addr = map_shared(fd, _native.HEADER_BYTES, seg.at)
                 finally:
                     if fd != seg.fd:
                         os.close(fd)
@@ -376,17 +380,17 @@ class Keeper:
             except FileNotFoundError:
                 pass
 
-    def drop(self, client: Account, inos, died: bool) -> None:
+    def drop(self, client: Account, inos) -> None:
         for ino in inos:
             if ino in client.segs:
                 client.segs.discard(ino)
-                self._unuse(self.memfds[ino], died)
+                self._unuse(self.memfds[ino])
 
-    def release(self, client: Account, names, died: bool) -> None:
+    def release(self, client: Account, names) -> None:
         for name in names:
             if name in client.holds:
                 client.holds.discard(name)
-                self._unuse(self.files[name], died)
+                self._unuse(self.files[name])
 
     def count_out(self, client: Account) -> None:
         """A receiver died: count it out of the holders of every generation its
@@ -479,8 +483,8 @@ class Keeper:
         """*client*'s process uses nothing here any more (it died, or lives on without
         connections): its deposits and holds go as at a death; what it sent stays
         while in flight."""
-        self.drop(client, list(client.segs), died=True)
-        self.release(client, list(client.holds), died=True)
+        self.drop(client, list(client.segs))
+        self.release(client, list(client.holds))
 
     def forget(self, client: Account) -> None:
         """*client* is gone: it sends nothing more, and what it used goes (``let_go``)."""

@@ -209,16 +209,18 @@ Lifetimes
     an exited sender put, and a program whose workers come and go does not keep
     their unread messages for its whole life. Else it is closed or unlinked at once:
     a relay's deposits of what exited producers made go once loaded and dropped
-    as any other. A memfd without a header (a storage torch shared) is the one
-    exception to that rule: nothing counts its refs in flight, so once its depositor
-    let go of it (X) or died it is kept ORPHAN_TTL, as refs whose senders are all
-    gone are; a ref to it that waits longer is stale. Its depositor lets go of it
-    only where torch moved the storage for shmreduce (a torch without
-    ``_swap_data_ptr_``), once that storage died: a stream of fresh tensors costs
-    ORPHAN_TTL of memory, not the sender's life; one torch shared for the user stays
-    while its depositor lives, as a pooled segment's messages wait for their sender.
-    A process that received one and sends it on (``g``) is no user of it: each such
-    deposit keeps it at least ORPHAN_TTL from then, not for the forwarder's life.
+    as any other. A storage torch moved for shmreduce (a torch without
+    ``_swap_data_ptr_``: torch's own memfd, which shmreduce cannot lay out) gets its
+    header past its last page (deposited with ``t``, forwarded with ``u``): refs to it
+    draw tickets and count sent and loaded there, in generation 0, which nobody
+    holds or reuses; its depositor lets go of it once that storage died, and it then
+    follows the rule above. A memfd without any header (a storage torch shared for
+    the user) is the one exception to that rule: nothing counts its refs in flight,
+    so it is kept while its depositor lives (as a pooled segment's messages wait for
+    their sender) and ORPHAN_TTL after its death; a ref to it that waits longer is
+    stale. A process that received one and sends it on (``g``) is no user of it:
+    each such deposit keeps it at least ORPHAN_TTL from then, not for the
+    forwarder's life.
     A hold that is never counted out (its process died while no broker ran) keeps its
     segment at the broker until the program's root exits. The broker exits once it
     has had no client for GRACE seconds and either keeps nothing draining or the
@@ -284,6 +286,19 @@ SEG_MADE = b"h"  # a segment record's body: a pooled segment this process made
 SEG_TORCH = b"-"  # a storage torch shared itself (no header)
 SEG_FORWARDED = b"f"  # a pooled segment this process received and sends on
 SEG_TORCH_FORWARDED = b"g"  # a storage torch shared that this process received and sends on (no header)
+SEG_TRAILED = b"t"  # a storage torch moved for shmreduce: its header in the memfd's last HEADER_BYTES
+SEG_TRAILED_FORWARDED = b"u"  # such a storage, received and sent on
+# A memfd's segment record by (where its header lies, forwarded): "lead" (a pooled
+# segment's first HEADER_BYTES), "trail" (past a storage torch moved), "" (none).
+SEG_KINDS = {
+    ("lead", False): SEG_MADE,
+    ("lead", True): SEG_FORWARDED,
+    ("trail", False): SEG_TRAILED,
+    ("trail", True): SEG_TRAILED_FORWARDED,
+    ("", False): SEG_TORCH,
+    ("", True): SEG_TORCH_FORWARDED,
+}
+SEG_KIND_OF = {kind: place for place, kind in SEG_KINDS.items()}
 SEG_FILE = b"n"  # then a file's name: a file of this process's pool gone with a dead broker
 DEPOSITED = b"s"
 DROP = b"X"

@@ -538,7 +538,7 @@ class Broker:
             self._log_full(conn.pid)
         if lost:
             return P.DEPOSITED, bytes([P.STATUS_LOST]), []  # its sender fails, before any ref to it is sent
-        if len(fds) != 1 or not (body in (P.SEG_MADE, P.SEG_TORCH, P.SEG_FORWARDED, P.SEG_TORCH_FORWARDED) or body.startswith(P.SEG_FILE)):
+        if len(fds) != 1 or not (body in P.SEG_KIND_OF or body.startswith(P.SEG_FILE)):
             raise P.ProtocolError("a segment record carries one descriptor and its kind")
         if body.startswith(P.SEG_FILE):
             names = P.decode_names(body[len(P.SEG_FILE) :])
@@ -546,13 +546,13 @@ class Broker:
                 raise P.ProtocolError("a file's segment record names one file")
             self.keeper.hold(conn.client, names, fds.pop())
         else:
-            header, forward = body in (P.SEG_MADE, P.SEG_FORWARDED), body in (P.SEG_FORWARDED, P.SEG_TORCH_FORWARDED)
+            header, forward = P.SEG_KIND_OF[body]
             self.keeper.deposit(conn.client, fds.pop(), header, forward=forward)
         return P.DEPOSITED, bytes([P.STATUS_OK]), []
 
     def _on_drop(self, conn: _Conn, body: bytes, fds: list[int], lost: bool) -> None:
         """X: memfds this client no longer sends refs in."""
-        self.keeper.drop(conn.client, P.decode_inos(body), died=False)
+        self.keeper.drop(conn.client, P.decode_inos(body))
 
     def _on_fetch(self, conn: _Conn, body: bytes, fds: list[int], lost: bool) -> _Reply:
         """F: the descriptor of one deposited memfd, or unknown."""
@@ -570,7 +570,7 @@ class Broker:
 
     def _on_release(self, conn: _Conn, body: bytes, fds: list[int], lost: bool) -> None:
         """R: files this client let go of."""
-        self.keeper.release(conn.client, P.decode_names(body), died=False)
+        self.keeper.release(conn.client, P.decode_names(body))
 
     def _on_ledger(self, conn: _Conn, body: bytes, fds: list[int], lost: bool) -> None:
         """L: this client's ledger, read at its death."""
