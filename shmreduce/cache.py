@@ -105,11 +105,12 @@ class StorageCache:
         entry = self._in_segment.get(id(segment))
         return None if entry is None else entry()
 
-    def moved_segments(self) -> list[Any]:
-        """The segments of the live storages torch moved for shmreduce here."""
+    def moved(self) -> list[tuple[Any, torch.UntypedStorage]]:
+        """(segment, storage) of every live storage torch moved for shmreduce here."""
         with self._lock:
             entries = list(self._adopted.values())
-        return [entry.place.segment for entry in entries if entry.moved and entry() is not None]
+        found = ((entry.place.segment, entry()) for entry in entries if entry.moved)
+        return [(seg, storage) for seg, storage in found if storage is not None]
 
     def take_dead_adopted(self) -> list[Any]:
         """The segments of the storages torch moved for shmreduce that died since the

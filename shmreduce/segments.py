@@ -232,6 +232,7 @@ class Segment:
         "since",
         "filled",
         "trailer",
+        "extent",
         "counter",
         "__weakref__",
     )
@@ -252,6 +253,7 @@ class Segment:
         self.since = 0.0  # when it became free
         self.filled = 0  # its pages up to here are allocated (written through fd, or allocate())
         self.trailer = 0  # a storage torch moved for shmreduce: where its header lies, past it (trail)
+        self.extent = 0  # ... and the bytes that storage spans, from 0
         self.counter: Gen | None = None  # such a storage's, where it was moved: counts its refs sent (counting)
         # Unmapped (and its descriptor closed) once the segment is gone: a weakref
         # callback, run after every weak reference to it is cleared, never __del__,
@@ -286,7 +288,7 @@ class Segment:
         if number:
             gen = Gen(self, self.addr, self.size, number, HEADER)
         elif self.trailer:
-            gen = Gen(self, self.addr, self.trailer, 0, 0, self.trailer)
+            gen = Gen(self, self.addr, self.extent, 0, 0, self.trailer)
         else:
             gen = Gen(self, self.addr, self.size, 0, 0)
         gen.info = (entry, os.getpid())  # GenInfo's fields
@@ -301,7 +303,7 @@ class Segment:
         counter = self.counter
         if counter is not None and counter.acquire():
             return counter
-        gen = Gen(self, self.addr, self.trailer, 0, 0, self.trailer)
+        gen = Gen(self, self.addr, self.extent, 0, 0, self.trailer)
         gen.info = (None, -1)  # GenInfo's fields: nobody's to settle
         return gen
 
@@ -502,6 +504,9 @@ def open_file(directory: str, name: str) -> Segment:
 def adopt(storage: torch.UntypedStorage, moved: bool = False) -> Segment | None:
     """The segment of a storage torch already put in fd-backed shared memory: a
     segment shmreduce does not pool (generation 0), kept while that storage lives.
+    Mapped without a descriptor of its own: torch keeps one while the storage lives
+    (``transfer._deposit`` sends that), so a sender holds none per storage once its
+    storages died, however many it sent.
     *moved*: torch moved it for shmreduce (a torch without the swap): a header trails
     it (``trail``), which counts its refs in flight as a pooled segment's does."""
     try:
@@ -514,18 +519,16 @@ def adopt(storage: torch.UntypedStorage, moved: bool = False) -> Segment | None:
     ino, size = fd_identity(fd)
     seg = _mapped.get(("fd", ino))
     if seg is None:
-        dup = os.dup(fd)
         try:
-            seg = Segment("fd", ino, "", dup, size, dup)
+            seg = Segment("fd", ino, "", None, size, fd)
         except OSError as exc:
-            os.close(dup)
             raise os_error(exc, "mapping a shared storage") from exc
     if at and not seg.trailer:
-        seg.trailer = at
         try:
-            _native.hdr_issue(seg.addr + at)  # ticket 0 unused: a ref of generation 0 with a ticket names a trailing header
+            _native.hdr_trail(seg.addr + at, storage.nbytes())
         except OSError as exc:
             raise SharingError(_native.CUT_MESSAGE) from exc
+        seg.trailer, seg.extent = at, storage.nbytes()
         seg.counter = _counter(seg)
     return seg
 
@@ -544,19 +547,26 @@ def _trail(fd: int, nbytes: int) -> int:
     return at
 
 
-def find_trailer(seg: Segment, nbytes: int) -> None:
-    """A received memfd named by a ref of generation 0 with a ticket, for *nbytes*
-    from its start: a storage torch moved, its header past it (``trail``), if its
-    size says so (a forged ticket on another memfd counts nothing)."""
-    at = -(-nbytes // _PAGE) * _PAGE
-    if not seg.trailer and seg.kind == "fd" and seg.size == at + HEADER:
-        seg.trailer = at
+def find_trailer(seg: Segment) -> None:
+    """A received memfd named by a ref of generation 0 with a ticket: a storage torch
+    moved, its header past it (``trail``), if its size says so and that header gives
+    its extent (a forged ticket on another memfd counts nothing). Refs to it are
+    bounded by that extent, as by the memfd's size before it grew."""
+    at = seg.size - HEADER
+    if seg.trailer or seg.kind != "fd" or at <= 0 or at % _PAGE:
+        return
+    try:
+        extent = _native.hdr_extent(seg.addr + at)
+    except OSError:
+        raise SharingError(_native.CUT_MESSAGE) from None
+    if 0 < extent <= at < extent + _PAGE:
+        seg.trailer, seg.extent = at, extent
 
 
 def _counter(seg: Segment) -> Gen:
     """The Gen that counts the refs its mover sends of *seg*, held for as long as it
     sends them (``transfer._drop_adopted`` releases it)."""
-    gen = Gen(seg, seg.addr, seg.trailer, 0, 0, seg.trailer)
+    gen = Gen(seg, seg.addr, seg.extent, 0, 0, seg.trailer)
     gen.info = (None, -1)  # GenInfo's fields: nobody's to settle
     return gen
 

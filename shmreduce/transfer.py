@@ -80,7 +80,7 @@ from shmreduce import _faults, _native, _torch, forking, pool, program, segments
 from shmreduce.broker import client as broker
 from shmreduce.broker.protocol import is_program_dir
 from shmreduce.cache import Place, cache
-from shmreduce.errors import SharingError, stale_message
+from shmreduce.errors import SharingError, stale_message, too_many_files
 from shmreduce.strategy import get_sharing_strategy
 
 HEADER = segments.HEADER
@@ -345,18 +345,35 @@ def _deposit(seg: segments.Segment, storage: torch.UntypedStorage, gen: int) -> 
     prog = program.current()
     client = broker.client_for(prog.directory, prog.root_pid)
     header = "lead" if gen else "trail" if seg.trailer else ""
-    if seg.fd is not None:
-        client.segment(seg.fd, header, forward=seg.outside_its_pool())
+    own = seg.fd if seg.fd is not None else _torch_fd(seg, storage)
+    if own is not None:
+        client.segment(own, header, forward=seg.outside_its_pool())
     else:
         fd = client.fetch(int(seg.key))
         if fd is None:
             return False
         try:
-            client.segment(fd, header, forward=True)  # another process made it
+            # Another process made it: a forward, which the broker keeps while a ref sent
+            # in it waits; a storage torch moved has no holders to keep it meanwhile, so
+            # this process uses it while its storages of it live (settle_dead lets go).
+            client.segment(fd, header, forward=not seg.trailer)
         finally:
             os.close(fd)
     seg.deposited = True
     return True
+
+
+def _torch_fd(seg: segments.Segment, storage: torch.UntypedStorage) -> int | None:
+    """The descriptor torch keeps of *storage*, a storage torch shared that lies in
+    *seg* (``segments.adopt``: no descriptor of its own), if it is one; None for one
+    this process received (mapped here: its descriptor is the broker's)."""
+    if cache.adopted_in(seg) is not storage:
+        return None
+    try:
+        fd = _torch.storage_fd(storage)
+    except RuntimeError:
+        return None
+    return fd if fd >= 0 else None
 
 
 # A storage moves into shared memory once, whatever the number of threads pickling it
@@ -409,6 +426,8 @@ def _moved_by_torch(storage: torch.UntypedStorage, key: int, nbytes: int) -> Pla
     try:
         _torch.share_fd(storage)
     except RuntimeError as exc:
+        if "Too many open files" in str(exc):  # torch's shm_open, at this process's limit
+            raise too_many_files("torch moving a storage into shared memory") from exc
         raise SharingError(f"torch could not move a storage of {nbytes} bytes into shared memory: {exc}") from exc
     place = _adopt(storage, key, nbytes, moved=True)
     if place is None:
@@ -434,8 +453,8 @@ def _adopt(storage: torch.UntypedStorage, key: int, nbytes: int, moved: bool = F
     lives (``_drop_adopted``)."""
     try:
         seg = segments.adopt(storage, moved)
-    except OSError as exc:  # its descriptor's dup, at this process's limit
-        raise segments.os_error(exc, "keeping the descriptor of a storage torch shared") from exc
+    except OSError as exc:  # its mapping or its header's page, at a limit of this process
+        raise segments.os_error(exc, "mapping a storage torch shared") from exc
     if seg is None:
         segments.refuse_foreign_file(storage)
         return None
@@ -533,6 +552,7 @@ def settle_dead(dead: list[_native.Gen] | None = None) -> None:
     A receiver lets go of its hold, taken by ``_new_gen``: its ledger entry cleared,
     then the header's holders (``broker.client.let_go``)."""
     pid = os.getpid()
+    relayed = []
     for gen in _native.dead() if dead is None else dead:
         entry, maker = cast(segments.GenInfo, gen.info)
         if maker != pid:
@@ -542,6 +562,8 @@ def settle_dead(dead: list[_native.Gen] | None = None) -> None:
             owner = seg.pool  # read once: another thread may take it out of its pool meanwhile
             if owner is not None:
                 owner.generation_over(seg, gen.number)
+            elif seg.trailer and seg.counter is None and seg.undeposit():
+                relayed.append(seg.key)  # a storage torch moved, received and sent on: used while it lived here
             continue
         # The ledger says "dropping" before the header counts this process out, and
         # is cleared after: a process killed in between is retired, not guessed.
@@ -557,6 +579,9 @@ def settle_dead(dead: list[_native.Gen] | None = None) -> None:
             # Its deposit was a forward, kept at the broker while something reaches
             # it, this hold among them: the next send from it deposits again.
             seg.undeposit()
+    client = broker.connected_client(_program_dir()) if relayed else None
+    if client is not None:
+        _quietly(client.drop, relayed)
 
 
 def _quietly(send: Callable[..., None], *args: Any) -> None:
@@ -714,8 +739,8 @@ def receive_tensor(ref: tuple, meta: tuple | None) -> torch.UntypedStorage | tor
                 seg = _mapped_segment(kind, directory, segkey)
                 if seg is None:
                     seg = _map(kind, directory, segkey, number, tag)
-                if ticket and not number and not offset:
-                    segments.find_trailer(seg, nbytes)
+                if ticket and not number:
+                    segments.find_trailer(seg)
                 gen = _new_gen(seg, kind, directory, segkey, number, tag)
     try:
         if meta is not None:
@@ -998,13 +1023,14 @@ def _bring_back(client: broker.BrokerClient, file_gone: Callable[[segments.Segme
             _quietly(client.segment, seg.fd, "lead", True)
             seg.deposited = True
     # The storages torch moved for it (a torch without the swap) with refs in flight.
-    for seg in cache.moved_segments():
+    for seg, storage in cache.moved():
         try:
             _gen, sent, loaded, _holders = _native.hdr_read(seg.addr + seg.trailer)
         except OSError:
             continue  # cut by another process: nothing in it to bring back
-        if not seg.deposited and seg.fd is not None and sent > loaded:
-            _quietly(client.segment, seg.fd, "trail")
+        fd = _torch_fd(seg, storage)
+        if not seg.deposited and fd is not None and sent > loaded:
+            _quietly(client.segment, fd, "trail")
             seg.deposited = True
     for seg in _fs_pool.owned():
         if file_gone(seg) and reachable(seg):

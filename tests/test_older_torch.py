@@ -17,19 +17,20 @@ import pytest
 import torch
 
 import shmreduce
-from shmreduce import _torch, program
+from shmreduce import _torch, program, transfer
 from shmreduce.broker import client as broker_client
 
-from helpers import broker_pids, let_go_now, pipe_echo, run_in_child, running, wait_for, without_swap
+from helpers import broker_pids, let_go_now, open_fds, pipe_echo, run_in_child, running, wait_for, without_swap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _short_orphan_ttl():
-    """The brokers of this module keep a memfd torch shared 0.5 s after its last sender
-    let go of it (nothing counts its refs in flight), not 60: the module's leak check
-    finds them gone."""
+    """The brokers of this module keep what a dead sender sent, and a memfd torch shared
+    for the user (nothing counts its refs in flight), 0.5 s, not 60: the module's leak
+    check finds them gone, and a message that waits longer than that shows it is not
+    what keeps it."""
     broker_client.close_all()
     assert wait_for(lambda: not broker_pids(), 15)
     before = os.environ.get("SHMREDUCE_ORPHAN_TTL")
@@ -196,6 +197,60 @@ def test_a_message_keeps_a_storage_torch_moved_while_it_waits_past_its_senders_d
             assert wait_for(lambda: _segments_at_the_broker()["segments"] == 0, 15), _segments_at_the_broker()
             parent.send(None)
     parent.close()
+
+
+def _relay_twice(conn, go) -> None:
+    t = conn.recv()
+    conn.send(t)  # sent on while its maker dropped it
+    assert go.wait(60)
+    conn.send_bytes(shmreduce.dumps(t))  # again, once the first was loaded and dropped, and ORPHAN_TTL passed
+    conn.recv()
+
+
+def _sum_of_message(conn) -> None:
+    conn.send(float(shmreduce.loads(conn.recv_bytes()).sum()))
+
+
+def test_a_process_that_sends_on_a_storage_torch_moved_keeps_it_while_it_holds_it():
+    # No holder count keeps it at the broker for a relay (generation 0): the relay uses it
+    # while its storage lives, as its maker did, and what it sends later still loads in a
+    # process that never mapped it.
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    go = ctx.Event()
+    with without_swap(), shmreduce.registered(strategy="file_descriptor"):
+        proc = ctx.Process(target=_relay_twice, args=(child, go))
+        with running(proc):
+            child.close()
+            parent.send(torch.full((1000,), 5.0))  # dropped here at once
+            assert parent.poll(60) and float(parent.recv().sum()) == 5000.0
+            let_go_now()  # loaded and dropped here: every ref sent so far is loaded
+            time.sleep(4 * float(os.environ["SHMREDUCE_ORPHAN_TTL"]))
+            go.set()
+            assert parent.poll(60)
+            blob = parent.recv_bytes()
+            there, here = ctx.Pipe()
+            sink = ctx.Process(target=_sum_of_message, args=(there,))
+            with running(sink):
+                here.send_bytes(blob)
+                assert here.poll(60) and here.recv() == 5000.0
+            parent.send(None)
+        assert wait_for(lambda: _segments_at_the_broker()["segments"] == 0, 15), _segments_at_the_broker()
+    parent.close()
+
+
+@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
+def test_a_sender_holds_no_descriptor_for_the_storages_torch_moved_once_they_died(strategy):
+    # torch closes its memfd's descriptor as the storage dies; shmreduce keeps none of its
+    # own (the broker has one for the messages in flight): a burst of fresh tensors costs
+    # the sender no descriptors, between two passes of its collector or not.
+    with without_swap(), shmreduce.registered(strategy=strategy), transfer.collect_every(3600):
+        shmreduce.loads(shmreduce.dumps(torch.ones(4)))  # the broker and its connections first
+        before = len(open_fds())
+        blobs = [shmreduce.dumps(torch.full((256,), float(i))) for i in range(300)]
+        grown = len(open_fds()) - before
+        assert [shmreduce.loads(blob)[0].item() for blob in blobs] == [float(i) for i in range(300)]
+    assert grown <= 4, f"the sender holds {grown} more descriptors after a burst of 300 tensors"
 
 
 def test_a_storage_torch_shared_for_the_user_keeps_its_memfd_at_the_broker_while_its_sender_lives():

@@ -617,7 +617,62 @@ hdr_flags(PyObject *Py_UNUSED(module), PyObject *addr)
     return PyLong_FromUnsignedLongLong(out[0]);
 }
 
+static void
+op_trail(_Atomic uint64_t *h, uint64_t extent, uint64_t *Py_UNUSED(out))
+{
+    uint64_t none = 0;
+    atomic_store(&h[HDR_EXTENT], extent);
+    atomic_compare_exchange_strong(&h[HDR_ISSUED], &none, 1); /* ticket 0 never drawn */
+}
+
+PyDoc_STRVAR(hdr_trail_doc,
+             "hdr_trail($module, addr, extent, /)\n--\n\nThe header at addr trails a storage "
+             "of extent bytes that torch moved (segments.trail): its extent written, and ticket 0 "
+             "never drawn (a ref of generation 0 with a ticket names such a header).");
+
+static PyObject *
+hdr_trail(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (shm_check_nargs("hdr_trail", nargs, 2, 2) < 0) {
+        return NULL;
+    }
+    _Atomic uint64_t *h = header_of(args[0]);
+    if (h == NULL) {
+        return NULL;
+    }
+    unsigned long long extent = PyLong_AsUnsignedLongLong(args[1]);
+    if (extent == (unsigned long long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (guarded(op_trail, h, (uint64_t)extent, NULL) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static void
+op_extent(_Atomic uint64_t *h, uint64_t Py_UNUSED(arg), uint64_t *out)
+{
+    out[0] = atomic_load(&h[HDR_EXTENT]);
+}
+
+PyDoc_STRVAR(hdr_extent_doc, "hdr_extent($module, addr, /)\n--\n\n-> int\n\nThe extent a "
+                             "trailing header at addr says its storage spans (hdr_trail).");
+
+static PyObject *
+hdr_extent(PyObject *Py_UNUSED(module), PyObject *addr)
+{
+    _Atomic uint64_t *h = header_of(addr);
+    uint64_t out[1];
+    if (h == NULL || guarded(op_extent, h, 0, out) < 0) {
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(out[0]);
+}
+
 PyMethodDef shm_header_methods[] = {
+    {"hdr_trail", (PyCFunction)(void (*)(void))hdr_trail, METH_FASTCALL, hdr_trail_doc},
+    {"hdr_extent", hdr_extent, METH_O, hdr_extent_doc},
     {"hdr_issue", hdr_issue, METH_O, hdr_issue_doc},
     {"hdr_loaded", (PyCFunction)(void (*)(void))hdr_loaded, METH_FASTCALL, hdr_loaded_doc},
     {"hdr_retire", (PyCFunction)(void (*)(void))hdr_retire, METH_FASTCALL, hdr_retire_doc},

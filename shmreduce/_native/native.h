@@ -105,6 +105,7 @@ typedef struct {
 #define HDR_HOLDERS  3
 #define HDR_ISSUED   4
 #define HDR_FLAGS    5
+#define HDR_EXTENT   6 /* a trailing header's (segments.trail): the bytes its storage spans */
 #define HDR_BITS     8
 #define TICKETS      ((uint64_t)(HEADER_BYTES / 8 - HDR_BITS) * 64)
 #define RETIRED      1ULL

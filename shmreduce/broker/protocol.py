@@ -211,10 +211,12 @@ Lifetimes
     a relay's deposits of what exited producers made go once loaded and dropped
     as any other. A storage torch moved for shmreduce (a torch without
     ``_swap_data_ptr_``: torch's own memfd, which shmreduce cannot lay out) gets its
-    header past its last page (deposited with ``t``, forwarded with ``u``): refs to it
+    header past its last page (deposited with ``t``): refs to it
     draw tickets and count sent and loaded there, in generation 0, which nobody
-    holds or reuses; its depositor lets go of it once that storage died, and it then
-    follows the rule above. A memfd without any header (a storage torch shared for
+    holds or reuses. Every process that sends refs in it uses it while its storages
+    of it live (its maker, and a receiver that sends it on: no holder count keeps it
+    for a forwarder, as for a pooled one), lets go of it (X) when they died, and it
+    then follows the rule above. A memfd without any header (a storage torch shared for
     the user) is the one exception to that rule: nothing counts its refs in flight,
     so it is kept while its depositor lives (as a pooled segment's messages wait for
     their sender) and ORPHAN_TTL after its death; a ref to it that waits longer is
@@ -287,14 +289,13 @@ SEG_TORCH = b"-"  # a storage torch shared itself (no header)
 SEG_FORWARDED = b"f"  # a pooled segment this process received and sends on
 SEG_TORCH_FORWARDED = b"g"  # a storage torch shared that this process received and sends on (no header)
 SEG_TRAILED = b"t"  # a storage torch moved for shmreduce: its header in the memfd's last HEADER_BYTES
-SEG_TRAILED_FORWARDED = b"u"  # such a storage, received and sent on
 # A memfd's segment record by (where its header lies, forwarded): "lead" (a pooled
-# segment's first HEADER_BYTES), "trail" (past a storage torch moved), "" (none).
+# segment's first HEADER_BYTES), "trail" (past a storage torch moved: whoever sends
+# refs in one uses it, a receiver too), "" (none).
 SEG_KINDS = {
     ("lead", False): SEG_MADE,
     ("lead", True): SEG_FORWARDED,
     ("trail", False): SEG_TRAILED,
-    ("trail", True): SEG_TRAILED_FORWARDED,
     ("", False): SEG_TORCH,
     ("", True): SEG_TORCH_FORWARDED,
 }
