@@ -606,15 +606,22 @@ PyDoc_STRVAR(
     "hdr_flags($module, addr, /)\n--\n\n-> int\n\nThe header's flags: RETIRED (never reused), "
     "UNCOUNTED (a ticket past the bitmap: its loads were not told from repeats).");
 
+/* The one word op reads of the header at addr, as an int. */
 static PyObject *
-hdr_flags(PyObject *Py_UNUSED(module), PyObject *addr)
+read_word(PyObject *addr, header_op op)
 {
     _Atomic uint64_t *h = header_of(addr);
     uint64_t out[1];
-    if (h == NULL || guarded(op_flags, h, 0, out) < 0) {
+    if (h == NULL || guarded(op, h, 0, out) < 0) {
         return NULL;
     }
     return PyLong_FromUnsignedLongLong(out[0]);
+}
+
+static PyObject *
+hdr_flags(PyObject *Py_UNUSED(module), PyObject *addr)
+{
+    return read_word(addr, op_flags);
 }
 
 static void
@@ -662,12 +669,7 @@ PyDoc_STRVAR(hdr_extent_doc, "hdr_extent($module, addr, /)\n--\n\n-> int\n\nThe 
 static PyObject *
 hdr_extent(PyObject *Py_UNUSED(module), PyObject *addr)
 {
-    _Atomic uint64_t *h = header_of(addr);
-    uint64_t out[1];
-    if (h == NULL || guarded(op_extent, h, 0, out) < 0) {
-        return NULL;
-    }
-    return PyLong_FromUnsignedLongLong(out[0]);
+    return read_word(addr, op_extent);
 }
 
 PyMethodDef shm_header_methods[] = {
