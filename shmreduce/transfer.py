@@ -562,15 +562,13 @@ def settle_dead(dead: list[_native.Gen] | None = None) -> None:
             owner = seg.pool  # read once: another thread may take it out of its pool meanwhile
             if owner is not None:
                 owner.generation_over(seg, gen.number)
-            elif seg.trailer and seg.counter is None and seg.undeposit():
-                relayed.append(seg.key)  # a storage torch moved, received and sent on: used while it lived here
             continue
         # The ledger says "dropping" before the header counts this process out, and
         # is cleared after: a process killed in between is retired, not guessed.
         if broker.dropping(entry):  # else this process is exiting: its brokers count it out
             _faults.point("letgo.ledger")
             try:
-                _native.hdr_unhold(seg.addr, gen.number)
+                _native.hdr_unhold(seg.addr + seg.trailer, gen.number)
             except OSError:  # cut: nothing left to count out of
                 pass
             _faults.point("letgo.unhold")
@@ -579,6 +577,8 @@ def settle_dead(dead: list[_native.Gen] | None = None) -> None:
             # Its deposit was a forward, kept at the broker while something reaches
             # it, this hold among them: the next send from it deposits again.
             seg.undeposit()
+        elif seg.trailer and seg.counter is None and seg.undeposit():
+            relayed.append(seg.key)  # a storage torch moved, received and sent on: used while it lived here
     client = broker.connected_client(_program_dir()) if relayed else None
     if client is not None:
         _quietly(client.drop, relayed)
@@ -606,8 +606,10 @@ def collect() -> None:
 
 
 # Storages torch moved for shmreduce that died while a message naming them was being
-# pickled: let go of at the next pass, once that message is counted sent.
+# pickled: let go of at the next pass, once that message is counted sent. Taken under
+# its lock: the collector thread and a caller of collect() must not release a counter twice.
 _dying: list[segments.Segment] = []
+_dying_lock = threading.Lock()
 
 
 def _drop_adopted(segs: list[segments.Segment]) -> None:
@@ -617,18 +619,19 @@ def _drop_adopted(segs: list[segments.Segment]) -> None:
     segment. One a thread is still pickling a ref of waits for the next pass: let go
     of before that ref is counted sent, it could be closed under it."""
     keys = []
-    segs, _dying[:] = _dying + segs, []
-    for seg in segs:
-        counter = seg.counter
-        if counter is not None:
-            if counter.live > 1:  # its mover's hold, and a message's
-                _dying.append(seg)
-                continue
-            seg.counter = None
-            counter.release()
-        if seg.deposited:
-            seg.deposited = False  # sent again (forwarded from a mapping here): deposited anew
-            keys.append(seg.key)
+    with _dying_lock:
+        segs, _dying[:] = _dying + segs, []
+        for seg in segs:
+            counter = seg.counter
+            if counter is not None:
+                if counter.live > 1:  # its mover's hold, and a message's
+                    _dying.append(seg)
+                    continue
+                seg.counter = None
+                counter.release()
+            if seg.deposited:
+                seg.deposited = False  # sent again (forwarded from a mapping here): deposited anew
+                keys.append(seg.key)
     client = broker.connected_client(_program_dir()) if keys else None
     if client is not None:
         _quietly(client.drop, keys)
@@ -840,17 +843,19 @@ def _new_gen(seg: segments.Segment, kind: str, directory: str, segkey: Any, numb
     generation is held first (counted in the header, then checked to be the one
     there: its owner never reuses the segment under this load), then written in this
     process's ledger (read by the broker if it dies)."""
-    if not number:
+    if not number and not seg.trailer:
         gen = seg.new_gen(0, None)
     else:
         if kind == "fs":
             _check_tag(directory, segkey, number, tag)
         # The ledger says "taking" before the header counts the hold, "held" after:
         # a process killed in between is retired, not guessed (protocol.py, "Lifetimes").
+        # A storage torch moved is held in generation 0 of its trailing header, so that
+        # its broker keeps it while a process holds it, as a pooled segment.
         entry = broker.hold(directory, segkey, number)
         _faults.point("load.ledger")
         try:
-            held = _native.hdr_hold(seg.addr, number)
+            held = _native.hdr_hold(seg.addr + seg.trailer, number)
         except OSError:
             broker.let_go(entry)
             raise SharingError(_native.CUT_MESSAGE) from None
@@ -860,7 +865,8 @@ def _new_gen(seg: segments.Segment, kind: str, directory: str, segkey: Any, numb
         _faults.point("load.hold")
         broker.held(entry)
         gen = seg.new_gen(number, entry)
-        gen.publish((kind, directory, segkey, number, tag))  # _native.load / rebuild load through it from now on (the sender's template)
+        if number:  # _native.load / rebuild load through it from now on (the sender's template)
+            gen.publish((kind, directory, segkey, number, tag))
     if seg.pool is None:
         segments.keep(seg)
     if not _collector.started:
@@ -937,10 +943,11 @@ def _before_fork() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _stripes, _releases_lock, _gens_lock
+    global _stripes, _releases_lock, _gens_lock, _dying_lock
     _stripes = [threading.Lock() for _ in range(_STRIPES)]  # a parent's thread may have held one
     _releases_lock = threading.Lock()
     _gens_lock = threading.RLock()
+    _dying_lock = threading.Lock()
     _names.names.clear()  # the parent's holds, not ours
     _collector.reset()
     _fd_pool.reset_after_fork()

@@ -40,7 +40,7 @@ class _Owner:
     """Stands in for a Segment: the Gen keeps it (and so the mapping)."""
 
 
-_MINE = (None, -1)  # a Gen's info: nothing kept, no process's (transfer.settle_dead skips it)
+_MINE = ("test_native", -1)  # a Gen's info: this test's, no process's (transfer.settle_dead skips it)
 
 
 @pytest.fixture
