@@ -599,10 +599,11 @@ def retire_in_use() -> None:
     retired in its header, never reused by its owner, whoever that is: the child
     keeps what it inherits without counting itself a holder, and its pages
     go back to the system once the last process maps them no more."""
-    for seg in _in_use():
-        if seg.gen:
+    moved = [seg for seg in mapped_now() if seg.counter is not None]  # storages torch moved, alive here
+    for seg in _in_use() + moved:
+        if seg.gen or seg.trailer:  # a storage torch moved: its holds, in generation 0, as a pooled one's
             try:
-                _native.hdr_retire(seg.addr, seg.gen)  # its owner, this process or another, reads it there
+                _native.hdr_retire(seg.addr + seg.trailer, seg.gen)  # its owner, this process or another, reads it there
             except OSError:
                 seg.lose()  # cut: never reused anyway
 
