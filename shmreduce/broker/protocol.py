@@ -212,11 +212,11 @@ Lifetimes
     as any other. A storage torch moved for shmreduce (a torch without
     ``_swap_data_ptr_``: torch's own memfd, which shmreduce cannot lay out) gets its
     header past its last page (deposited with ``t``): refs to it
-    draw tickets and count sent and loaded there, in generation 0, which nobody
-    holds or reuses. Every process that sends refs in it uses it while its storages
-    of it live (its maker, and a receiver that sends it on: no holder count keeps it
-    for a forwarder, as for a pooled one), lets go of it (X) when they died, and it
-    then follows the rule above. A memfd without any header (a storage torch shared for
+    draw tickets and count sent and loaded there, and receivers hold it there, as in
+    a pooled generation (generation 0, never reused). Every process that sends refs
+    in it uses it while its storages of it live (its maker, and a receiver that sends
+    it on, whose descriptor the broker then keeps), lets go of it (X) when they died,
+    and it then follows the rule above. A memfd without any header (a storage torch shared for
     the user) is the one exception to that rule: nothing counts its refs in flight,
     so it is kept while its depositor lives (as a pooled segment's messages wait for
     their sender) and ORPHAN_TTL after its death; a ref to it that waits longer is
