@@ -206,7 +206,8 @@ def test_file_system_messages_sent_before_a_broker_kill_are_lost_to_a_stranger_o
         before = [shmreduce.dumps(_message(i)) for i in range(5)]
         directory = program.current().directory
         server = broker_client.client_for(directory, program.current().root_pid).broker_pid
-        victims = [server, broker_procs(directory)[server]] if killed == "the server and its janitor" else [server]
+        # The janitor first: killed after its server, it may remove the directory in between.
+        victims = [broker_procs(directory)[server], server] if killed == "the server and its janitor" else [server]
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
         assert wait_for(lambda: all(gone(pid) for pid in victims), 10)  # its connections closed
