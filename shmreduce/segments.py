@@ -303,9 +303,7 @@ class Segment:
         counter = self.counter
         if counter is not None and counter.acquire():
             return counter
-        gen = Gen(self, self.addr, self.extent, 0, 0, self.trailer)
-        gen.info = (None, -1)  # GenInfo's fields: nobody's to settle
-        return gen
+        return _counter(self)
 
     def seal(self) -> None:
         """Fill it no further, nor send from it: its file went with a broker that died,
@@ -564,8 +562,9 @@ def find_trailer(seg: Segment) -> None:
 
 
 def _counter(seg: Segment) -> Gen:
-    """The Gen that counts the refs its mover sends of *seg*, held for as long as it
-    sends them (``transfer._drop_adopted`` releases it)."""
+    """A Gen, held once, that counts refs of *seg* sent in its trailing header: its
+    mover's ``counter``, held for as long as it sends them (``transfer._drop_adopted``
+    releases it), or one message's (``Segment.counting``, a forwarder's)."""
     gen = Gen(seg, seg.addr, seg.extent, 0, 0, seg.trailer)
     gen.info = (None, -1)  # GenInfo's fields: nobody's to settle
     return gen

@@ -640,18 +640,10 @@ PyDoc_STRVAR(hdr_trail_doc,
 static PyObject *
 hdr_trail(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (shm_check_nargs("hdr_trail", nargs, 2, 2) < 0) {
-        return NULL;
-    }
-    _Atomic uint64_t *h = header_of(args[0]);
-    if (h == NULL) {
-        return NULL;
-    }
-    unsigned long long extent = PyLong_AsUnsignedLongLong(args[1]);
-    if (extent == (unsigned long long)-1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (guarded(op_trail, h, (uint64_t)extent, NULL) < 0) {
+    _Atomic uint64_t *h;
+    uint64_t extent;
+    if (parse_header_gen(args, nargs, "hdr_trail", &h, &extent) < 0 ||
+        guarded(op_trail, h, extent, NULL) < 0) {
         return NULL;
     }
     Py_RETURN_NONE;
