@@ -10,7 +10,8 @@ the generation died, nobody holds it and every ref sent was loaded (``pool``).
 
 The broker hears only what it needs when a process dies: a memfd the first time
 this process sends a ref to it (a round trip: a deposit the broker cannot keep fails
-here, before the ref exists; a receiver fetches it once, by inode, to map it), and,
+here, before the message exists; a receiver fetches it once, by inode, to map it; the
+memfds torch moved a message's storages into go in one deposit and come in one fetch), and,
 fire-and-forget, the files a sender made, and once per connection this process's ledger
 of the generations it holds as a receiver (written in shared memory: counted out of
 their headers if it dies; ``broker.client.Ledger``). In a steady stream, where
@@ -236,12 +237,15 @@ class _Outgoing:
     pickling, which only the pickler's memo keeps, cannot die, and its generation end,
     before its ref is counted), and whether its broker was checked live."""
 
-    __slots__ = ("counted", "checked", "program")
+    __slots__ = ("counted", "checked", "program", "moved")
 
     def __init__(self) -> None:
         self.counted: list[_native.Gen] = []
         self.checked = False
         self.program = ""
+        # The memfds torch moved this message's storages into, not yet at the broker:
+        # torch's descriptor of each, and the storage (which keeps it open).
+        self.moved: dict[segments.Segment, tuple[int, torch.UntypedStorage]] = {}
 
 
 class sending:
@@ -261,13 +265,21 @@ class sending:
         if not self.outer:
             out, _local.out = _local.out, None
             _native.message(None)
-            if out.counted:
-                _faults.pause("send.counted")
-                _native.count_sent(out.counted, exc_type is None)  # and lets go of the scope's holds
-                if exc_type is None:
-                    _counters["messages_sent"] += 1
-                if _native.pending():
-                    _settle()
+            whole = exc_type is None
+            try:
+                if whole and out.moved:
+                    _deposit_moved(out.moved)  # a deposit the broker could not keep fails the message
+            except BaseException:
+                whole = False
+                raise
+            finally:
+                if out.counted:
+                    _faults.pause("send.counted")
+                    _native.count_sent(out.counted, whole)  # and lets go of the scope's holds
+                    if whole:
+                        _counters["messages_sent"] += 1
+                    if _native.pending():
+                        _settle()
 
 
 def share(storage: torch.UntypedStorage) -> tuple:
@@ -304,7 +316,7 @@ def share(storage: torch.UntypedStorage) -> tuple:
     else:
         if not out.program:
             out.program = _program_dir()
-        if not seg.deposited and not _deposit(seg, storage, number):
+        if not seg.deposited and not _deposit(seg, storage, number, out):
             # A received memfd its broker let go of (its owner and every other sender
             # gone): what lies in it is shared anew, from this process's pool.
             seg.seal()
@@ -336,16 +348,21 @@ def share(storage: torch.UntypedStorage) -> tuple:
     return (kind, directory, key, number, offset, nbytes, tag, ticket)
 
 
-def _deposit(seg: segments.Segment, storage: torch.UntypedStorage, gen: int) -> bool:
+def _deposit(seg: segments.Segment, storage: torch.UntypedStorage, gen: int, out: _Outgoing) -> bool:
     """This process's first ref to the memfd *seg*: its descriptor goes to the broker.
-    A received one is mapped without a descriptor (``segments.open_fd``): the broker's is
+    A storage torch moved for shmreduce goes with the other storages torch moved for
+    the message *out*, when it is whole (``_deposit_moved``). A received one is mapped
+    without a descriptor (``segments.open_fd``): the broker's is
     fetched once more, for this deposit; False if the broker keeps it no longer. One
     no pool of this process keeps (its own, let go of by its pool: this process holds
     it as a receiver) is forwarded as a received one is: nothing here will drop it."""
+    own = seg.fd if seg.fd is not None else _torch_fd(seg, storage)
+    if own is not None and seg.trailer:
+        out.moved[seg] = (own, storage)
+        return True
     prog = program.current()
     client = broker.client_for(prog.directory, prog.root_pid)
     header = "lead" if gen else "trail" if seg.trailer else ""
-    own = seg.fd if seg.fd is not None else _torch_fd(seg, storage)
     if own is not None:
         client.segment(own, header, forward=seg.outside_its_pool())
     else:
@@ -361,6 +378,18 @@ def _deposit(seg: segments.Segment, storage: torch.UntypedStorage, gen: int) -> 
             os.close(fd)
     seg.deposited = True
     return True
+
+
+def _deposit_moved(moved: dict[segments.Segment, tuple[int, torch.UntypedStorage]]) -> None:
+    """The memfds torch moved a message's storages into go to the broker in one
+    record, before any ref to them is counted sent: its receiver fetches them in one
+    round trip too (``_map_ahead``), not one each. Another thread sending one of them
+    meanwhile deposits it too (the broker keeps one descriptor): a message never
+    leaves before its memfds are at the broker."""
+    prog = program.current()
+    broker.client_for(prog.directory, prog.root_pid).segments([(fd, "trail", False) for fd, _storage in moved.values()])
+    for seg in moved:
+        seg.deposited = True
 
 
 def _torch_fd(seg: segments.Segment, storage: torch.UntypedStorage) -> int | None:
@@ -825,10 +854,27 @@ def _map(kind: str, directory: str, segkey: Any, gen: int, tag: int) -> segments
     if kind == "fs":
         _check_tag(directory, segkey, gen, tag)
         return segments.open_file(directory, segkey)
-    fd = client.fetch(segkey)
-    if fd is None:
+    found = client.fetch_with_batch(segkey)
+    if not found:
         raise stale_message(f"cannot receive segment {segkey}")
-    return segments.open_fd(fd, segkey)  # checks the identity; owns fd from now on
+    try:
+        return segments.open_fd(found.pop(0)[1], segkey)  # checks the identity; owns the descriptor from now on
+    finally:
+        _map_ahead(found)
+
+
+def _map_ahead(found: list[tuple[int, int]]) -> None:
+    """Map the memfds (inode, descriptor: this function's) deposited with one this
+    message names: the other storages torch moved for it (``_deposit_moved``), which
+    its next refs load without a fetch each. Mapped while the message loads (its
+    ``receiving`` scope); a ref holds its generation, as any, when it loads."""
+    ahead = getattr(_local, "ahead", None)
+    for ino, fd in found:
+        if ahead is None or segments.lookup("fd", ino) is not None:
+            os.close(fd)
+            continue
+        with contextlib.suppress(SharingError):  # refused again when a ref names it, if one does
+            ahead.append(segments.open_fd(fd, ino))  # closes fd
 
 
 def _check_tag(directory: str, segkey: str, gen: int, tag: int) -> None:
@@ -910,10 +956,12 @@ class receiving:
         self.outer = getattr(_local, "incoming", None) is not None
         if not self.outer:
             _local.incoming = _loads()
+            _local.ahead = []  # _map_ahead
 
     def __exit__(self, *_: object) -> None:
         if not self.outer:
             before, _local.incoming = _local.incoming, None
+            _local.ahead = None
             if _loads() != before:
                 _counters["messages_received"] += 1
             if _native.pending():

@@ -230,7 +230,8 @@ def test_bad_records_drop_only_their_client_and_are_logged(registered_fd, broker
     garbage = [
         (P.ROLE_REQUEST, P.SEGMENT + P.NO_KEY + b"h", 0),  # a segment record without its memfd
         (P.ROLE_REQUEST, P.SEGMENT + P.NO_KEY + b"x", 1),  # ... of an unknown kind
-        (P.ROLE_REQUEST, P.SEGMENT + P.NO_KEY + b"h", 2),  # ... with two descriptors
+        (P.ROLE_REQUEST, P.SEGMENT + P.NO_KEY + b"h", 2),  # ... with two descriptors for one kind
+        (P.ROLE_REQUEST, P.SEGMENT + P.NO_KEY + b"ht", 1),  # ... with two kinds for one descriptor
         (P.ROLE_POST, P.SEGMENT + P.NO_KEY + b"h", 1),  # ... on a post connection: it is answered
         (P.ROLE_POST, P.DROP + P.NO_KEY + b"1\n\n2", 0),
         (P.ROLE_POST, P.LEDGER + P.NO_KEY, 0),  # a ledger record without its memfd
@@ -239,7 +240,9 @@ def test_bad_records_drop_only_their_client_and_are_logged(registered_fd, broker
         (P.ROLE_POST, P.HOLD + P.NO_KEY + bad_name, 0),
         (P.ROLE_POST, P.RELEASE + P.NO_KEY + b"gen-" + b"0" * 24, 0),  # generations are no names
         (P.ROLE_REQUEST, P.FETCH + P.NO_KEY + b"inode", 0),
-        (P.ROLE_REQUEST, P.FETCH + P.NO_KEY + b"1\n2", 0),  # a fetch names one memfd
+        (P.ROLE_REQUEST, P.FETCH + P.NO_KEY + b"1", 0),  # a fetch names one memfd and how many it takes
+        (P.ROLE_REQUEST, P.FETCH + P.NO_KEY + b"1\n2\n3", 0),
+        (P.ROLE_REQUEST, P.FETCH + P.NO_KEY + b"1\n0", 0),
         (P.ROLE_POST, b"Z" + P.NO_KEY, 0),  # unknown op
         (P.ROLE_POST, b"D", 0),  # shorter than a header
         (P.ROLE_POST, P.HOLD + P.NO_KEY + b"x" * (P.MAX_RECORD + 100), 0),  # larger than any record
@@ -282,7 +285,7 @@ def test_bad_records_drop_only_their_client_and_are_logged(registered_fd, broker
     assert shmreduce.loads(shmreduce.dumps(torch.arange(3.0))).tolist() == [0.0, 1.0, 2.0]
     log = _log_text(broker_log)
     assert log.count("dropped the connection") >= len(garbage), log
-    whys = ("one descriptor", "comes on the request connection", "bad inodes", "a ledger record carries", "bad segment names")
+    whys = ("a kind for each", "comes on the request connection", "bad inodes", "a ledger record carries", "bad segment names")
     for why in whys + ("unknown op", "truncated", "larger than"):
         assert why in log, (why, log)
     # Each is a protocol error (a WARNING line), none an error of the broker's own.

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import shmreduce
-from shmreduce import _torch, program, transfer
+from shmreduce import _torch, program, segments, transfer
 from shmreduce.broker import client as broker_client
+from shmreduce.broker import protocol as P
 
 from helpers import broker_pids, let_go_now, open_fds, pipe_echo, run_in_child, running, wait_for, without_swap
 
@@ -198,6 +199,83 @@ def test_a_message_keeps_a_storage_torch_moved_while_it_waits_past_its_senders_d
                 assert parent.poll(60) and parent.recv() == [1000.0 * (i + 1)] * 2
             assert wait_for(lambda: _segments_at_the_broker()["segments"] == 0, 15), _segments_at_the_broker()
             parent.send(None)
+    parent.close()
+
+
+def _round_trips() -> int:
+    return sum(client.round_trips for client in list(broker_client._clients.values()))
+
+
+def _load_and_count(conn) -> None:
+    # Per message: the round trips its load cost, its first elements, and the memfds this
+    # process maps while it holds the message (none mapped ahead for nothing).
+    while (blob := conn.recv_bytes()) != b"":
+        before = _round_trips()
+        msg = shmreduce.loads(blob)
+        trips = _round_trips() - before
+        conn.send((trips, [float(t[0]) for t in msg], sum(1 for kind, _key in list(segments._mapped) if kind == "fd")))
+        del msg
+
+
+@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
+@pytest.mark.parametrize("count", [64, 300])
+def test_the_storages_torch_moved_for_one_message_cost_one_deposit_and_one_fetch(strategy, count):
+    # torch moves each fresh storage into a memfd of its own: they go to the broker in one
+    # record once the message is whole, and its receiver fetches them in one round trip,
+    # not one each (up to P.MAX_FDS descriptors a deposit, P.FETCHED_FDS a fetch). A later
+    # message that names one of them maps that one only.
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    records = -(-count // P.MAX_FDS)  # deposits; and fetches of each record's storages:
+    batches = [min(P.MAX_FDS, count - start) for start in range(0, count, P.MAX_FDS)]
+    fetches_needed = sum(-(-n // P.FETCHED_FDS) for n in batches)
+    with without_swap(), shmreduce.registered(strategy=strategy):
+        shmreduce.loads(shmreduce.dumps(torch.ones(4)))  # the broker and this process's connections first
+        proc = ctx.Process(target=_load_and_count, args=(child,))
+        with running(proc):
+            child.close()
+            tensors = [torch.full((256,), float(i)) for i in range(count)]
+            before = _round_trips()
+            whole = shmreduce.dumps(tensors)
+            deposits = _round_trips() - before
+            one = shmreduce.dumps(tensors[:1])  # deposited already: no round trip
+            assert _round_trips() - before == records
+            parent.send_bytes(one)  # loaded first: the next ones come with it, and are unmapped after
+            assert parent.poll(60)
+            assert parent.recv() == (1, [0.0], 1)
+            parent.send_bytes(whole)
+            assert parent.poll(60)
+            fetches, firsts, mapped = parent.recv()
+            parent.send_bytes(b"")
+    parent.close()
+    assert deposits == records, f"{count} fresh storages cost the sender {deposits} round trips"
+    assert firsts == [float(i) for i in range(count)]
+    assert (fetches, mapped) == (fetches_needed, count), f"{count} fresh storages: {fetches} fetches, {mapped} memfds mapped"
+
+
+def _load_near_the_descriptor_limit(conn) -> None:
+    import resource
+
+    blob = conn.recv_bytes()
+    shmreduce.loads(shmreduce.dumps(torch.ones(2)))  # its connections and ledger first
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(open_fds()) + 6, hard))
+    conn.send([float(t[0]) for t in shmreduce.loads(blob)])
+
+
+def test_a_receiver_near_its_descriptor_limit_fetches_the_storages_torch_moved_one_at_a_time():
+    # A fetch brings up to P.FETCHED_FDS descriptors at once; a process with fewer free
+    # loads the message all the same, taking the one descriptor each ref needs.
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    with without_swap(), shmreduce.registered(strategy="file_descriptor"):
+        proc = ctx.Process(target=_load_near_the_descriptor_limit, args=(child,))
+        with running(proc):
+            child.close()
+            tensors = [torch.full((256,), float(i)) for i in range(P.FETCHED_FDS)]
+            parent.send_bytes(shmreduce.dumps(tensors))
+            assert parent.poll(60)
+            assert parent.recv() == [float(i) for i in range(P.FETCHED_FDS)]
     parent.close()
 
 

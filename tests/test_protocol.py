@@ -143,17 +143,23 @@ def test_any_ledger_bytes_name_only_well_formed_segments() -> None:
 # -- fetched replies -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("status", [P.STATUS_OK, P.STATUS_UNKNOWN])
-@pytest.mark.parametrize("total", [0, 1, P.MAX_FDS, (1 << 32) - 1])
-def test_fetched_round_trip(status: int, total: int) -> None:
-    body = P.encode_fetched(status, total)
+@pytest.mark.parametrize("others", [[], [5], list(range(1, P.MAX_FDS)), [(1 << 128) - 1]])
+def test_fetched_round_trip(others: list[int]) -> None:
+    body = P.encode_fetched(P.STATUS_OK, others)
+    assert P.decode_fetched(body) == (P.STATUS_OK, 1 + len(others), others)
+
+
+def test_an_unknown_fetch_brings_no_descriptor() -> None:
+    body = P.encode_fetched(P.STATUS_UNKNOWN, [])
     assert len(body) == 5
-    assert P.decode_fetched(body) == (status, total)
+    assert P.decode_fetched(body) == (P.STATUS_UNKNOWN, 0, [])
 
 
-@pytest.mark.parametrize("body", [b"", b"\x00", b"\x00\x00\x00\x00", b"\x00" * 6, b"\x00" * 64])
+@pytest.mark.parametrize(
+    "body", [b"", b"\x00", b"\x00\x00\x00\x00", b"\x00" * 6, b"\x00" * 64, b"\x00\x00\x00\x00\x03" + b"5", b"\x00\x00\x00\x00\x02" + b"x"]
+)
 def test_malformed_fetched_replies_are_refused(body: bytes) -> None:
-    with pytest.raises(P.ProtocolError, match="bad fetch reply"):
+    with pytest.raises(P.ProtocolError, match="bad fetch reply|names|bad inodes"):
         P.decode_fetched(body)
 
 
@@ -195,8 +201,8 @@ def test_descriptors_ride_on_their_record(pair: tuple[socket.socket, socket.sock
         for i, fd in enumerate(mine):
             os.ftruncate(fd, 4096 * (i + 1))
             os.pwrite(fd, b"hello %d" % i, 0)
-        P.send_record(a, P.FETCHED, KEY, P.encode_fetched(P.STATUS_OK, 3), fds=mine)
-        P.send_record(a, P.FETCHED, KEY, P.encode_fetched(P.STATUS_OK, 0))
+        P.send_record(a, P.FETCHED, KEY, P.encode_fetched(P.STATUS_OK, [7, 8]), fds=mine)
+        P.send_record(a, P.FETCHED, KEY, P.encode_fetched(P.STATUS_UNKNOWN, []))
     finally:
         for fd in mine:
             os.close(fd)  # the kernel holds the in-flight copies: ours can go now
@@ -204,7 +210,7 @@ def test_descriptors_ride_on_their_record(pair: tuple[socket.socket, socket.sock
     assert record is not None
     op, key, body, got = record
     try:
-        assert (op, key, P.decode_fetched(body)) == (P.FETCHED, KEY, (P.STATUS_OK, 3))
+        assert (op, key, P.decode_fetched(body)) == (P.FETCHED, KEY, (P.STATUS_OK, 3, [7, 8]))
         assert len(got) == 3 and len(set(got)) == 3
         for i, fd in enumerate(got):
             # Real descriptors of the same memory: size and bytes survive the trip.
@@ -212,7 +218,7 @@ def test_descriptors_ride_on_their_record(pair: tuple[socket.socket, socket.sock
             assert os.pread(fd, 7, 0) == b"hello %d" % i
             assert os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:test-protocol-{i}")
         # The next record brings none.
-        assert P.recv_record(b) == (P.FETCHED, KEY, P.encode_fetched(P.STATUS_OK, 0), [])
+        assert P.recv_record(b) == (P.FETCHED, KEY, P.encode_fetched(P.STATUS_UNKNOWN, []), [])
     finally:
         for fd in got:
             os.close(fd)

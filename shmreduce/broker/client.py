@@ -453,7 +453,13 @@ class BrokerClient:
         "lead" for a pooled segment, "trail" past a storage torch moved for shmreduce,
         "" for none; *forward*: one it received and sends on, not one it made): the broker keeps
         its descriptor, by inode, for the receivers to fetch, while its maker uses it
-        and then while anything can reach it (protocol.py, "Lifetimes").
+        and then while anything can reach it (protocol.py, "Lifetimes")."""
+        self.segments([(fd, header, forward)])
+
+    def segments(self, deposits: list[tuple[int, str, bool]]) -> None:
+        """``segment`` for each (fd, header, forward) of *deposits*, in one record (up to
+        P.MAX_FDS a record): a receiver that fetches one of them gets the others with it
+        (the storages torch moved for one message, which its receiver loads together).
 
         A round trip, once per segment this process sends from: a deposit the broker
         could not keep (at its descriptor limit, the kernel dropped the descriptor) is
@@ -461,14 +467,16 @@ class BrokerClient:
         receiver finds it stale."""
         with self.lock:
             self._post_socket(start=True)  # this identity's ledger at the broker first, as for any record
-            kind = P.SEG_KINDS[header, forward]
-            _op, body, fds = self._round_trip(P.SEGMENT, kind, P.DEPOSITED, start=True, fds=[fd])
-            for extra in fds:
-                os.close(extra)
-            if body == bytes([P.STATUS_LOST]):
-                raise deposit_lost()
-            if body != bytes([P.STATUS_OK]):
-                raise self._broken(P.ProtocolError(f"bad deposit reply {body[:16]!r}"))
+            for i in range(0, len(deposits), P.MAX_FDS):
+                batch = deposits[i : i + P.MAX_FDS]
+                kinds = b"".join(P.SEG_KINDS[header, forward] for _fd, header, forward in batch)
+                _op, body, fds = self._round_trip(P.SEGMENT, kinds, P.DEPOSITED, start=True, fds=[fd for fd, _h, _f in batch])
+                for extra in fds:
+                    os.close(extra)
+                if body == bytes([P.STATUS_LOST]):
+                    raise deposit_lost()
+                if body != bytes([P.STATUS_OK]):
+                    raise self._broken(P.ProtocolError(f"bad deposit reply {body[:16]!r}"))
 
     def segment_file(self, fd: int, name: str) -> None:
         """This process holds the file *name* it made, which went with a broker that
@@ -505,15 +513,33 @@ class BrokerClient:
     def fetch(self, ino: int) -> int | None:
         """The descriptor of the memfd *ino* deposited at the broker (the caller owns
         it), or None if the broker keeps no such segment (any more)."""
+        found = self._fetch(ino, 1)
+        return found[0][1] if found else None
+
+    def fetch_with_batch(self, ino: int) -> list[tuple[int, int]]:
+        """(inode, descriptor) of the memfd *ino*, then of those deposited after it with
+        it (``segments``) that the broker keeps, up to P.FETCHED_FDS in one round trip;
+        empty if it keeps no such segment (any more). The caller owns the descriptors.
+        A process too near its descriptor limit to take them all at once takes the one
+        it needs alone."""
+        try:
+            return self._fetch(ino, P.FETCHED_FDS)
+        except SharingError as exc:
+            if not isinstance(exc.__cause__, OSError) or exc.__cause__.errno != errno.EMFILE:
+                raise
+        return self._fetch(ino, 1)
+
+    def _fetch(self, ino: int, most: int) -> list[tuple[int, int]]:
         with self.lock:
-            _op, body, fds = self._round_trip(P.FETCH, P.encode_inos([ino]), P.FETCHED, start=False)
+            _op, body, fds = self._round_trip(P.FETCH, P.encode_inos([ino, most]), P.FETCHED, start=False)
             try:
-                status, total = P.decode_fetched(body)
+                status, total, others = P.decode_fetched(body)
                 if status != P.STATUS_OK:
-                    return None
-                if total != 1 or len(fds) != 1:
-                    raise P.ProtocolError(f"a fetch reply with {len(fds)} descriptors")
-                return fds.pop()
+                    return []
+                if total != len(fds) or total > most:
+                    raise P.ProtocolError(f"a fetch reply of {total} descriptors with {len(fds)}, of {most} at most")
+                found, fds = list(zip([ino, *others], fds, strict=True)), []
+                return found
             except P.ProtocolError as exc:
                 raise self._broken(exc) from exc
             finally:

@@ -84,7 +84,7 @@ class Segment:
     (``Keeper.reach``): a process holds its generation, or refs sent in it wait to
     be loaded while one of their senders lives, or ORPHAN_TTL after the last died."""
 
-    __slots__ = ("key", "fd", "header", "at", "users", "senders", "until", "map", "addr", "look", "forwarded")
+    __slots__ = ("key", "fd", "header", "at", "users", "senders", "until", "map", "addr", "look", "forwarded", "batch")
 
     def __init__(self, key: int | str, fd: int, header: bool, at: int = 0) -> None:
         self.key = key
@@ -97,6 +97,7 @@ class Segment:
         self.addr = 0  # its header, once read (mapped without a descriptor: map_shared)
         self.look = 0.0  # draining: not looked at again before then (only held: HELD_LOOK_EVERY)
         self.forwarded = False  # a memfd a process that did not make it sent from: its descriptor stays
+        self.batch: tuple[int, ...] = ()  # the memfds deposited with it (one message's storages torch moved)
 
 
 class _AtLimit(OSError):
@@ -133,20 +134,21 @@ class Keeper:
         self.retry: set[Segment] = set()  # known segments with unreached entries: their header was unreadable
         self.ledger_bytes_read = 0  # what it read of ledgers (at deaths; a full ping): a plain ping reads none
 
-    def deposit(self, client: Account, fd: int, header: str, forward: bool = False) -> None:
+    def deposit(self, client: Account, fd: int, header: str, forward: bool = False) -> int | None:
         """*client* sends refs to the memfd *fd* (taken over here): kept by inode.
         *forward*: a segment it received and sends on (it did not make it): it is
         one of the segment's senders, not a user (as a user, a relay's deposit would
         keep every memfd it forwarded for the relay's life). One without a header
         (nothing counts its refs) is kept at least ORPHAN_TTL from this deposit, as
         from its depositor's let-go. *header*: where its header lies (``P.SEG_KINDS``):
-        one that trails a storage lies in its last HEADER_BYTES, on a page boundary."""
+        one that trails a storage lies in its last HEADER_BYTES, on a page boundary.
+        Its inode, None for a descriptor that is no file."""
         try:
             st = os.fstat(fd)
             ino = P.identity(st)
         except OSError:
             os.close(fd)
-            return
+            return None
         at = st.st_size - _native.HEADER_BYTES if header == "trail" else 0
         if header == "trail" and (at <= 0 or at % _native.HEADER_BYTES):
             header = ""  # not a storage's trailing header: treated as none
@@ -171,6 +173,32 @@ class Keeper:
             client.segs.add(ino)
             self.use(seg)
         self._count_out_unreached(seg)
+        return ino
+
+    def batch(self, inos: list[int]) -> None:
+        """These memfds were deposited in one record (the storages torch moved for one
+        message): a receiver that fetches one of them gets the others with it."""
+        batch = tuple(inos)
+        for ino in inos:
+            self.memfds[ino].batch = batch
+
+    def fetch(self, ino: int, most: int = 1) -> list[tuple[int, int]]:
+        """The memfd *ino*'s (inode, descriptor), then those of the memfds deposited
+        after it with it that the broker keeps a descriptor of (*most* in all): the
+        next storages of its message, which its receiver loads next. Empty if it
+        keeps none of *ino*."""
+        seg = self.memfds.get(ino)
+        if seg is None or seg.fd < 0:
+            return []
+        found = [(ino, seg.fd)]
+        batch = seg.batch
+        for other in batch[batch.index(ino) + 1 :] if batch else ():
+            if len(found) >= most:
+                break
+            kept = self.memfds.get(other)
+            if kept is not None and kept.fd >= 0:
+                found.append((other, kept.fd))
+        return found
 
     def _sends(self, client: Account, seg: Segment) -> None:
         """*client* sends refs in *seg*: while it lives, they keep *seg* (see ``reach``)."""

@@ -122,27 +122,36 @@ and that every connection of a token comes from the pid of its first)
 
 Records after the handshake: ``op (1 byte) + key (16 bytes, unused: zeros) + body``,
 at most MAX_RECORD bytes. None has a reply but S, F and P.
-    S  segment   one memfd descriptor attached; body ``h`` (a pooled segment this
+    S  segment   memfd descriptors attached (up to MAX_FDS), a body byte each (its
+                 kind, SEG_KINDS): ``h`` (a pooled segment this
                  process made: it has a header), ``f`` (a pooled segment it received
-                 and sends on: it forwards what another process made), ``-`` (a
+                 and sends on: it forwards what another process made), ``t`` (a
+                 storage torch moved for shmreduce: its header trails it), ``-`` (a
                  storage torch shared itself) or ``g`` (one of those it received and
-                 sends on: kept ORPHAN_TTL from then, see Lifetimes). This client sends refs to it: the broker
+                 sends on: kept ORPHAN_TTL from then, see Lifetimes). This client sends refs to them: the broker
                  keeps one descriptor per memfd (by inode), used by every client that
                  deposited it; a forwarder's deposit is no use of it (see Lifetimes:
-                 the segment is kept while anything reaches it). Body ``n`` and a file
+                 the segment is kept while anything reaches it). Memfds deposited in
+                 one record (the storages torch moved for one message) are fetched
+                 together (F). Body ``n`` and a file
                  name: a file this process made and holds whose directory went with a
                  broker that died: its descriptor, through which the broker reads its
                  header (as H otherwise, and nothing to unlink at its release). Reply
                  ``s``: body = status
-                 (u8): 0 = kept; 2 = lost: the kernel dropped the descriptor, the
-                 broker being at its descriptor limit (MSG_CTRUNC). The sender then
-                 fails with a SharingError before any ref to it is sent (a deposit
+                 (u8): 0 = kept; 2 = lost: the kernel dropped the descriptors, the
+                 broker being at its descriptor limit (MSG_CTRUNC), and it keeps none
+                 of the record's. The sender then
+                 fails with a SharingError before any ref to them is sent (a deposit
                  lost on a fire-and-forget record would make every later
                  fetch of it look stale, and lose the message silently).
     X  drop      body = inodes (ASCII decimal, "\n"-joined): this client no longer
                  uses these memfds (out of its pool).
-    F  fetch     body = one inode. Reply ``f``: body = status (u8) + descriptors
-                 attached (u32); status 0 = ok, the memfd's descriptor attached; 1 =
+    F  fetch     body = one inode and the descriptors the client takes at most
+                 (1 to FETCHED_FDS), as X's body. Reply ``f``: body = status (u8) + descriptors
+                 attached (u32) + the inodes of all but the first (as X's body);
+                 status 0 = ok, the memfd's descriptor attached first, then those of
+                 the memfds deposited after it in the same S record that the broker
+                 keeps (the next storages of its message, as many as it takes); 1 =
                  no such memfd here (never deposited, or let go of: stale).
     H  hold      body = segment file names: this client made them and holds them.
     R  release   body = file names it no longer holds.
@@ -276,6 +285,10 @@ KEY_LEN = 16
 HEADER_LEN = 1 + KEY_LEN
 MAX_RECORD = 1 << 17
 MAX_FDS = 250
+# Descriptors a fetch reply brings at most (the one asked for and those deposited after
+# it with it): what a receiver holds at once, before it maps and closes them, is bounded
+# well below any descriptor limit.
+FETCHED_FDS = 64
 # File names per record: 2000 of 29 bytes is ~58 KB, under MAX_RECORD.
 NAMES_PER_RECORD = 2000
 HANDSHAKE_TIMEOUT = 5.0
@@ -437,17 +450,25 @@ def ledger_holds(blob: bytes) -> list[tuple[int | str, int, int]]:
     return held
 
 
-def encode_fetched(status: int, total: int) -> bytes:
-    return _FETCH_HEAD.pack(status, total)
+def encode_fetched(status: int, others: list[int]) -> bytes:
+    """A fetch's reply: its status and, when found, the inodes of the memfds whose
+    descriptors follow the one asked for (deposited with it)."""
+    total = 1 + len(others) if status == STATUS_OK else 0
+    return _FETCH_HEAD.pack(status, total) + (encode_inos(others) if others else b"")
 
 
-def decode_fetched(body: bytes) -> tuple[int, int]:
-    """(status, total fds); raises ProtocolError if malformed."""
+def decode_fetched(body: bytes) -> tuple[int, int, list[int]]:
+    """(status, total fds, the inodes of all but the first); raises ProtocolError if
+    malformed."""
     try:
-        status, total = _FETCH_HEAD.unpack(body)
+        status, total = _FETCH_HEAD.unpack_from(body)
     except struct.error as exc:
         raise ProtocolError(f"bad fetch reply: {exc}") from None
-    return status, total
+    rest = body[_FETCH_HEAD.size :]
+    others = decode_inos(rest) if rest else []
+    if total and len(others) != total - 1:
+        raise ProtocolError(f"a fetch reply of {total} descriptors names {len(others)} others")
+    return status, total, others
 
 
 # -- records -----------------------------------------------------------------------

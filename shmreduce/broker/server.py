@@ -526,8 +526,10 @@ class Broker:
     # rest); *lost*: the kernel dropped the record's descriptors (at the limit).
 
     def _on_segment(self, conn: _Conn, body: bytes, fds: list[int], lost: bool) -> _Reply:
-        """S: a memfd this client sends refs in, or a file of its pool gone with a
-        dead broker (SEG_FILE): answered with whether the broker keeps it."""
+        """S: memfds this client sends refs in, a kind byte each (``P.SEG_KINDS``), or a
+        file of its pool gone with a dead broker (SEG_FILE): answered with whether
+        the broker keeps them (all, or none: its sender fails, before any ref to one
+        is sent)."""
         if conn.post:
             raise P.ProtocolError("a segment record comes on the request connection: it is answered")
         if fds and not lost and not self._keep_spares():
@@ -537,17 +539,24 @@ class Broker:
             lost = True
             self._log_full(conn.pid)
         if lost:
-            return P.DEPOSITED, bytes([P.STATUS_LOST]), []  # its sender fails, before any ref to it is sent
-        if len(fds) != 1 or not (body in P.SEG_KIND_OF or body.startswith(P.SEG_FILE)):
-            raise P.ProtocolError("a segment record carries one descriptor and its kind")
+            return P.DEPOSITED, bytes([P.STATUS_LOST]), []
         if body.startswith(P.SEG_FILE):
             names = P.decode_names(body[len(P.SEG_FILE) :])
-            if len(names) != 1:
-                raise P.ProtocolError("a file's segment record names one file")
+            if len(names) != 1 or len(fds) != 1:
+                raise P.ProtocolError("a file's segment record names one file and carries its descriptor")
             self.keeper.hold(conn.client, names, fds.pop())
-        else:
-            header, forward = P.SEG_KIND_OF[body]
-            self.keeper.deposit(conn.client, fds.pop(), header, forward=forward)
+            return P.DEPOSITED, bytes([P.STATUS_OK]), []
+        kinds = [P.SEG_KIND_OF.get(body[i : i + 1]) for i in range(len(body))]
+        if not fds or len(kinds) != len(fds) or None in kinds:
+            raise P.ProtocolError("a segment record carries descriptors and a kind for each")
+        inos = []
+        for kind in kinds:
+            assert kind is not None
+            ino = self.keeper.deposit(conn.client, fds.pop(0), kind[0], forward=kind[1])  # taken, or closed
+            if ino is not None:
+                inos.append(ino)
+        if len(inos) > 1:
+            self.keeper.batch(inos)
         return P.DEPOSITED, bytes([P.STATUS_OK]), []
 
     def _on_drop(self, conn: _Conn, body: bytes, fds: list[int], lost: bool) -> None:
@@ -555,14 +564,16 @@ class Broker:
         self.keeper.drop(conn.client, P.decode_inos(body))
 
     def _on_fetch(self, conn: _Conn, body: bytes, fds: list[int], lost: bool) -> _Reply:
-        """F: the descriptor of one deposited memfd, or unknown."""
-        inos = P.decode_inos(body)
-        if len(inos) != 1:
-            raise P.ProtocolError(f"a fetch names one memfd, not {len(inos)}")
-        seg = self.keeper.memfds.get(inos[0])  # deposits are answered: none is still queued
-        if seg is None or seg.fd < 0:
-            return P.FETCHED, P.encode_fetched(P.STATUS_UNKNOWN, 0), []
-        return P.FETCHED, P.encode_fetched(P.STATUS_OK, 1), [seg.fd]
+        """F: the descriptor of one deposited memfd and of those deposited after it with
+        it, as many as the client takes (their inodes listed after the first's), or
+        unknown."""
+        fields = P.decode_inos(body)
+        if len(fields) != 2 or not 1 <= fields[1] <= P.FETCHED_FDS:
+            raise P.ProtocolError(f"a fetch names one memfd and how many descriptors it takes, not {fields[:4]}")
+        found = self.keeper.fetch(*fields)  # deposits are answered: none is still queued
+        if not found:
+            return P.FETCHED, P.encode_fetched(P.STATUS_UNKNOWN, []), []
+        return P.FETCHED, P.encode_fetched(P.STATUS_OK, [ino for ino, _fd in found[1:]]), [fd for _ino, fd in found]
 
     def _on_hold(self, conn: _Conn, body: bytes, fds: list[int], lost: bool) -> None:
         """H: files this client made and holds."""
