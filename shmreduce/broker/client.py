@@ -525,7 +525,7 @@ class BrokerClient:
         try:
             return self._fetch(ino, P.FETCHED_FDS)
         except SharingError as exc:
-            if not isinstance(exc.__cause__, OSError) or exc.__cause__.errno != errno.EMFILE:
+            if not isinstance(exc.__cause__, P.DescriptorsDropped):
                 raise
         return self._fetch(ino, 1)
 
@@ -590,10 +590,12 @@ class BrokerClient:
                         os.close(fd)
                     raise P.ProtocolError(f"unexpected reply {record[0]!r}")
                 return record[0], record[2], record[3]
+            except P.DescriptorsDropped as exc:
+                # The reply came whole (a SEQPACKET record) without the descriptors the
+                # kernel could not install here: the connection goes on.
+                raise too_many_files("receiving a segment") from exc
             except OSError as exc:
                 if exc.errno == errno.EMFILE:
-                    # The reply is lost with the descriptor the kernel dropped;
-                    # resynchronise by reconnecting.
                     self.close(keep=True)
                     raise too_many_files("receiving a segment") from exc
                 raise self._broken(exc) from exc
