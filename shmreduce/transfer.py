@@ -387,7 +387,7 @@ def _deposit_moved(moved: dict[segments.Segment, tuple[int, torch.UntypedStorage
     meanwhile deposits it too (the broker keeps one descriptor): a message never
     leaves before its memfds are at the broker."""
     prog = program.current()
-    broker.client_for(prog.directory, prog.root_pid).segments([(fd, "trail", False) for fd, _storage in moved.values()])
+    broker.client_for(prog.directory, prog.root_pid).deposit([(fd, "trail", False) for fd, _storage in moved.values()])
     for seg in moved:
         seg.deposited = True
 

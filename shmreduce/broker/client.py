@@ -454,12 +454,13 @@ class BrokerClient:
         "" for none; *forward*: one it received and sends on, not one it made): the broker keeps
         its descriptor, by inode, for the receivers to fetch, while its maker uses it
         and then while anything can reach it (protocol.py, "Lifetimes")."""
-        self.segments([(fd, header, forward)])
+        self.deposit([(fd, header, forward)])
 
-    def segments(self, deposits: list[tuple[int, str, bool]]) -> None:
-        """``segment`` for each (fd, header, forward) of *deposits*, in one record (up to
-        P.MAX_FDS a record): a receiver that fetches one of them gets the others with it
-        (the storages torch moved for one message, which its receiver loads together).
+    def deposit(self, memfds: list[tuple[int, str, bool]]) -> None:
+        """``segment`` for each (fd, header, forward) of *memfds*, in one record (up to
+        P.MAX_FDS a record): a receiver that fetches one of them gets those after it
+        with it (the storages torch moved for one message, which its receiver loads
+        together).
 
         A round trip, once per segment this process sends from: a deposit the broker
         could not keep (at its descriptor limit, the kernel dropped the descriptor) is
@@ -467,8 +468,8 @@ class BrokerClient:
         receiver finds it stale."""
         with self.lock:
             self._post_socket(start=True)  # this identity's ledger at the broker first, as for any record
-            for i in range(0, len(deposits), P.MAX_FDS):
-                batch = deposits[i : i + P.MAX_FDS]
+            for i in range(0, len(memfds), P.MAX_FDS):
+                batch = memfds[i : i + P.MAX_FDS]
                 kinds = b"".join(P.SEG_KINDS[header, forward] for _fd, header, forward in batch)
                 _op, body, fds = self._round_trip(P.SEGMENT, kinds, P.DEPOSITED, start=True, fds=[fd for fd, _h, _f in batch])
                 for extra in fds:
@@ -518,7 +519,7 @@ class BrokerClient:
 
     def fetch_with_batch(self, ino: int) -> list[tuple[int, int]]:
         """(inode, descriptor) of the memfd *ino*, then of those deposited after it with
-        it (``segments``) that the broker keeps, up to P.FETCHED_FDS in one round trip;
+        it (``deposit``) that the broker keeps, up to P.FETCHED_FDS in one round trip;
         empty if it keeps no such segment (any more). The caller owns the descriptors.
         A process too near its descriptor limit to take them all at once takes the one
         it needs alone."""

@@ -177,7 +177,7 @@ class Keeper:
 
     def batch(self, inos: list[int]) -> None:
         """These memfds were deposited in one record (the storages torch moved for one
-        message): a receiver that fetches one of them gets the others with it."""
+        message): a receiver that fetches one of them gets those after it with it."""
         batch = tuple(inos)
         for ino in inos:
             self.memfds[ino].batch = batch
