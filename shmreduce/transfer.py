@@ -265,13 +265,11 @@ class sending:
         if not self.outer:
             out, _local.out = _local.out, None
             _native.message(None)
-            whole = exc_type is None
+            whole = False
             try:
-                if whole and out.moved:
+                if exc_type is None and out.moved:
                     _deposit_moved(out.moved)  # a deposit the broker could not keep fails the message
-            except BaseException:
-                whole = False
-                raise
+                whole = exc_type is None
             finally:
                 if out.counted:
                     _faults.pause("send.counted")

@@ -596,9 +596,6 @@ class BrokerClient:
                 # kernel could not install here: the connection goes on.
                 raise too_many_files("receiving a segment") from exc
             except OSError as exc:
-                if exc.errno == errno.EMFILE:
-                    self.close(keep=True)
-                    raise too_many_files("receiving a segment") from exc
                 raise self._broken(exc) from exc
             except P.ProtocolError as exc:
                 raise self._broken(exc) from exc
